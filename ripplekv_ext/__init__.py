@@ -1,0 +1,8 @@
+"""ripplekv_ext: per-layer KV-cache budgets (RippleKV) and fused SnapKV compression ops for PyTorch."""
+
+from ripplekv_ext._library import build_report, cuda_built, cuda_version
+from ripplekv_ext.ops import gather_kv
+
+__version__ = "0.1.0"
+
+__all__ = ["build_report", "cuda_built", "cuda_version", "gather_kv"]

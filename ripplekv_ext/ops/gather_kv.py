@@ -1,0 +1,40 @@
+"""gather_kv: copy the selected positions of K and V into compact buffers."""
+
+from typing import Optional, Tuple
+
+import torch
+from torch import Tensor
+
+
+def gather_kv(keys: Tensor, values: Tensor, indices: Tensor,
+              out: Optional[Tuple[Tensor, Tensor]] = None) -> Tuple[Tensor, Tensor]:
+    """``K_c[b, g, t] = K[b, g, indices[b, g, t]]``, and the same for ``V``, in one launch.
+
+    Args:
+        keys, values: ``[B, H_kv, N, D]``, float32/float16/bfloat16, any strides.
+        indices: int64 ``[B, H_kv, C]`` with entries in ``[0, N)``.
+        out: optional ``(keys_out, values_out)``, each ``[B, H_kv, C, D]`` with the dtype and device of
+            ``keys``, written in place (for an engine's preallocated cache).
+
+    Returns:
+        ``(keys_c, values_c)``, each ``[B, H_kv, C, D]``. On CUDA an out-of-range index stops the kernel
+        (device-side trap) instead of costing a host sync to check.
+    """
+    if out is None:
+        return torch.ops.ripplekv.gather_kv(keys, values, indices)
+    keys_out, values_out = out
+    torch.ops.ripplekv.gather_kv_into(keys, values, indices, keys_out, values_out)
+    return keys_out, values_out
+
+
+@torch.library.register_fake("ripplekv::gather_kv")
+def _(keys, values, indices):
+    torch._check(keys.dim() == 4, lambda: f"gather_kv: keys must be 4-D, got {keys.dim()}-D")
+    torch._check(indices.dim() == 3, lambda: f"gather_kv: indices must be 3-D, got {indices.dim()}-D")
+    shape = (keys.shape[0], keys.shape[1], indices.shape[2], keys.shape[3])
+    return keys.new_empty(shape), values.new_empty(shape)
+
+
+@torch.library.register_fake("ripplekv::gather_kv_into")
+def _(keys, values, indices, keys_out, values_out):
+    return None

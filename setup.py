@@ -1,0 +1,111 @@
+"""Builds ripplekv_ext._C: C++ CPU kernels always, CUDA kernels when a matching toolchain is found.
+
+Environment variables:
+  FORCE_ONLY_CPU=1         never build CUDA sources.
+  FORCE_CUDA=1             build CUDA sources even if torch's CUDA version differs from nvcc's.
+  CUDA_HOME / CUDA_PATH    the CUDA toolkit root (default: asked of the nvcc on PATH, then /usr/local/cuda).
+  TORCH_CUDA_ARCH_LIST     GPU architectures (default "8.0;9.0", i.e. sm_80 and sm_90).
+  MAX_JOBS                 parallel compile jobs (ninja).
+The decision never depends on a GPU being present, so CI machines without one compile the CUDA code.
+"""
+
+import os
+import sys
+from pathlib import Path
+
+from setuptools import setup
+
+ROOT = Path(__file__).resolve().parent
+sys.path.insert(0, str(ROOT / "tools"))
+from cuda_env import find_cuda_toolkit, nvidia_wheel_dirs  # noqa: E402  (shared with tools/cmake_build.py)
+DEFAULT_ARCH_LIST = "8.0;9.0"
+
+
+def _env_flag(name):
+    return os.environ.get(name, "").strip().lower() in ("1", "true", "yes", "on")
+
+
+def build_config():
+    import torch
+
+    torch_cuda = torch.version.cuda  # "13.0", or None for a CPU-only torch
+    root, nvcc_version = find_cuda_toolkit()
+    config = {"torch": torch.__version__, "torch_cuda": torch_cuda, "cuda_home": root,
+              "nvcc": nvcc_version, "with_cuda": False}
+    if _env_flag("FORCE_ONLY_CPU"):
+        config["reason"] = "FORCE_ONLY_CPU=1"
+    elif root is None:
+        if _env_flag("FORCE_CUDA"):
+            sys.exit("ripplekv_ext: FORCE_CUDA=1 but no nvcc was found (set CUDA_HOME to the toolkit root)")
+        config["reason"] = "no nvcc found"
+    elif torch_cuda is None:
+        if _env_flag("FORCE_CUDA"):
+            sys.exit("ripplekv_ext: FORCE_CUDA=1 but this torch is a CPU-only build; install a CUDA build of torch")
+        config["reason"] = "torch is a CPU-only build"
+    elif int(torch_cuda.split(".")[0]) != nvcc_version[0] and not _env_flag("FORCE_CUDA"):
+        config["reason"] = (f"nvcc is CUDA {nvcc_version[0]}.{nvcc_version[1]} but torch was built with CUDA "
+                            f"{torch_cuda} (set FORCE_CUDA=1 to build anyway)")
+    else:
+        config["with_cuda"] = True
+        config["reason"] = "FORCE_CUDA=1" if _env_flag("FORCE_CUDA") else "nvcc and torch CUDA versions match"
+        config["arch_list"] = os.environ.get("TORCH_CUDA_ARCH_LIST") or DEFAULT_ARCH_LIST
+    return config
+
+
+def print_build_config(config):
+    lines = [
+        "ripplekv_ext build configuration:",
+        f"  torch            {config['torch']} (CUDA {config['torch_cuda'] or 'none'})",
+        f"  nvcc             {'.'.join(map(str, config['nvcc'])) if config['nvcc'] else 'not found'}"
+        + (f" at {config['cuda_home']}" if config["cuda_home"] else ""),
+        f"  CPU kernels      yes",
+        f"  CUDA kernels     {'yes' if config['with_cuda'] else 'no'} ({config['reason']})",
+    ]
+    if config["with_cuda"]:
+        lines.append(f"  CUDA archs       {config['arch_list']}")
+    print("\n".join(lines), flush=True)
+
+
+def extension_modules(config):
+    from torch.utils import cpp_extension  # imported after CUDA_HOME is set: it reads it at import
+
+    cpp_sources = sorted(str(p.relative_to(ROOT)) for p in (ROOT / "csrc").rglob("*.cpp"))
+    # csrc/cuda holds only .cu files; the CPU sources and python_module.cpp build either way.
+    cuda_sources = sorted(str(p.relative_to(ROOT)) for p in (ROOT / "csrc" / "cuda").rglob("*.cu"))
+    include_dirs = [str(ROOT / "include"), str(ROOT / "csrc")]
+    cxx_flags = ["-O3", "-std=c++20", "-fopenmp"]
+    if not config["with_cuda"]:
+        return [cpp_extension.CppExtension(
+            "ripplekv_ext._C", cpp_sources, include_dirs=include_dirs,
+            extra_compile_args={"cxx": cxx_flags}, extra_link_args=["-fopenmp"])]
+    major, minor = config["nvcc"]
+    include_dirs += nvidia_wheel_dirs(major)[0]
+    return [cpp_extension.CUDAExtension(
+        "ripplekv_ext._C", cpp_sources + cuda_sources, include_dirs=include_dirs,
+        define_macros=[("RIPPLEKV_WITH_CUDA", "1"), ("RIPPLEKV_CUDA_VERSION", str(major * 1000 + minor * 10))],
+        extra_compile_args={"cxx": cxx_flags,
+                            "nvcc": ["-O3", "-std=c++20", "--expt-relaxed-constexpr", "-lineinfo"]},
+        extra_link_args=["-fopenmp"])]
+
+
+def main():
+    if _env_flag("RIPPLEKV_SKIP_EXTENSION"):
+        # `make build` installs the Python packages editable with this set, then compiles the
+        # extension in place with `setup.py build_ext --inplace`, whose ninja build dir persists
+        # between runs (pip's editable build would recompile everything in a fresh temp dir).
+        setup()
+        return
+    config = build_config()
+    if config["with_cuda"]:
+        os.environ["CUDA_HOME"] = str(config["cuda_home"])
+        os.environ["TORCH_CUDA_ARCH_LIST"] = config["arch_list"]
+    print_build_config(config)
+    from torch.utils.cpp_extension import BuildExtension
+
+    setup(
+        ext_modules=extension_modules(config),
+        cmdclass={"build_ext": BuildExtension.with_options(use_ninja=True)},
+    )
+
+
+main()

@@ -1,0 +1,30 @@
+import pytest
+import torch
+
+import ripplekv_ext
+
+
+def _cuda_skip_reason():
+    if not ripplekv_ext.cuda_built():
+        return "CUDA kernels not built into this ripplekv_ext"
+    if not torch.cuda.is_available():
+        return "no CUDA device on this machine"
+    return None
+
+
+CUDA_SKIP_REASON = _cuda_skip_reason()
+requires_cuda = pytest.mark.skipif(CUDA_SKIP_REASON is not None, reason=CUDA_SKIP_REASON or "")
+
+# Every op test runs on both backends; the CUDA half is reported as skipped, never silently absent.
+DEVICES = ["cpu", pytest.param("cuda", marks=requires_cuda)]
+FLOAT_DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+
+
+@pytest.fixture(params=DEVICES)
+def device(request):
+    return torch.device(request.param)
+
+
+@pytest.fixture(params=FLOAT_DTYPES, ids=["fp32", "fp16", "bf16"])
+def dtype(request):
+    return request.param
