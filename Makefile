@@ -27,7 +27,7 @@ build: $(EDITABLE_STAMP)
 	$(PY) setup.py build_ext --inplace --force
 	$(PY) -c "import ripplekv_ext; print(ripplekv_ext.build_report())"
 
-test: build
+test: build cpp-test
 	$(PY) -m pytest tests/
 	$(PY) -m pytest bench/ --benchmark-disable -q
 

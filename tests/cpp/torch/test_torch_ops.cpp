@@ -1,9 +1,16 @@
-// The op library as a C++ engine sees it: ops found through the dispatcher by name, no Python.
+// The op library as a C++ engine sees it: loaded at run time, ops found through the dispatcher by
+// name, no Python. (Linking alone is not enough: nothing references a symbol of the library, so
+// the linker may drop it and its static op registrations would never run.)
+#include <dlfcn.h>
 #include <torch/torch.h>
 
 #include <cstdio>
 
 int main() {
+  if (dlopen(RIPPLEKV_OPS_LIBRARY, RTLD_NOW | RTLD_GLOBAL) == nullptr) {
+    std::fprintf(stderr, "cannot load %s: %s\n", RIPPLEKV_OPS_LIBRARY, dlerror());
+    return 1;
+  }
   auto op = c10::Dispatcher::singleton()
                 .findSchemaOrThrow("ripplekv::gather_kv", "")
                 .typed<std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const at::Tensor&,
