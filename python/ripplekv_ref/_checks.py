@@ -1,0 +1,48 @@
+"""Input checks shared by the reference ops: plain Python errors naming the argument, expected and actual value."""
+
+import numbers
+
+import torch
+from torch import Tensor
+
+FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def check_int(name: str, value, minimum: int = 0) -> int:
+    # bool is an int subclass, and a float budget would be silently truncated: both are caller bugs.
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"{name} must be an integer, got {type(value).__name__} ({value!r})")
+    if value < minimum:
+        raise ValueError(f"{name} must be >= {minimum}, got {value}")
+    return int(value)
+
+
+def check_rank(name: str, t: Tensor, rank: int, layout: str) -> None:
+    if t.dim() != rank:
+        raise ValueError(f"{name} must be a {rank}-D tensor {layout}, got {t.dim()}-D")
+
+
+def check_float(name: str, t: Tensor) -> None:
+    if t.dtype not in FLOAT_DTYPES:
+        raise ValueError(f"{name} must be float32, float16 or bfloat16, got {t.dtype}")
+
+
+def check_group(q_name: str, h_q: int, h_kv: int) -> int:
+    if h_kv == 0 or h_q % h_kv != 0:
+        raise ValueError(f"{q_name} heads (H_q = {h_q}) must be a multiple of the key heads (H_kv = {h_kv})")
+    return h_q // h_kv
+
+
+def resolve_scale(scale, head_dim: int) -> float:
+    return 1.0 / head_dim ** 0.5 if scale is None else float(scale)
+
+
+def reduce_group(per_query_head: Tensor, h_kv: int, group_reduce: str) -> Tensor:
+    """``[B, H_q, ...]`` -> ``[B, H_kv, ...]`` over the ``G`` consecutive query heads of each KV head."""
+    b, h_q = per_query_head.shape[:2]
+    grouped = per_query_head.reshape(b, h_kv, h_q // h_kv, *per_query_head.shape[2:])
+    if group_reduce == "mean":
+        return grouped.mean(dim=2)
+    if group_reduce == "max":
+        return grouped.amax(dim=2)
+    raise ValueError(f"group_reduce must be 'mean' or 'max', got {group_reduce!r}")
