@@ -1,0 +1,238 @@
+"""Per-layer KV-cache budgets: RippleKV, uniform and PyramidKV (DESIGN.md §4).
+
+Every allocator only produces *weights*; one shared routine, `integer_budgets`, turns weights into
+integer per-layer budgets with an exact total, so all methods are compared at exactly the same memory.
+Budgets are tokens kept per KV head, observation window included. A layer whose budget is >= N is not
+compressed.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Sequence
+
+__all__ = [
+    "average_budget", "integer_budgets", "uniform_budgets", "pyramidkv_schedule", "pyramidkv_budgets",
+    "ripplekv_weights", "ripplekv_budgets", "UniformAllocator", "PyramidKVAllocator", "RippleKVAllocator",
+]
+
+
+def _check_int(name: str, value, minimum: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
+    return value
+
+
+def _check_finite_list(name: str, values) -> list[float]:
+    try:
+        out = [float(v) for v in values]
+    except TypeError as e:
+        raise ValueError(f"{name} must be a sequence of numbers, got {type(values).__name__}") from e
+    if not out:
+        raise ValueError(f"{name} must not be empty")
+    bad = [(i, v) for i, v in enumerate(out) if not math.isfinite(v)]
+    if bad:
+        raise ValueError(f"{name} must be finite, got {bad[0][1]} at index {bad[0][0]}")
+    return out
+
+
+def average_budget(retention: float, n_tokens: int) -> int:
+    """Average per-layer budget `round(retention * N)` for retention in (0, 1]."""
+    if not (isinstance(retention, (int, float)) and 0.0 < float(retention) <= 1.0):
+        raise ValueError(f"retention must be in (0, 1], got {retention!r}")
+    _check_int("n_tokens", n_tokens, 1)
+    return max(1, round(float(retention) * n_tokens))
+
+
+def integer_budgets(weights: Sequence[float], n_tokens: int, avg_budget: int, window: int,
+                    priority: Sequence[float] | None = None) -> list[int]:
+    """Integer budgets proportional to `weights`, summing to exactly `len(weights) * avg_budget`.
+
+    Each budget lies in `[min(N, W + 1), N]`; what a bound removes (or adds) is redistributed over the
+    unbounded layers in proportion to their weights. Rounding is by largest remainder; equal remainders go
+    to the higher `priority` first (RippleKV passes the raw sensitivity, so layers whose weights were clipped
+    to the same value still get budgets monotone in sensitivity), then to the lower layer index.
+    If `N <= avg_budget`, every layer keeps all `N` tokens.
+    """
+    w = _check_finite_list("weights", weights)
+    if any(x < 0 for x in w):
+        raise ValueError(f"weights must be >= 0, got {min(w)}")
+    n = _check_int("n_tokens", n_tokens, 1)
+    avg = _check_int("avg_budget", avg_budget, 1)
+    win = _check_int("window", window, 0)
+    num_layers = len(w)
+    prio = [0.0] * num_layers if priority is None else _check_finite_list("priority", priority)
+    if len(prio) != num_layers:
+        raise ValueError(f"priority must have one entry per layer ({num_layers}), got {len(prio)}")
+    if n <= avg:
+        return [n] * num_layers
+    lower, upper = min(n, win + 1), n
+    if avg < lower:
+        raise ValueError(f"avg_budget must be >= window + 1 = {lower} (the window plus at least one prefix token), "
+                         f"got {avg}")
+    total = num_layers * avg
+
+    # Real-valued targets: water-filling. Each round pins the layers that cross the bound on the side that
+    # is violated most, then redistributes the rest over the free layers in proportion to their weights.
+    # Pinning only one side per round keeps the total exactly reachable.
+    target = [0.0] * num_layers
+    free = list(range(num_layers))
+    pinned_total = 0.0
+    while free:
+        remaining = total - pinned_total
+        wsum = sum(w[i] for i in free)
+        for i in free:
+            target[i] = remaining * w[i] / wsum if wsum > 0 else remaining / len(free)
+        over = [i for i in free if target[i] > upper]
+        under = [i for i in free if target[i] < lower]
+        if not over and not under:
+            break
+        excess = sum(target[i] - upper for i in over) - sum(lower - target[i] for i in under)
+        pin, bound = (over, upper) if excess >= 0 and over else (under, lower)
+        for i in pin:
+            target[i] = float(bound)
+            pinned_total += bound
+        free = [i for i in free if i not in pin]
+
+    # Largest remainder. Snap values within float noise of an integer so equal weights give equal budgets.
+    snapped = [round(t) if abs(t - round(t)) < 1e-9 else t for t in target]
+    budgets = [int(math.floor(t)) for t in snapped]
+    short = total - sum(budgets)
+    order = sorted(range(num_layers), key=lambda i: (-(snapped[i] - budgets[i]), -prio[i], i))
+    for i in order[:short]:
+        budgets[i] += 1
+    assert sum(budgets) == total and all(lower <= b <= upper for b in budgets), (budgets, total, lower, upper)
+    return budgets
+
+
+def uniform_budgets(num_layers: int, n_tokens: int, avg_budget: int, window: int) -> list[int]:
+    """Every layer gets `avg_budget` (or `N` when nothing needs compressing)."""
+    return integer_budgets([1.0] * _check_int("num_layers", num_layers, 1), n_tokens, avg_budget, window)
+
+
+def pyramidkv_schedule(num_layers: int, n_tokens: int, avg_budget: int, window: int, beta: int = 20) -> list[int]:
+    """PyramidKV's raw per-layer budgets as published (floored steps: the total overshoots a little)."""
+    L = _check_int("num_layers", num_layers, 1)
+    n = _check_int("n_tokens", n_tokens, 1)
+    B = _check_int("avg_budget", avg_budget, 1)
+    W = _check_int("window", window, 0)
+    _check_int("beta", beta, 1)
+    if n <= B:
+        return [n] * L
+    if B <= W:
+        raise ValueError(f"avg_budget must be > window = {W} for PyramidKV, got {B}")
+    if n < 2 * (B - W) or L == 1:
+        return [B] * L
+    min_num = (B - W) // beta
+    max_num = 2 * (B - W) - min_num
+    if max_num >= n - W:
+        max_num = n - W
+        min_num = 2 * (B - W) - max_num
+    steps = (max_num - min_num) // (L - 1)
+    return [max_num - l * steps + W for l in range(L)]
+
+
+def pyramidkv_budgets(num_layers: int, n_tokens: int, avg_budget: int, window: int, beta: int = 20) -> list[int]:
+    """PyramidKV's schedule as weights through `integer_budgets`: exact total, same memory as the others."""
+    raw = pyramidkv_schedule(num_layers, n_tokens, avg_budget, window, beta)
+    return integer_budgets([float(b) for b in raw], n_tokens, avg_budget, window)
+
+
+def ripplekv_weights(sensitivity: Sequence[float], ratio: float = 1.5, normalize: str = "zscore",
+                     clip=None) -> list[float]:
+    """Per-layer weights `R ** z_l` (z = standardized sensitivity), clipped, with mean exactly 1.
+
+    `clip=None` means `(1/R, R)`; pass `(lo, hi)` with `lo <= 1 <= hi`, or `False` for no clipping.
+    All-equal sensitivities (or R = 1) give all-ones weights.
+    """
+    s = _check_finite_list("sensitivity", sensitivity)
+    if not (isinstance(ratio, (int, float)) and math.isfinite(ratio) and ratio >= 1.0):
+        raise ValueError(f"ratio must be a finite number >= 1, got {ratio!r}")
+    n = len(s)
+    if normalize == "zscore":
+        mean = sum(s) / n
+        std = math.sqrt(sum((x - mean) ** 2 for x in s) / n)
+        z = [(x - mean) / std if std > 0 else 0.0 for x in s]
+    elif normalize == "minmax":
+        lo, hi = min(s), max(s)
+        z = [2.0 * (x - lo) / (hi - lo) - 1.0 if hi > lo else 0.0 for x in s]
+    else:
+        raise ValueError(f"normalize must be 'zscore' or 'minmax', got {normalize!r}")
+    if clip is None:
+        clip = (1.0 / ratio, float(ratio))
+    if clip is not False:
+        try:
+            clip_lo, clip_hi = (float(c) for c in clip)
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"clip must be None, False or a (low, high) pair, got {clip!r}") from e
+        if not (0.0 <= clip_lo <= 1.0 <= clip_hi):
+            raise ValueError(f"clip must satisfy 0 <= low <= 1 <= high (weights have mean 1), got {clip!r}")
+
+    w = [float(ratio) ** zi for zi in z]
+    mean = sum(w) / n
+    w = [x / mean for x in w]
+    if clip is not False:
+        # Clip then renormalize until the weights stop moving: the fixed point is both clipped and mean 1.
+        for _ in range(10_000):
+            clipped = [min(max(x, clip_lo), clip_hi) for x in w]
+            mean = sum(clipped) / n
+            new = [x / mean for x in clipped]
+            change = max(abs(a - b) for a, b in zip(new, w))
+            w = new
+            if change < 1e-13:
+                break
+    return w
+
+
+def ripplekv_budgets(sensitivity: Sequence[float], n_tokens: int, avg_budget: int, window: int,
+                     ratio: float = 1.5, normalize: str = "zscore", clip=None) -> list[int]:
+    """RippleKV per-layer budgets: `ripplekv_weights` through the shared integer routine."""
+    weights = ripplekv_weights(sensitivity, ratio, normalize, clip)
+    return integer_budgets(weights, n_tokens, avg_budget, window, priority=sensitivity)
+
+
+class UniformAllocator:
+    name = "uniform"
+
+    def budgets(self, num_layers: int, n_tokens: int, avg_budget: int, window: int) -> list[int]:
+        return uniform_budgets(num_layers, n_tokens, avg_budget, window)
+
+    def __repr__(self):
+        return "UniformAllocator()"
+
+
+class PyramidKVAllocator:
+    name = "pyramidkv"
+
+    def __init__(self, beta: int = 20):
+        self.beta = _check_int("beta", beta, 1)
+
+    def budgets(self, num_layers: int, n_tokens: int, avg_budget: int, window: int) -> list[int]:
+        return pyramidkv_budgets(num_layers, n_tokens, avg_budget, window, self.beta)
+
+    def __repr__(self):
+        return f"PyramidKVAllocator(beta={self.beta})"
+
+
+class RippleKVAllocator:
+    """Budgets from a sensitivity profile: a list of per-layer scores (one per compressible layer), or a
+    loaded profile (anything with a `sensitivity` list, e.g. `ripplekv_ext.profile_file.Profile`)."""
+
+    name = "ripplekv"
+
+    def __init__(self, profile_or_sensitivity, ratio: float = 1.5, normalize: str = "zscore", clip=None):
+        sensitivity = getattr(profile_or_sensitivity, "sensitivity", profile_or_sensitivity)
+        self.profile = profile_or_sensitivity if sensitivity is not profile_or_sensitivity else None
+        self.sensitivity = _check_finite_list("sensitivity", sensitivity)
+        self.ratio, self.normalize, self.clip = ratio, normalize, clip
+        self.weights = ripplekv_weights(self.sensitivity, ratio, normalize, clip)  # validates the options now
+
+    def budgets(self, num_layers: int, n_tokens: int, avg_budget: int, window: int) -> list[int]:
+        if num_layers != len(self.sensitivity):
+            raise ValueError(f"num_layers must match the profile's {len(self.sensitivity)} compressible layers, "
+                             f"got {num_layers}")
+        return integer_budgets(self.weights, n_tokens, avg_budget, window, priority=self.sensitivity)
+
+    def __repr__(self):
+        return (f"RippleKVAllocator({len(self.sensitivity)} layers, ratio={self.ratio}, "
+                f"normalize={self.normalize!r}, clip={self.clip!r})")
