@@ -1,0 +1,55 @@
+import pytest
+import torch
+
+from ripplekv_ext.models import TINY_ARCHS, compressible_layers, layer_types, load_smollm2, tiny_config, tiny_model
+
+
+@pytest.mark.parametrize("arch", TINY_ARCHS)
+def test_tiny_model_runs_and_is_deterministic(arch):
+    a, b, c = tiny_model(arch, seed=0), tiny_model(arch, seed=0), tiny_model(arch, seed=1)
+    assert not a.training and a.config._attn_implementation == "sdpa"
+    assert a.config.num_hidden_layers == 4 and a.config.num_key_value_heads == 2
+    ids = torch.arange(24)[None] * 7 % a.config.vocab_size
+    with torch.no_grad():
+        la, lb, lc = a(ids).logits, b(ids).logits, c(ids).logits
+    assert la.shape == (1, 24, a.config.vocab_size) and torch.isfinite(la).all()
+    assert torch.equal(la, lb)
+    assert not torch.allclose(la, lc)
+
+
+def test_tiny_model_does_not_touch_global_rng():
+    torch.manual_seed(123)
+    expected = torch.rand(3)
+    torch.manual_seed(123)
+    tiny_model("llama", seed=5)
+    assert torch.equal(torch.rand(3), expected)
+
+
+def test_compressible_layers():
+    assert compressible_layers(tiny_model("llama")) == [0, 1, 2, 3]
+    # Gemma3 alternates sliding and full attention layers.
+    gemma = tiny_model("gemma3")
+    assert layer_types(gemma) == ["sliding_attention", "full_attention"] * 2
+    assert compressible_layers(gemma) == [1, 3]
+    # Mistral with a sliding window on every layer: nothing to compress.
+    assert compressible_layers(tiny_config("mistral", sliding_window=8)) == []
+    assert compressible_layers(tiny_config("mistral", num_layers=6)) == list(range(6))
+    assert compressible_layers(tiny_config("qwen2")) == [0, 1, 2, 3]
+
+
+def test_tiny_model_rejects_unknown_arch():
+    with pytest.raises(ValueError, match="arch must be one of .* got 'gpt2'"):
+        tiny_model("gpt2")
+
+
+def test_smollm2_real_weights():
+    model, tokenizer = load_smollm2()
+    cfg = model.config
+    assert (cfg.num_hidden_layers, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim) == (30, 9, 3, 64)
+    assert not model.training and cfg._attn_implementation == "sdpa"
+    assert compressible_layers(model) == list(range(30))
+    # Real weights know Genesis 1:1; random or mis-converted weights would not.
+    ids = tokenizer("In the beginning God created the heaven and the", return_tensors="pt").input_ids
+    with torch.no_grad():
+        next_id = model(ids).logits[0, -1].argmax().item()
+    assert tokenizer.decode(next_id).strip() == "earth"
