@@ -1,0 +1,270 @@
+"""transformers integration: one attention function, registered in transformers' attention registry.
+
+``with ripplekv_ext.compress(model, policy): model.generate(...)`` switches the model to an attention
+implementation registered through ``AttentionInterface`` (so every model that routes attention through the
+registry works, with no per-model patching). That function
+
+* computes attention the stock way (SDPA, or eager when asked);
+* at the end of prefill, compresses the layer's cache in place with the policy, using the post-RoPE queries it
+  was just given, and replaces that cache layer by a ``CompressedLayer`` holding only the kept tokens (the full
+  tensors are released: memory is really freed, not masked);
+* afterwards (decoding, multi-token continuation) ignores the model-wide mask, which is sized for one layer, and
+  builds the causal mask for each layer's own key length: query ``i`` of a ``q``-token chunk sees every cached
+  key plus the new keys up to itself.
+
+A ``CompressedLayer`` still reports the number of tokens *seen* as its sequence length, so position ids and
+``generate``'s input slicing stay those of the uncompressed sequence.
+
+Padding is not supported under compression: a 2-D ``attention_mask`` with zeros raises (see ``_check_mask``),
+because a per-row padding mask would have to follow each row's kept tokens through decoding.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import itertools
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from ripplekv_ext.compressor import KVCompressor
+from ripplekv_ext.policies import Policy
+
+__all__ = ["compress", "CompressedLayer", "CompressionSession", "eager_attention"]
+
+_session_ids = itertools.count()
+
+
+def _transformers():
+    # Imported lazily: `import ripplekv_ext` must not pay for (or require) transformers.
+    from transformers import cache_utils, masking_utils, modeling_utils
+    from transformers.integrations import sdpa_attention
+
+    return cache_utils, masking_utils, modeling_utils, sdpa_attention
+
+
+@functools.lru_cache(maxsize=None)
+def _compressed_layer_class():
+    cache_utils = _transformers()[0]
+
+    class CompressedLayer(cache_utils.DynamicLayer):
+        """A full-attention cache layer after compression: compact keys/values, true token count kept apart.
+
+        ``get_seq_length`` is the number of tokens the layer has *seen* (prompt + generated), which transformers
+        uses for positions and for slicing new inputs; ``physical_length`` is what the tensors hold.
+        """
+
+        def __init__(self, keys: Tensor, values: Tensor, seen_tokens: int):
+            super().__init__()
+            self.lazy_initialization(keys, values)
+            self.keys, self.values = keys, values
+            self.seen_tokens = int(seen_tokens)
+
+        @property
+        def physical_length(self) -> int:
+            return self.keys.shape[-2]
+
+        def update(self, key_states, value_states, *args, **kwargs):
+            self.seen_tokens += key_states.shape[-2]
+            return super().update(key_states, value_states, *args, **kwargs)
+
+        def get_seq_length(self) -> int:
+            return self.seen_tokens
+
+        def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+            # The mask transformers builds from this is never used for this layer (the hook builds its own);
+            # sizing it by what is stored keeps it small.
+            return self.physical_length + query_length, 0
+
+        def crop(self, tokens_to_remove: int) -> None:
+            before = self.physical_length
+            super().crop(tokens_to_remove)
+            self.seen_tokens -= before - self.physical_length
+
+        def reset(self) -> None:
+            super().reset()
+            self.seen_tokens = 0
+
+    return CompressedLayer
+
+
+def __getattr__(name):
+    # `CompressedLayer` subclasses a transformers class, so it is built on first use.
+    if name == "CompressedLayer":
+        return _compressed_layer_class()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def end_aligned_causal_mask(q_len: int, kv_len: int, dtype: torch.dtype, device) -> Tensor:
+    """Additive mask ``[1, 1, q_len, kv_len]``: query ``i`` sits at key position ``kv_len - q_len + i``."""
+    query_pos = torch.arange(kv_len - q_len, kv_len, device=device)[:, None]
+    allowed = torch.arange(kv_len, device=device)[None, :] <= query_pos
+    mask = torch.zeros(q_len, kv_len, dtype=dtype, device=device)
+    return mask.masked_fill_(~allowed, torch.finfo(dtype).min)[None, None]
+
+
+def eager_attention(module, query: Tensor, key: Tensor, value: Tensor, attention_mask: Optional[Tensor],
+                    scaling: Optional[float] = None, dropout: float = 0.0, softcap: Optional[float] = None,
+                    **kwargs):
+    """The eager attention transformers' decoder models use: softmax in fp32, optional logit soft-capping."""
+    groups = query.shape[1] // key.shape[1]
+    key = key.repeat_interleave(groups, dim=1)
+    value = value.repeat_interleave(groups, dim=1)
+    scaling = query.shape[-1] ** -0.5 if scaling is None else scaling
+    weights = torch.matmul(query, key.transpose(2, 3)) * scaling
+    if softcap is not None:
+        weights = torch.tanh(weights / softcap) * softcap
+    if attention_mask is not None:
+        weights = weights + attention_mask
+    weights = torch.softmax(weights, dim=-1, dtype=torch.float32).to(query.dtype)
+    weights = torch.nn.functional.dropout(weights, p=dropout, training=module.training)
+    out = torch.matmul(weights, value).transpose(1, 2).contiguous()
+    return out, weights
+
+
+class CompressionSession:
+    """State of one ``compress(...)`` block: the policy's compressor, the cache of the forward in flight."""
+
+    def __init__(self, model, policy: Policy, attention: str):
+        self.model = model
+        self.policy = policy
+        self.attention = attention
+        self.compressor = KVCompressor.for_model(model, policy)
+        self._compressible = set(self.compressor.compressible_layers)
+        self.name = f"ripplekv_{attention}_{next(_session_ids)}"
+        self.cache = None
+        self.last_budgets: dict[int, int] = {}  # layer -> tokens kept by the last prefill
+        _, masking_utils, _, sdpa_attention = _transformers()
+        if attention == "sdpa":
+            self.base, self.mask_function = sdpa_attention.sdpa_attention_forward, masking_utils.sdpa_mask
+        else:
+            self.base, self.mask_function = eager_attention, masking_utils.eager_mask
+
+    # -- forward pre-hook on the model: sees the cache of every call ------------------------------------------
+    def before_forward(self, module, args, kwargs):
+        if self.policy.is_full:
+            return None
+        _check_mask(kwargs.get("attention_mask"))
+        cache = kwargs.get("cache", kwargs.get("past_key_values"))
+        use_cache = kwargs.get("use_cache")
+        if use_cache is None:
+            use_cache = getattr(_text_config(self.model), "use_cache", True)
+        if cache is None and use_cache:
+            # The model would create this cache itself, out of our sight; create it here so it can be compressed.
+            cache_utils = _transformers()[0]
+            cache = cache_utils.DynamicCache(config=_text_config(self.model))
+            kwargs["cache"] = cache
+        self.cache = cache
+        return args, kwargs
+
+    # -- the registered attention function -------------------------------------------------------------------
+    def attention_forward(self, module, query: Tensor, key: Tensor, value: Tensor,
+                          attention_mask: Optional[Tensor], **kwargs):
+        layer_idx = getattr(module, "layer_idx", None)
+        cache = self.cache
+        layer = None
+        if cache is not None and layer_idx is not None and layer_idx < len(getattr(cache, "layers", ())):
+            layer = cache.layers[layer_idx]
+        if isinstance(layer, _compressed_layer_class()) and layer.keys is key:
+            # The model-wide mask is sized for one layer; this layer's key length is its own.
+            q_len, kv_len = query.shape[2], key.shape[2]
+            mask = None if q_len == 1 else end_aligned_causal_mask(q_len, kv_len, query.dtype, query.device)
+            return self.base(module, query, key, value, mask, **kwargs)
+
+        output = self.base(module, query, key, value, attention_mask, **kwargs)
+
+        cache_utils = _transformers()[0]
+        is_prefill = (type(layer) is cache_utils.DynamicLayer and layer.keys is key
+                      and key.shape[2] == query.shape[2])
+        if is_prefill and layer_idx in self._compressible:
+            self._compress_layer(cache, layer_idx, query, key, value, kwargs.get("scaling"))
+        return output
+
+    def _compress_layer(self, cache, layer_idx: int, query: Tensor, key: Tensor, value: Tensor,
+                        scaling: Optional[float]) -> None:
+        n = key.shape[2]
+        selector = self.policy.selector
+        queries = query if selector.needs_all_queries else query[:, :, -self.policy.window:].contiguous()
+        keys_c, values_c = self.compressor.compress(layer_idx, queries, key, value, scale=scaling)
+        cache.layers[layer_idx] = _compressed_layer_class()(keys_c, values_c, seen_tokens=n)
+        self.last_budgets[layer_idx] = keys_c.shape[2]
+
+
+def _text_config(model):
+    config = model.config
+    return config.get_text_config() if hasattr(config, "get_text_config") else config
+
+
+def _check_mask(attention_mask) -> None:
+    if attention_mask is None or not isinstance(attention_mask, Tensor):
+        return
+    if attention_mask.dim() != 2:
+        raise ValueError(f"attention_mask must be a 2-D [batch, tokens] mask (or None) under ripplekv_ext.compress, "
+                         f"got a {attention_mask.dim()}-D mask: custom masks cannot follow per-layer compressed "
+                         f"caches")
+    if not bool(attention_mask.bool().all()):
+        raise ValueError("attention_mask has padding (zeros), got padded rows "
+                         f"{torch.nonzero(~attention_mask.bool().all(dim=1)).flatten().tolist()}: padded batches are "
+                         "not supported under ripplekv_ext.compress (padding would be kept and attended after "
+                         "compression). Batch prompts of equal length, or run them one at a time.")
+
+
+def _configs(model) -> list:
+    """Every distinct config object in the model (top-level, sub-configs, per-module references)."""
+    seen: dict[int, object] = {}
+    stack = [model.config] + [m.config for m in model.modules() if hasattr(m, "config")]
+    while stack:
+        config = stack.pop()
+        if id(config) in seen or not hasattr(config, "_attn_implementation_internal"):
+            continue
+        seen[id(config)] = config
+        for key in getattr(config, "sub_configs", {}) or {}:
+            sub = getattr(config, key, None)
+            if sub is not None:
+                stack.append(sub)
+    return list(seen.values())
+
+
+@contextlib.contextmanager
+def compress(model, policy: Policy, attention: Optional[str] = None):
+    """Compress ``model``'s KV cache with ``policy`` inside the block; restore the model on exit.
+
+    Args:
+        model: a transformers model whose attention goes through ``AttentionInterface``.
+        policy: ``Policy`` (``Policy.full()`` leaves the cache whole).
+        attention: ``"sdpa"`` or ``"eager"``; default: eager if the model is set to eager, SDPA otherwise.
+
+    Yields the ``CompressionSession`` (``.compressor.budgets(n)`` is the plan; ``.last_budgets`` what the last
+    prefill kept). On exit, even after an exception, the model's attention implementation is restored, the
+    forward hook removed and the registration withdrawn.
+    """
+    if not isinstance(policy, Policy):
+        raise TypeError(f"policy must be a ripplekv_ext.Policy, got {type(policy).__name__}")
+    current = model.config._attn_implementation
+    if attention is None:
+        attention = "eager" if current == "eager" else "sdpa"
+    if attention not in ("sdpa", "eager"):
+        raise ValueError(f"attention must be 'sdpa' or 'eager', got {attention!r}")
+    _, masking_utils, modeling_utils, _ = _transformers()
+    session = CompressionSession(model, policy, attention)
+
+    configs = _configs(model)
+    saved = [(config, config._attn_implementation_internal) for config in configs]
+    modeling_utils.AttentionInterface.register(session.name, session.attention_forward)
+    masking_utils.AttentionMaskInterface.register(session.name, session.mask_function)
+    handle = None
+    try:
+        handle = model.register_forward_pre_hook(session.before_forward, with_kwargs=True)
+        for config in configs:
+            config._attn_implementation_internal = session.name
+        yield session
+    finally:
+        for config, value in saved:
+            config._attn_implementation_internal = value
+        if handle is not None:
+            handle.remove()
+        modeling_utils.AttentionInterface._global_mapping.pop(session.name, None)
+        masking_utils.AttentionMaskInterface._global_mapping.pop(session.name, None)
+        session.cache = None

@@ -1,0 +1,194 @@
+"""Compression policies: an allocator (how many tokens each layer keeps) times a selector (which ones).
+
+Any allocator combines with any selector: ``Policy(PyramidKVAllocator(), H2OSelector(), retention=0.2)`` is as
+valid as the published pairings. ``Policy.full()`` (no allocator, no selector) compresses nothing.
+
+Budgets are tokens kept per KV head, observation window included (DESIGN.md §3).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+from torch import Tensor
+
+import ripplekv_ref
+from ripplekv_ext import ops as _ext_ops
+from ripplekv_ext.allocation import (PyramidKVAllocator, RippleKVAllocator, UniformAllocator,
+                                     average_budget)
+
+__all__ = ["Policy", "SnapKVSelector", "H2OSelector", "StreamingLLMSelector", "DEFAULT_WINDOW"]
+
+DEFAULT_WINDOW = 32
+
+
+def _bind(name: str):
+    # The one place that decides which implementation of each op the policies use: the compiled extension op
+    # when this build has it, the pure-PyTorch reference otherwise (same name, same semantics).
+    return getattr(_ext_ops, name, None) or getattr(ripplekv_ref, name)
+
+
+snapkv_scores = _bind("snapkv_scores")
+h2o_scores = _bind("h2o_scores")
+select_topk = _bind("select_topk")
+streaming_indices = _bind("streaming_indices")
+gather_kv = _bind("gather_kv")
+
+
+def _check_queries(queries: Tensor, keys: Tensor) -> None:
+    if queries.dim() != 4 or keys.dim() != 4:
+        raise ValueError(f"queries and keys must be 4-D ([B, H_q, W, D] and [B, H_kv, N, D]), got "
+                         f"{queries.dim()}-D and {keys.dim()}-D")
+
+
+class SnapKVSelector:
+    """Top tokens by attention mass from the last ``window`` queries, pooled along positions (SnapKV)."""
+
+    name = "snapkv"
+    needs_all_queries = False
+
+    def __init__(self, kernel_size: int = 7, pooling: str = "max", group_reduce: str = "mean"):
+        self.kernel_size, self.pooling, self.group_reduce = kernel_size, pooling, group_reduce
+
+    def select(self, queries: Tensor, keys: Tensor, budget: int, window: int,
+               scale: Optional[float] = None) -> Tensor:
+        """int64 ``[B, H_kv, budget]`` ascending. ``queries`` are the post-RoPE queries of at least the last
+        ``window`` prompt positions (more are accepted and cut to the window)."""
+        _check_queries(queries, keys)
+        if queries.shape[2] < window:
+            raise ValueError(f"queries must hold at least window = {window} positions, got {queries.shape[2]}")
+        q_window = queries[:, :, -window:]
+        scores = snapkv_scores(q_window, keys, self.kernel_size, self.pooling, self.group_reduce, scale)
+        return select_topk(scores, budget, window)
+
+    def __repr__(self):
+        return (f"SnapKVSelector(kernel_size={self.kernel_size}, pooling={self.pooling!r}, "
+                f"group_reduce={self.group_reduce!r})")
+
+
+class H2OSelector:
+    """Top tokens by attention mass accumulated over *all* prompt queries (H2O), plus the window."""
+
+    name = "h2o"
+    needs_all_queries = True
+
+    def __init__(self, chunk_size: int = 1024, group_reduce: str = "mean"):
+        self.chunk_size, self.group_reduce = chunk_size, group_reduce
+
+    def select(self, queries: Tensor, keys: Tensor, budget: int, window: int,
+               scale: Optional[float] = None) -> Tensor:
+        _check_queries(queries, keys)
+        n = keys.shape[2]
+        if queries.shape[2] != n:
+            raise ValueError(f"H2O needs the queries of every prompt position: queries dim 2 must be N = {n}, "
+                             f"got {queries.shape[2]}")
+        scores = h2o_scores(queries, keys, self.chunk_size, scale, self.group_reduce)
+        return select_topk(scores[..., : n - window].contiguous(), budget, window)
+
+    def __repr__(self):
+        return f"H2OSelector(chunk_size={self.chunk_size}, group_reduce={self.group_reduce!r})"
+
+
+class StreamingLLMSelector:
+    """The first ``sink`` positions (attention sinks) and the most recent ``budget - sink`` (StreamingLLM)."""
+
+    name = "streamingllm"
+    needs_all_queries = False
+
+    def __init__(self, sink: int = 4):
+        self.sink = sink
+
+    def select(self, queries: Tensor, keys: Tensor, budget: int, window: int,
+               scale: Optional[float] = None) -> Tensor:
+        b, h, n, _ = keys.shape
+        return streaming_indices(n, budget, self.sink, b, h, keys.device)
+
+    def __repr__(self):
+        return f"StreamingLLMSelector(sink={self.sink})"
+
+
+@dataclass(frozen=True)
+class Policy:
+    """``allocator x selector`` at a retention ratio, or Full (both ``None``: nothing is compressed).
+
+    Args:
+        allocator: ``UniformAllocator()``, ``PyramidKVAllocator()``, ``RippleKVAllocator(profile)`` or anything with
+            ``.name`` and ``.budgets(num_layers, n_tokens, avg_budget, window) -> list[int]``.
+        selector: ``SnapKVSelector()``, ``H2OSelector()``, ``StreamingLLMSelector()`` or anything with ``.name``,
+            ``.needs_all_queries`` and ``.select(queries, keys, budget, window, scale) -> int64 [B, H_kv, C]``.
+        retention: fraction of the prompt kept on average over the compressible layers, in ``(0, 1]``.
+        window: observation window ``W``: the last ``W`` prompt positions are always kept.
+    """
+
+    allocator: object = None
+    selector: object = None
+    retention: float = 1.0
+    window: int = DEFAULT_WINDOW
+
+    def __post_init__(self):
+        if (self.allocator is None) != (self.selector is None):
+            raise ValueError("a Policy needs both an allocator and a selector (or neither, for Full), got "
+                             f"allocator={self.allocator!r}, selector={self.selector!r}")
+        if not (isinstance(self.retention, (int, float)) and 0.0 < float(self.retention) <= 1.0):
+            raise ValueError(f"retention must be in (0, 1], got {self.retention!r}")
+        if isinstance(self.window, bool) or not isinstance(self.window, int) or self.window < 1:
+            raise ValueError(f"window must be an integer >= 1, got {self.window!r}")
+
+    @property
+    def is_full(self) -> bool:
+        return self.selector is None
+
+    @property
+    def name(self) -> str:
+        if self.is_full:
+            return "full"
+        return f"{self.allocator.name}+{self.selector.name}@{self.retention:g}"
+
+    def layer_budgets(self, num_layers: int, n_tokens: int) -> list[int]:
+        """Budget of each of ``num_layers`` compressible layers for an ``n_tokens`` prompt.
+
+        ``n_tokens`` for a layer means it is left uncompressed: always for Full, and for a prompt no longer than
+        the window or the average budget.
+        """
+        if isinstance(n_tokens, bool) or not isinstance(n_tokens, int) or n_tokens < 1:
+            raise ValueError(f"n_tokens must be an integer >= 1, got {n_tokens!r}")
+        if self.is_full or n_tokens <= self.window:
+            return [n_tokens] * num_layers
+        avg = average_budget(self.retention, n_tokens)
+        if avg >= n_tokens:
+            return [n_tokens] * num_layers
+        if avg <= self.window:
+            raise ValueError(f"retention {self.retention:g} of a {n_tokens}-token prompt is an average budget of "
+                             f"{avg} tokens, which must be > window = {self.window} (lower the window or raise the "
+                             f"retention)")
+        budgets = self.allocator.budgets(num_layers, n_tokens, avg, self.window)
+        if len(budgets) != num_layers:
+            raise ValueError(f"allocator {self.allocator!r} returned {len(budgets)} budgets for {num_layers} layers")
+        return [int(b) for b in budgets]
+
+    # The published pairings, by name.
+    @classmethod
+    def full(cls) -> "Policy":
+        return cls()
+
+    @classmethod
+    def snapkv(cls, retention: float, window: int = DEFAULT_WINDOW, **selector_options) -> "Policy":
+        return cls(UniformAllocator(), SnapKVSelector(**selector_options), retention, window)
+
+    @classmethod
+    def pyramidkv(cls, retention: float, window: int = DEFAULT_WINDOW, beta: int = 20) -> "Policy":
+        return cls(PyramidKVAllocator(beta), SnapKVSelector(), retention, window)
+
+    @classmethod
+    def ripplekv(cls, profile_or_sensitivity, retention: float, window: int = DEFAULT_WINDOW,
+                 ratio: float = 1.5, normalize: str = "zscore") -> "Policy":
+        return cls(RippleKVAllocator(profile_or_sensitivity, ratio, normalize), SnapKVSelector(), retention, window)
+
+    @classmethod
+    def h2o(cls, retention: float, window: int = DEFAULT_WINDOW, chunk_size: int = 1024) -> "Policy":
+        return cls(UniformAllocator(), H2OSelector(chunk_size), retention, window)
+
+    @classmethod
+    def streamingllm(cls, retention: float, window: int = DEFAULT_WINDOW, sink: int = 4) -> "Policy":
+        return cls(UniformAllocator(), StreamingLLMSelector(sink), retention, window)
