@@ -1,0 +1,109 @@
+"""KVCompressor: the per-layer plan and compression, usable from any inference loop."""
+
+import pytest
+import torch
+
+import ripplekv_ref
+from ripplekv_ext import KVCompressor, Policy
+from ripplekv_ext.allocation import average_budget
+
+
+def _layer(b=2, h_kv=2, groups=3, n=96, d=16, seed=0, dtype=torch.float32):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(b, h_kv * groups, n, d, generator=g).to(dtype)
+    k = torch.randn(b, h_kv, n, d, generator=g).to(dtype)
+    v = torch.randn(b, h_kv, n, d, generator=g).to(dtype)
+    return q, k, v
+
+
+def test_budgets_plan_every_layer():
+    comp = KVCompressor(Policy.ripplekv([3.0, 1.0, 2.0], 0.25, window=8), num_layers=5,
+                        compressible_layers=[0, 2, 4])
+    plan = comp.budgets(200)
+    assert len(plan) == 5 and plan[1] is None and plan[3] is None
+    assert plan[0] + plan[2] + plan[4] == 3 * average_budget(0.25, 200)
+    assert plan[0] > plan[4] > plan[2]  # follows the sensitivity 3 > 2 > 1
+    assert comp.layer_budget(2, 200) == plan[2] and comp.layer_budget(1, 200) is None
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=["fp32", "fp16", "bf16"])
+def test_compress_matches_reference_snapkv(dtype):
+    comp = KVCompressor(Policy.pyramidkv(0.3, window=8), num_layers=4)
+    q, k, v = _layer(dtype=dtype)
+    plan = comp.budgets(96)
+    for layer in range(4):
+        k_c, v_c = comp.compress(layer, q[:, :, -8:], k, v)
+        _, _, idx = ripplekv_ref.snapkv_compress(q[:, :, -8:], k, v, plan[layer])
+        k_ref, v_ref = ripplekv_ref.gather_kv(k, v, idx)
+        assert k_c.shape == (2, 2, plan[layer], 16) and k_c.dtype == dtype
+        assert torch.equal(k_c, k_ref) and torch.equal(v_c, v_ref)
+        # Compact and independent of the full tensors: dropping them frees the memory.
+        assert k_c.untyped_storage().nbytes() == k_c.numel() * k_c.element_size()
+        assert k_c.untyped_storage().data_ptr() != k.untyped_storage().data_ptr()
+
+
+def test_compress_with_h2o_and_streaming():
+    q, k, v = _layer(n=64)
+    h2o = KVCompressor(Policy.h2o(0.5, window=8), num_layers=1)
+    k_c, _ = h2o.compress(0, q, k, v)
+    idx = ripplekv_ref.select_topk(ripplekv_ref.h2o_scores(q, k)[..., :56], 32, 8)
+    assert torch.equal(k_c, ripplekv_ref.gather_kv(k, v, idx)[0])
+    stream = KVCompressor(Policy.streamingllm(0.5, window=8), num_layers=1)
+    k_c, v_c = stream.compress(0, q, k, v)
+    assert torch.equal(k_c, torch.cat([k[:, :, :4], k[:, :, -28:]], dim=2))
+    assert torch.equal(v_c, torch.cat([v[:, :, :4], v[:, :, -28:]], dim=2))
+
+
+def test_uncompressed_layers_come_back_untouched():
+    q, k, v = _layer(n=30)
+    comp = KVCompressor(Policy.snapkv(0.2, window=32), num_layers=3, compressible_layers=[0, 1])
+    assert comp.compress(0, q, k, v) == (k, v)  # prompt no longer than the window
+    q, k, v = _layer(n=100)
+    comp = KVCompressor(Policy.snapkv(0.5, window=8), num_layers=3, compressible_layers=[0, 1])
+    k_out, v_out = comp.compress(2, q, k, v)  # not compressible (e.g. sliding window)
+    assert k_out is k and v_out is v
+    k_full, _ = KVCompressor(Policy.full(), num_layers=1).compress(0, q, k, v)
+    assert k_full is k
+
+
+def test_manual_inference_loop():
+    # An engine-style loop: plan first, then compress each layer right after its prefill.
+    comp = KVCompressor(Policy.ripplekv([0.2, 0.8, 0.5, 0.4], 0.2, window=16), num_layers=4)
+    n = 160
+    plan = comp.budgets(n)
+    cache = []
+    for layer in range(4):
+        q, k, v = _layer(n=n, seed=layer)
+        cache.append(comp.compress(layer, q[:, :, -16:], k, v))
+    assert [kc.shape[2] for kc, _ in cache] == plan
+    assert sum(plan) == 4 * 32
+
+
+@pytest.mark.parametrize("call,message", [
+    (lambda c, q, k, v: c.compress(4, q, k, v), r"layer_idx must be an integer in \[0, 4\), got 4"),
+    (lambda c, q, k, v: c.compress(0, q, k[0], v[0]), "keys must be 4-D"),
+    (lambda c, q, k, v: c.compress(0, q, k, v[:, :, :10]), "values must have the shape of keys"),
+])
+def test_bad_arguments(call, message):
+    comp = KVCompressor(Policy.snapkv(0.5, window=8), num_layers=4)
+    q, k, v = _layer()
+    with pytest.raises(ValueError, match=message):
+        call(comp, q, k, v)
+
+
+def test_bad_construction():
+    with pytest.raises(TypeError, match="policy must be a ripplekv_ext.Policy"):
+        KVCompressor("snapkv", num_layers=4)
+    with pytest.raises(ValueError, match="num_layers must be an integer >= 1, got 0"):
+        KVCompressor(Policy.full(), num_layers=0)
+    with pytest.raises(ValueError, match=r"compressible_layers must be distinct indices in \[0, 2\)"):
+        KVCompressor(Policy.full(), num_layers=2, compressible_layers=[0, 2])
+
+
+def test_for_model_skips_sliding_window_layers():
+    from ripplekv_ext.models import tiny_model
+
+    model = tiny_model("gemma3")  # sliding / full alternating
+    comp = KVCompressor.for_model(model, Policy.snapkv(0.5, window=8))
+    assert comp.compressible_layers == [1, 3]
+    assert comp.budgets(100) == [None, 50, None, 50]

@@ -1,0 +1,145 @@
+"""Policies: allocator x selector composition, budgets, and selections checked against the reference ops."""
+
+import itertools
+
+import pytest
+import torch
+
+import ripplekv_ref
+from ripplekv_ext.allocation import PyramidKVAllocator, RippleKVAllocator, UniformAllocator, average_budget
+from ripplekv_ext.policies import DEFAULT_WINDOW, H2OSelector, Policy, SnapKVSelector, StreamingLLMSelector
+
+ALLOCATORS = [UniformAllocator(), PyramidKVAllocator(), RippleKVAllocator([0.1, 0.9, 0.3, 0.5, 0.2, 0.7])]
+SELECTORS = [SnapKVSelector(), H2OSelector(chunk_size=16), StreamingLLMSelector()]
+NUM_LAYERS = 6
+
+
+def _qkv(b=2, h_kv=2, groups=2, n=80, d=16, seed=0, dtype=torch.float32):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(b, h_kv * groups, n, d, generator=g).to(dtype)
+    k = torch.randn(b, h_kv, n, d, generator=g).to(dtype)
+    return q, k
+
+
+def _reference_select(selector, queries, keys, budget, window):
+    """What each selector must return, computed with the reference ops only."""
+    n = keys.shape[2]
+    if isinstance(selector, SnapKVSelector):
+        scores = ripplekv_ref.snapkv_scores(queries[:, :, -window:], keys)
+        return ripplekv_ref.select_topk(scores, budget, window)
+    if isinstance(selector, H2OSelector):
+        return ripplekv_ref.select_topk(ripplekv_ref.h2o_scores(queries, keys)[..., : n - window], budget, window)
+    b, h = keys.shape[:2]
+    return ripplekv_ref.streaming_indices(n, budget, 4, b, h)
+
+
+@pytest.mark.parametrize("allocator,selector", list(itertools.product(ALLOCATORS, SELECTORS)),
+                         ids=lambda x: x.name)
+def test_any_allocator_with_any_selector(allocator, selector):
+    policy = Policy(allocator, selector, retention=0.3, window=8)
+    n = 80
+    budgets = policy.layer_budgets(NUM_LAYERS, n)
+    # Every allocator is held to the same total memory.
+    assert sum(budgets) == NUM_LAYERS * average_budget(0.3, n) == NUM_LAYERS * 24
+    assert all(9 <= c < n for c in budgets)
+    q, k = _qkv(n=n)
+    for budget in sorted(set(budgets)):
+        idx = selector.select(q, k, budget, policy.window)
+        assert idx.dtype == torch.int64 and idx.shape == (2, 2, budget)
+        assert torch.equal(idx, _reference_select(selector, q, k, budget, policy.window))
+        assert bool((idx[..., 1:] > idx[..., :-1]).all())  # ascending, no repeats
+        if not isinstance(selector, StreamingLLMSelector):
+            assert torch.equal(idx[..., -8:], torch.arange(n - 8, n).expand(2, 2, 8))  # window always kept
+    assert policy.name == f"{allocator.name}+{selector.name}@0.3"
+
+
+def test_snapkv_keeps_the_key_the_window_attends_to():
+    # Hand-worked: keys are zero except position 5, which is aligned with every window query, so all window
+    # attention mass lands on it; with room for one prefix token and no pooling, SnapKV keeps position 5.
+    n, w, d = 40, 4, 8
+    q = torch.zeros(1, 2, n, d)
+    q[..., 0] = 10.0
+    k = torch.zeros(1, 1, n, d)
+    k[0, 0, 5, 0] = 1.0
+    idx = SnapKVSelector(kernel_size=1).select(q, k, budget=w + 1, window=w)
+    assert idx.tolist() == [[[5, 36, 37, 38, 39]]]
+    # Max pooling (kernel 7) spreads the peak over positions 2..8; the tie goes to the lowest position.
+    idx = SnapKVSelector(kernel_size=7).select(q, k, budget=w + 1, window=w)
+    assert idx.tolist() == [[[2, 36, 37, 38, 39]]]
+
+
+def test_h2o_keeps_the_key_every_query_attends_to():
+    n, w, d = 30, 4, 8
+    q = torch.zeros(1, 1, n, d)
+    q[..., 0] = 10.0
+    k = torch.zeros(1, 1, n, d)
+    k[0, 0, 2, 0] = 1.0
+    idx = H2OSelector().select(q, k, budget=w + 1, window=w)
+    assert idx.tolist() == [[[2, 26, 27, 28, 29]]]
+
+
+def test_streamingllm_hand_worked():
+    _, k = _qkv(b=1, h_kv=1, n=10)
+    idx = StreamingLLMSelector(sink=4).select(None, k, budget=6, window=2)
+    assert idx.tolist() == [[[0, 1, 2, 3, 8, 9]]]
+
+
+def test_full_policy_never_compresses():
+    policy = Policy.full()
+    assert policy.is_full and policy.name == "full"
+    assert policy.layer_budgets(5, 1000) == [1000] * 5
+
+
+def test_short_prompts_stay_uncompressed():
+    policy = Policy.snapkv(0.2, window=32)
+    assert policy.layer_budgets(4, 32) == [32] * 4  # no longer than the window
+    assert policy.layer_budgets(4, 20) == [20] * 4
+    assert Policy.snapkv(1.0, window=8).layer_budgets(4, 100) == [100] * 4  # budget >= prompt
+
+
+def test_named_constructors_pair_as_published():
+    assert Policy.snapkv(0.2).name == "uniform+snapkv@0.2"
+    assert Policy.pyramidkv(0.2).name == "pyramidkv+snapkv@0.2"
+    assert Policy.ripplekv([1.0, 2.0], 0.1).name == "ripplekv+snapkv@0.1"
+    assert Policy.h2o(0.3).name == "uniform+h2o@0.3"
+    assert Policy.streamingllm(0.3).name == "uniform+streamingllm@0.3"
+    assert Policy.snapkv(0.2).window == DEFAULT_WINDOW
+
+
+def test_ripplekv_budgets_follow_the_profile():
+    sensitivity = [0.1, 0.9, 0.3, 0.5, 0.2, 0.7]
+    budgets = Policy.ripplekv(sensitivity, 0.2, window=8).layer_budgets(6, 400)
+    assert sum(budgets) == 6 * 80
+    # More sensitive layers get more cache.
+    order = sorted(range(6), key=lambda i: sensitivity[i])
+    assert [budgets[i] for i in order] == sorted(budgets)
+    assert budgets[1] > budgets[0]
+
+
+@pytest.mark.parametrize("kwargs,message", [
+    (dict(allocator=UniformAllocator()), "both an allocator and a selector"),
+    (dict(selector=SnapKVSelector()), "both an allocator and a selector"),
+    (dict(allocator=UniformAllocator(), selector=SnapKVSelector(), retention=0.0), "retention must be in"),
+    (dict(allocator=UniformAllocator(), selector=SnapKVSelector(), retention=1.5), "retention must be in"),
+    (dict(allocator=UniformAllocator(), selector=SnapKVSelector(), window=0), "window must be an integer"),
+])
+def test_bad_policies_are_rejected(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        Policy(**kwargs)
+
+
+def test_budget_below_window_is_a_clear_error():
+    with pytest.raises(ValueError, match=r"average budget of 20 tokens, which must be > window = 32"):
+        Policy.snapkv(0.1).layer_budgets(4, 200)
+
+
+def test_h2o_needs_every_query():
+    q, k = _qkv(n=40)
+    with pytest.raises(ValueError, match=r"queries dim 2 must be N = 40, got 8"):
+        H2OSelector().select(q[:, :, -8:], k, budget=16, window=8)
+
+
+def test_snapkv_needs_the_window():
+    q, k = _qkv(n=40)
+    with pytest.raises(ValueError, match=r"at least window = 8 positions, got 4"):
+        SnapKVSelector().select(q[:, :, -4:], k, budget=16, window=8)
