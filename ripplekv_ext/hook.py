@@ -227,6 +227,11 @@ def _configs(model) -> list:
     return list(seen.values())
 
 
+def _entry_points(model) -> list:
+    decoder = model.get_decoder() if hasattr(model, "get_decoder") else None
+    return [model] if decoder is None or decoder is model else [model, decoder]
+
+
 @contextlib.contextmanager
 def compress(model, policy: Policy, attention: Optional[str] = None):
     """Compress ``model``'s KV cache with ``policy`` inside the block; restore the model on exit.
@@ -254,16 +259,19 @@ def compress(model, policy: Policy, attention: Optional[str] = None):
     saved = [(config, config._attn_implementation_internal) for config in configs]
     modeling_utils.AttentionInterface.register(session.name, session.attention_forward)
     masking_utils.AttentionMaskInterface.register(session.name, session.mask_function)
-    handle = None
+    handles = []
     try:
-        handle = model.register_forward_pre_hook(session.before_forward, with_kwargs=True)
+        # On the model and on its decoder stack, so that calling either one is seen (and the cache created by
+        # the outer call is the one the inner call reports).
+        for module in _entry_points(model):
+            handles.append(module.register_forward_pre_hook(session.before_forward, with_kwargs=True))
         for config in configs:
             config._attn_implementation_internal = session.name
         yield session
     finally:
         for config, value in saved:
             config._attn_implementation_internal = value
-        if handle is not None:
+        for handle in handles:
             handle.remove()
         modeling_utils.AttentionInterface._global_mapping.pop(session.name, None)
         masking_utils.AttentionMaskInterface._global_mapping.pop(session.name, None)

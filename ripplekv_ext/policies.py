@@ -59,7 +59,8 @@ class SnapKVSelector:
         if queries.shape[2] < window:
             raise ValueError(f"queries must hold at least window = {window} positions, got {queries.shape[2]}")
         q_window = queries[:, :, -window:]
-        scores = snapkv_scores(q_window, keys, self.kernel_size, self.pooling, self.group_reduce, scale)
+        scores = snapkv_scores(q_window, keys, kernel_size=self.kernel_size, pooling=self.pooling,
+                               group_reduce=self.group_reduce, scale=scale)
         return select_topk(scores, budget, window)
 
     def __repr__(self):
@@ -83,7 +84,7 @@ class H2OSelector:
         if queries.shape[2] != n:
             raise ValueError(f"H2O needs the queries of every prompt position: queries dim 2 must be N = {n}, "
                              f"got {queries.shape[2]}")
-        scores = h2o_scores(queries, keys, self.chunk_size, scale, self.group_reduce)
+        scores = h2o_scores(queries, keys, chunk_size=self.chunk_size, scale=scale, group_reduce=self.group_reduce)
         return select_topk(scores[..., : n - window].contiguous(), budget, window)
 
     def __repr__(self):
@@ -102,7 +103,7 @@ class StreamingLLMSelector:
     def select(self, queries: Tensor, keys: Tensor, budget: int, window: int,
                scale: Optional[float] = None) -> Tensor:
         b, h, n, _ = keys.shape
-        return streaming_indices(n, budget, self.sink, b, h, keys.device)
+        return streaming_indices(n, budget, sink=self.sink, batch=b, heads=h, device=keys.device)
 
     def __repr__(self):
         return f"StreamingLLMSelector(sink={self.sink})"

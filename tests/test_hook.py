@@ -267,6 +267,15 @@ def test_generate_batch_under_compression():
     assert out.shape == (2, 70) and torch.equal(out[:, :64], ids)
 
 
+def test_decoder_called_directly_is_compressed():
+    # Engines often call the decoder stack (model.model) rather than the LM head model.
+    model = tiny_model("llama")
+    with compress(model, Policy.snapkv(0.5, window=WINDOW)), torch.no_grad():
+        cache = model.get_decoder()(_ids(), use_cache=True).cache
+    assert [type(layer) for layer in cache.layers] == [CompressedLayer] * 4
+    assert [layer.keys.shape[2] for layer in cache.layers] == [48] * 4
+
+
 # --- The context manager leaves the model as it found it -----------------------------------------------------
 
 def _snapshot(model):
