@@ -1,0 +1,73 @@
+"""What every generation task produces: tokenized examples with their references and how to score them."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Optional, Sequence
+
+from ripplekv_ext.eval.metrics import get_metric
+
+
+@dataclass
+class Example:
+    """One prompt to generate from, and how to score what comes back.
+
+    ``input_ids`` is the full model input (chat template and answer prefix included); ``prompt`` is the same
+    text, kept for inspection. The prediction is the decoded continuation only, scored with ``metric`` as the
+    maximum over ``answers``.
+    """
+
+    task: str
+    id: str
+    prompt: str
+    input_ids: list[int]
+    answers: list[str]
+    max_new_tokens: int
+    metric: str
+    all_classes: Optional[list[str]] = None
+    first_line_only: bool = False  # LongBench's few-shot tasks score only the first line
+    meta: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self):
+        get_metric(self.metric)  # fails early, naming the valid metrics
+        if isinstance(self.answers, str) or not self.answers:
+            raise ValueError(f"{self.task}/{self.id}: answers must be a non-empty list of strings, "
+                             f"got {self.answers!r}")
+        if not self.input_ids:
+            raise ValueError(f"{self.task}/{self.id}: input_ids is empty")
+        if self.max_new_tokens < 1:
+            raise ValueError(f"{self.task}/{self.id}: max_new_tokens must be >= 1, got {self.max_new_tokens}")
+
+
+def has_chat_template(tokenizer) -> bool:
+    return bool(getattr(tokenizer, "chat_template", None))
+
+
+def render_prompt(tokenizer, user_text: str, chat: bool, answer_prefix: str = "") -> str:
+    """The text the model sees: the user turn wrapped in the tokenizer's chat template (with the assistant
+    turn opened) when ``chat``, then ``answer_prefix`` which the model continues."""
+    if not chat:
+        return user_text + answer_prefix
+    if not has_chat_template(tokenizer):
+        raise ValueError("chat=True but the tokenizer has no chat_template; pass chat=False for a base model")
+    text = tokenizer.apply_chat_template([{"role": "user", "content": user_text}],
+                                         add_generation_prompt=True, tokenize=False)
+    return text + answer_prefix
+
+
+def encode(tokenizer, text: str) -> list[int]:
+    # The chat template already carries its special tokens; a base prompt gets none added either, so the
+    # token count is exactly what the prompt says (the sizing of synthetic tasks depends on it).
+    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
+def truncate_middle(token_ids: Sequence[int], max_tokens: int) -> list[int]:
+    """Keep the first ``max_tokens // 2`` and the last ``max_tokens - max_tokens // 2`` tokens (LongBench's rule:
+    the instructions sit at both ends of a prompt, the document in the middle)."""
+    if max_tokens < 2:
+        raise ValueError(f"max_tokens must be >= 2, got {max_tokens}")
+    token_ids = list(token_ids)
+    if len(token_ids) <= max_tokens:
+        return token_ids
+    head = max_tokens // 2
+    return token_ids[:head] + token_ids[len(token_ids) - (max_tokens - head):]

@@ -1,0 +1,129 @@
+"""Fidelity: how far compression moves the model's next-token distributions on a teacher-forced continuation.
+
+For each example ``(prefix of P tokens, continuation of T tokens)`` both a full and a compressed run read the
+prefix (the compressed run compresses its cache there), then the continuation is fed teacher-forced against that
+cache. At the T continuation positions we compare the distributions: ``KL(P_full || P_compressed)`` (natural log)
+and the NLL of the true continuation tokens under each.
+
+The runs are ``logits_fn(prefix_ids [1, P], continuation_ids [1, T]) -> logits [T, V]`` callables, where row ``t``
+predicts continuation token ``t``; :func:`continuation_logits_fn` builds one from a Hugging Face causal LM and an
+optional compression context factory.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from dataclasses import dataclass, field
+from typing import Callable, ContextManager, Optional
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+LogitsFn = Callable[[Tensor, Tensor], Tensor]
+
+
+def continuation_logits_fn(model, compression: Optional[Callable[[], ContextManager]] = None) -> LogitsFn:
+    """A ``logits_fn`` running ``model``: one forward over the prefix (the prefill, where a compression hook
+    compresses the cache), then one forward over the whole continuation against the resulting cache.
+
+    ``compression`` is a zero-argument callable returning a context manager (e.g.
+    ``lambda: ripplekv_ext.compress(model, policy)``), entered once per example; None keeps the full cache.
+    """
+
+    def logits_fn(prefix_ids: Tensor, continuation_ids: Tensor) -> Tensor:
+        device = next(model.parameters()).device
+        context = compression() if compression is not None else contextlib.nullcontext()
+        with context, torch.inference_mode():
+            prefill = model(prefix_ids.to(device), use_cache=True)
+            rest = model(continuation_ids.to(device), past_key_values=prefill.past_key_values, use_cache=True)
+        # The prefix's last position predicts continuation token 0; continuation position t predicts t + 1.
+        return torch.cat([prefill.logits[0, -1:], rest.logits[0, :-1]]).float()
+
+    return logits_fn
+
+
+def kl_per_position(reference_logits: Tensor, other_logits: Tensor) -> Tensor:
+    """``KL(softmax(reference) || softmax(other))`` per row, in nats, computed in fp32: ``[T, V] -> [T]``."""
+    if reference_logits.shape != other_logits.shape or reference_logits.dim() != 2:
+        raise ValueError(f"logits must both be [T, V] with the same shape, got {tuple(reference_logits.shape)} "
+                         f"and {tuple(other_logits.shape)}")
+    log_p = F.log_softmax(reference_logits.float(), dim=-1)
+    log_q = F.log_softmax(other_logits.float(), dim=-1)
+    return (log_p.exp() * (log_p - log_q)).sum(-1)
+
+
+def nll_per_position(logits: Tensor, targets: Tensor) -> Tensor:
+    """Negative log-likelihood (nats) of ``targets [T]`` under ``logits [T, V]``."""
+    log_q = F.log_softmax(logits.float(), dim=-1)
+    return -log_q.gather(-1, targets.view(-1, 1).to(log_q.device)).squeeze(-1)
+
+
+@dataclass
+class FidelityReport:
+    kl: list[float] = field(default_factory=list)  # per example: mean over continuation positions
+    nll_full: list[float] = field(default_factory=list)
+    nll_compressed: list[float] = field(default_factory=list)
+
+    @staticmethod
+    def _mean(values):
+        return sum(values) / len(values)
+
+    @staticmethod
+    def _stderr(values):
+        n = len(values)
+        if n < 2:
+            return float("nan")
+        mean = sum(values) / n
+        return math.sqrt(sum((v - mean) ** 2 for v in values) / (n - 1) / n)
+
+    def summary(self) -> dict[str, float]:
+        """Means over examples (every example has the same number of positions), with standard errors."""
+        return {
+            "kl": self._mean(self.kl), "kl_stderr": self._stderr(self.kl),
+            "nll_full": self._mean(self.nll_full), "nll_compressed": self._mean(self.nll_compressed),
+            "ppl_full": math.exp(self._mean(self.nll_full)),
+            "ppl_compressed": math.exp(self._mean(self.nll_compressed)),
+            "examples": len(self.kl),
+        }
+
+
+def evaluate_fidelity(examples: Tensor, prefix_len: int, full_fn: LogitsFn, compressed_fn: LogitsFn,
+                      progress: bool = True) -> FidelityReport:
+    """Compare ``full_fn`` and ``compressed_fn`` on ``examples`` ``[E, prefix_len + T]`` (token ids, e.g. from
+    ``ripplekv_ext.corpus.token_examples``)."""
+    if examples.dim() != 2 or examples.dtype != torch.long:
+        raise ValueError(f"examples must be an int64 [E, P + T] tensor, got {examples.dtype} "
+                         f"{tuple(examples.shape)}")
+    if not 1 <= prefix_len < examples.shape[1]:
+        raise ValueError(f"prefix_len must be in [1, {examples.shape[1] - 1}] for examples of "
+                         f"{examples.shape[1]} tokens, got {prefix_len}")
+    report = FidelityReport()
+    rows = range(examples.shape[0])
+    if progress:
+        from tqdm.auto import tqdm
+        rows = tqdm(rows, desc="fidelity", unit="example")
+    for i in rows:
+        prefix, continuation = examples[i:i + 1, :prefix_len], examples[i:i + 1, prefix_len:]
+        full = full_fn(prefix, continuation)
+        compressed = compressed_fn(prefix, continuation)
+        expected = (continuation.shape[1], full.shape[-1])
+        if tuple(full.shape) != expected or tuple(compressed.shape) != expected:
+            raise ValueError(f"logits functions must return [T, V] = {list(expected)}, got full "
+                             f"{list(full.shape)} and compressed {list(compressed.shape)}")
+        targets = continuation[0]
+        report.kl.append(kl_per_position(full, compressed).mean().item())
+        report.nll_full.append(nll_per_position(full, targets).mean().item())
+        report.nll_compressed.append(nll_per_position(compressed, targets).mean().item())
+    return report
+
+
+def fidelity_examples(tokenizer, prefix_len: int, cont_len: int, num_examples: int,
+                      source="kjv:evaluation") -> Tensor:
+    """Token windows ``[num_examples, prefix_len + cont_len]`` from ``source`` (default: the evaluation split of
+    the bundled King James Bible, which never overlaps the calibration split the profiler uses)."""
+    from ripplekv_ext.corpus import load_texts, token_examples
+
+    texts, _ = load_texts(source)
+    return token_examples(tokenizer, texts, prefix_len, cont_len, num_examples)
