@@ -1,0 +1,466 @@
+"""RippleKV sensitivity profiler (DESIGN.md §4).
+
+For each calibration example (prefix of P tokens, continuation of T tokens) the prefix is run once; the
+continuation is run teacher-forced against the clean cache (reference distributions), then once per
+profiled layer `l` and noise draw against a cache whose layer-`l` prefix Values are perturbed:
+`v' = v + sigma * ||v|| / sqrt(D) * eps`. Sensitivity `s_l` = mean KL(P_ref || P_l) over positions, draws
+and examples.
+
+Cost: layers before `l` never see the perturbation, so their outputs on the continuation are recorded
+once in the reference pass and replayed; only layers `l..L-1` run. This is checked against a full forward
+pass on the first example and falls back to full passes if the model's layers cannot be replayed.
+
+    python -m ripplekv_ext.profiler --model smollm2 --prefix-len 1024 --cont-len 64 --examples 8 \
+        --out bench/results/smollm2_profile.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import copy
+import math
+import sys
+import time
+import warnings
+from pathlib import Path
+from typing import Callable, Sequence
+
+import numpy as np
+import torch
+
+from ripplekv_ext.corpus import load_texts, token_examples
+from ripplekv_ext.models import compressible_layers as model_compressible_layers
+from ripplekv_ext.profile_file import (TARGETS, Profile, ProfileError, describe_model, save_profile,
+                                       write_json_atomic)
+
+METRIC = "kl(p_ref || p_perturbed), natural log, mean over continuation positions"
+PARTIAL_SUFFIX = ".partial.json"
+
+
+# ---- statistics ----------------------------------------------------------------------------------
+
+def _ranks(x: Sequence[float]) -> np.ndarray:
+    """Average ranks (ties share the mean rank), as Spearman's rho needs."""
+    x = np.asarray(x, dtype=np.float64)
+    order = np.argsort(x, kind="stable")
+    ranks = np.empty(len(x))
+    i = 0
+    while i < len(x):
+        j = i
+        while j + 1 < len(x) and x[order[j + 1]] == x[order[i]]:
+            j += 1
+        ranks[order[i:j + 1]] = (i + j) / 2.0
+        i = j + 1
+    return ranks
+
+
+def spearman(a: Sequence[float], b: Sequence[float]) -> float | None:
+    """Spearman rank correlation; None when undefined (fewer than 2 points or a constant input)."""
+    if len(a) != len(b):
+        raise ValueError(f"spearman needs equal lengths, got {len(a)} and {len(b)}")
+    if len(a) < 2:
+        return None
+    ra, rb = _ranks(a), _ranks(b)
+    ra, rb = ra - ra.mean(), rb - rb.mean()
+    denom = math.sqrt(float((ra ** 2).sum() * (rb ** 2).sum()))
+    return None if denom == 0 else float((ra * rb).sum() / denom)
+
+
+def standard_errors(per_example: Sequence[Sequence[float]]) -> list[float]:
+    x = np.asarray(per_example, dtype=np.float64)
+    if x.shape[0] < 2:
+        return [0.0] * x.shape[1]
+    return (x.std(axis=0, ddof=1) / math.sqrt(x.shape[0])).tolist()
+
+
+def split_half_spearman(per_example: Sequence[Sequence[float]]) -> float | None:
+    """Spearman between the profiles of the even- and odd-numbered examples (None with < 2 examples)."""
+    x = np.asarray(per_example, dtype=np.float64)
+    if x.shape[0] < 2:
+        return None
+    return spearman(x[0::2].mean(axis=0).tolist(), x[1::2].mean(axis=0).tolist())
+
+
+# ---- running a continuation against a modified cache ----------------------------------------------
+
+def decoder_layers(model):
+    """The model's list of decoder layers, or None when it cannot be found."""
+    for path in ("model.layers", "model.decoder.layers", "transformer.h", "model.language_model.layers"):
+        obj = model
+        for attr in path.split("."):
+            obj = getattr(obj, attr, None)
+            if obj is None:
+                break
+        if isinstance(obj, torch.nn.ModuleList):
+            return obj
+    return None
+
+
+def _output_cache(output):
+    cache = getattr(output, "cache", None)
+    return cache if cache is not None else getattr(output, "past_key_values", None)
+
+
+class ContinuationRunner:
+    """One example: the prefix cache, the reference continuation, and runs with one layer modified.
+
+    `run(layer, modify)` restores a pristine copy of the prefix cache (so no run grows or alters it), lets
+    `modify(cache_layer)` change layer `layer`'s entry, runs the continuation and returns log-probabilities
+    `[T, V]` in float32. With `reuse=True` the layers before `layer` replay their recorded reference outputs.
+    """
+
+    def __init__(self, model, ids: torch.Tensor, prefix_len: int, reuse: bool = True):
+        self.model = model
+        device = next(model.parameters()).device
+        ids = ids.to(device).view(1, -1)
+        self.prefix_len = prefix_len
+        self.prefix, self.cont = ids[:, :prefix_len], ids[:, prefix_len:]
+        self.position_ids = torch.arange(prefix_len, ids.shape[1], device=device).unsqueeze(0)
+        self.layers = decoder_layers(model) if reuse else None
+        self.reuse = self.layers is not None
+        out = model(input_ids=self.prefix, use_cache=True, logits_to_keep=1)
+        cache = _output_cache(out)
+        if cache is None or not hasattr(cache, "layers"):
+            raise RuntimeError(f"{type(model).__name__} returned no transformers Cache with .layers; "
+                               "the profiler needs the Cache API")
+        self.cache = cache
+        self._pristine = [copy.copy(layer) for layer in cache.layers]
+        self.recorded: list = []
+        self.ref_logprobs = self._forward(record=self.reuse)
+
+    def _fresh_cache(self):
+        self.cache.layers = [copy.copy(layer) for layer in self._pristine]
+        return self.cache
+
+    def _forward(self, record: bool = False, replay_below: int = 0):
+        cache = self._fresh_cache()
+        handles, patched = [], []
+        if record:
+            self.recorded = [None] * len(self.layers)
+
+            def make_hook(i):
+                def hook(module, args, output):
+                    self.recorded[i] = output
+                return hook
+            handles = [layer.register_forward_hook(make_hook(i)) for i, layer in enumerate(self.layers)]
+        for i in range(replay_below):
+            # An instance attribute shadows the class's forward: the layer returns its recorded output.
+            self.layers[i].forward = (lambda out: (lambda *a, **k: out))(self.recorded[i])
+            patched.append(self.layers[i])
+        try:
+            out = self.model(input_ids=self.cont, position_ids=self.position_ids, cache=cache, use_cache=True)
+        finally:
+            for h in handles:
+                h.remove()
+            for layer in patched:
+                del layer.forward
+        if cache.get_seq_length() != self.prefix_len + self.cont.shape[1] and replay_below == 0:
+            raise RuntimeError("the continuation did not extend the cache as expected")
+        return torch.log_softmax(out.logits[0].float(), dim=-1)
+
+    def run(self, layer: int, modify: Callable | None = None, reuse: bool | None = None) -> torch.Tensor:
+        reuse = self.reuse if reuse is None else (reuse and self.reuse)
+        if modify is None:
+            return self._forward(replay_below=layer if reuse else 0)
+        pristine = self._pristine[layer]
+        self._pristine[layer] = copy.copy(pristine)
+        try:
+            modify(self._pristine[layer])
+            return self._forward(replay_below=layer if reuse else 0)
+        finally:
+            self._pristine[layer] = pristine
+
+    def kl_from_ref(self, logprobs: torch.Tensor) -> float:
+        """KL(P_ref || P) per position, averaged over the continuation."""
+        ref = self.ref_logprobs
+        return float((ref.exp() * (ref - logprobs)).sum(-1).mean())
+
+    def check_reuse(self, layer: int, rtol: float = 1e-4) -> bool:
+        """Does replaying layers < `layer` reproduce the reference? (It must, bit for bit in principle.)"""
+        if not self.reuse or layer == 0:
+            return True
+        replayed = self.run(layer, None, reuse=True)
+        diff = float((replayed - self.ref_logprobs).abs().max())
+        return diff <= rtol * max(1.0, float(self.ref_logprobs.abs().max()))
+
+
+# ---- perturbation ----------------------------------------------------------------------------------
+
+def _noise_seed(seed: int, example: int, layer: int, draw: int, which: int) -> int:
+    # One independent stream per (seed, example, layer, draw, K/V): results do not depend on run order,
+    # on resuming, or on the reuse optimisation.
+    return int(np.random.SeedSequence([seed, example, layer, draw, which]).generate_state(1, np.uint64)[0] >> 1)
+
+
+def perturb(x: torch.Tensor, sigma: float, seed: int) -> torch.Tensor:
+    """`x + sigma * ||x|| / sqrt(D) * eps` per vector (last dim), eps ~ N(0, I), computed in fp32."""
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    eps = torch.randn(x.shape, generator=g, dtype=torch.float32).to(x.device)
+    xf = x.float()
+    norm = xf.norm(dim=-1, keepdim=True)
+    return (xf + sigma * norm / math.sqrt(x.shape[-1]) * eps).to(x.dtype)
+
+
+def _perturber(target: str, sigma: float, seed: int, example: int, layer: int, draw: int):
+    def modify(cache_layer):
+        if target in ("values", "both"):
+            cache_layer.values = perturb(cache_layer.values, sigma, _noise_seed(seed, example, layer, draw, 1))
+        if target in ("keys", "both"):
+            cache_layer.keys = perturb(cache_layer.keys, sigma, _noise_seed(seed, example, layer, draw, 0))
+    return modify
+
+
+def profile_example(model, ids: torch.Tensor, prefix_len: int, layers: Sequence[int], *, sigma: float, seed: int,
+                    draws: int, target: str, example_index: int, reuse: bool = True,
+                    progress: Callable[[], None] | None = None) -> tuple[list[float], bool]:
+    """Per-layer mean KL for one example; also whether hidden states were reused."""
+    with torch.inference_mode():
+        runner = ContinuationRunner(model, ids, prefix_len, reuse=reuse)
+        if runner.reuse and not runner.check_reuse(max(layers)):
+            warnings.warn(f"{type(model).__name__}: replaying recorded layer outputs does not reproduce the "
+                          "reference; falling back to full forward passes", RuntimeWarning)
+            runner.reuse = False
+        result = []
+        for layer in layers:
+            kls = [runner.kl_from_ref(runner.run(layer, _perturber(target, sigma, seed, example_index, layer, d)))
+                   for d in range(draws)]
+            result.append(sum(kls) / draws)
+            if progress:
+                progress()
+        return result, runner.reuse
+
+
+# ---- the profiling run -----------------------------------------------------------------------------
+
+def _check_options(prefix_len, cont_len, num_examples, sigma, draws, target, until_stable, stability_threshold,
+                   max_examples):
+    for name, value, minimum in (("prefix_len", prefix_len, 1), ("cont_len", cont_len, 1),
+                                 ("num_examples", num_examples, 1), ("draws", draws, 1)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+            raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
+    if not (isinstance(sigma, (int, float)) and math.isfinite(sigma) and sigma > 0):
+        raise ValueError(f"sigma must be a finite number > 0, got {sigma!r}")
+    if target not in TARGETS:
+        raise ValueError(f"target must be one of {TARGETS}, got {target!r}")
+    if until_stable:
+        if not (-1.0 <= stability_threshold <= 1.0):
+            raise ValueError(f"stability_threshold must be in [-1, 1], got {stability_threshold!r}")
+        if max_examples < num_examples:
+            raise ValueError(f"max_examples must be >= num_examples = {num_examples}, got {max_examples}")
+
+
+def profile_model(model, tokenizer=None, texts=None, *, examples: torch.Tensor | None = None,
+                  prefix_len: int = 1024, cont_len: int = 64, num_examples: int = 8, sigma: float = 0.1,
+                  seed: int = 0, draws: int = 1, layers: Sequence[int] | None = None, target: str = "values",
+                  reuse: bool = True, until_stable: bool = False, stability_threshold: float = 0.9,
+                  max_examples: int = 64, out_path=None, resume: bool = True, progress: bool = True,
+                  model_name: str | None = None, source: str | None = None) -> Profile:
+    """Measure the sensitivity profile of `model` and return it (and write it to `out_path` if given).
+
+    Calibration input is `examples` (token ids `[n, P + T]`) or `texts` (None = bundled KJV calibration
+    split, a file path, or a list of strings) cut into examples with `tokenizer`. `layers` defaults to the
+    compressible (full-attention) layers. With `until_stable`, examples are added beyond `num_examples`
+    until the split-half Spearman of the profile reaches `stability_threshold` or `max_examples` is hit.
+    With `out_path`, progress is saved after every example to `<out_path>.partial.json` (atomically); an
+    interrupted run with the same settings resumes from it.
+    """
+    _check_options(prefix_len, cont_len, num_examples, sigma, draws, target, until_stable, stability_threshold,
+                   max_examples)
+    num_layers = model.config.get_text_config().num_hidden_layers
+    compressible = model_compressible_layers(model)
+    layers = list(compressible if layers is None else layers)
+    if not layers:
+        raise ValueError("no layers to profile (the model has no full-attention layers; pass layers=...)")
+    bad = [l for l in layers if not (isinstance(l, int) and 0 <= l < num_layers)]
+    if bad or len(set(layers)) != len(layers):
+        raise ValueError(f"layers must be distinct indices in [0, {num_layers}), got {layers}")
+    layers = sorted(layers)
+
+    cap = max_examples if until_stable else num_examples
+    if examples is None:
+        if tokenizer is None:
+            raise ValueError("tokenizer is required to cut texts into examples (or pass examples=token ids)")
+        docs, source_desc = load_texts(texts)
+        examples = _cut_available(tokenizer, docs, prefix_len, cont_len, num_examples, cap)
+    else:
+        source_desc = "token ids"
+        if examples.dim() != 2 or examples.shape[1] != prefix_len + cont_len:
+            raise ValueError(f"examples must be [n, prefix_len + cont_len = {prefix_len + cont_len}], "
+                             f"got {list(examples.shape)}")
+        if examples.shape[0] < num_examples:
+            raise ValueError(f"examples must hold at least num_examples = {num_examples} rows, "
+                             f"got {examples.shape[0]}")
+    source_desc = source or source_desc
+    cap = min(cap, examples.shape[0])
+
+    info = describe_model(model, model_name)
+    method = {"target": target, "sigma": float(sigma), "seed": int(seed), "draws": int(draws), "metric": METRIC}
+    run_key = {"model": info, "method": method, "prefix_len": prefix_len, "cont_len": cont_len, "layers": layers,
+               "source": source_desc, "examples_sha": _ids_digest(examples[:cap])}
+
+    per_example: list[list[float]] = []
+    reused_flags: list[bool] = []
+    seconds_before = 0.0
+    partial = Path(str(out_path) + PARTIAL_SUFFIX) if out_path else None
+    if partial and resume and partial.is_file():
+        per_example, reused_flags, seconds_before = _load_partial(partial, run_key)
+
+    device = next(model.parameters()).device
+    start = time.perf_counter()
+    bar = _progress_bar(progress, total=cap * len(layers), done=len(per_example) * len(layers))
+    try:
+        while len(per_example) < cap:
+            e = len(per_example)
+            if until_stable and e >= num_examples:
+                rho = split_half_spearman(per_example)
+                if rho is not None and rho >= stability_threshold:
+                    break
+            values, reused = profile_example(model, examples[e], prefix_len, layers, sigma=sigma, seed=seed,
+                                             draws=draws, target=target, example_index=e, reuse=reuse,
+                                             progress=bar.update if bar else None)
+            per_example.append(values)
+            reused_flags.append(reused)
+            if partial:
+                write_json_atomic(partial, {"run_key": run_key, "per_example": per_example, "reused": reused_flags,
+                                            "seconds": seconds_before + time.perf_counter() - start})
+    except KeyboardInterrupt:
+        if partial:
+            print(f"\ninterrupted: {len(per_example)} examples saved in {partial}; run again to resume",
+                  file=sys.stderr)
+        raise
+    finally:
+        if bar:
+            bar.close()
+    seconds = seconds_before + time.perf_counter() - start
+
+    n = len(per_example)
+    x = np.asarray(per_example, dtype=np.float64)
+    profile = Profile(
+        model=info, method=method,
+        calibration={"source": source_desc, "num_examples": n, "prefix_len": prefix_len, "cont_len": cont_len},
+        layers=layers, sensitivity=x.mean(axis=0).tolist(), stderr=standard_errors(per_example),
+        per_example=[list(map(float, row)) for row in per_example], compressible_layers=compressible,
+        stability={"split_half_spearman": split_half_spearman(per_example), "until_stable": bool(until_stable),
+                   "threshold": float(stability_threshold) if until_stable else None,
+                   "max_examples": int(max_examples) if until_stable else None},
+        cost={"seconds": float(seconds), "tokens_processed": _tokens_processed(n, prefix_len, cont_len, layers,
+                                                                               draws, num_layers, reused_flags),
+              "device": str(device), "reuse_hidden_states": bool(all(reused_flags))},
+    )
+    if out_path:
+        save_profile(profile, out_path)
+        partial.unlink(missing_ok=True)
+    return profile
+
+
+def _cut_available(tokenizer, docs, prefix_len, cont_len, num_examples, cap):
+    """As many examples as the text holds, up to `cap` (at least `num_examples`)."""
+    try:
+        return token_examples(tokenizer, docs, prefix_len, cont_len, cap)
+    except ValueError:
+        if cap == num_examples:
+            raise
+        lo, hi = num_examples, cap
+        best = token_examples(tokenizer, docs, prefix_len, cont_len, num_examples)
+        while lo < hi:  # the largest count that fits
+            mid = (lo + hi + 1) // 2
+            try:
+                best = token_examples(tokenizer, docs, prefix_len, cont_len, mid)
+                lo = mid
+            except ValueError:
+                hi = mid - 1
+        return best
+
+
+def _ids_digest(ids: torch.Tensor) -> str:
+    import hashlib
+    return hashlib.sha256(ids.to(torch.int64).cpu().numpy().tobytes()).hexdigest()
+
+
+def _tokens_processed(n, prefix_len, cont_len, layers, draws, num_layers, reused_flags):
+    """Token-layer work in units of full-model tokens: prefix + reference + perturbed continuations."""
+    total = 0.0
+    for reused in reused_flags[:n]:
+        total += prefix_len + cont_len
+        for l in layers:
+            frac = (num_layers - l) / num_layers if reused else 1.0
+            total += draws * cont_len * frac
+    return int(round(total))
+
+
+def _load_partial(path: Path, run_key: dict):
+    import json
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, json.JSONDecodeError) as e:
+        raise ProfileError(f"partial profile {path} is unreadable ({e}); delete it to start over") from None
+    if data.get("run_key") != json.loads(json.dumps(run_key)):
+        raise ProfileError(f"partial profile {path} was made with other settings or another model; "
+                           "delete it or pass resume=False")
+    return data["per_example"], data["reused"], float(data.get("seconds", 0.0))
+
+
+def _progress_bar(enabled: bool, total: int, done: int):
+    if not enabled:
+        return None
+    from tqdm.auto import tqdm
+    return tqdm(total=total, initial=done, desc="profiling (example x layer)", unit="run", dynamic_ncols=True)
+
+
+# ---- command line ----------------------------------------------------------------------------------
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m ripplekv_ext.profiler", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default="smollm2", help="'smollm2' (bundled) or a transformers model path")
+    parser.add_argument("--texts", default=None, help="kjv[:calibration|evaluation], a .txt or .jsonl file")
+    parser.add_argument("--prefix-len", type=int, default=1024)
+    parser.add_argument("--cont-len", type=int, default=64)
+    parser.add_argument("--examples", type=int, default=8)
+    parser.add_argument("--sigma", type=float, default=0.1)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--draws", type=int, default=1)
+    parser.add_argument("--layers", type=int, nargs="*", default=None)
+    parser.add_argument("--target", choices=TARGETS, default="values")
+    parser.add_argument("--no-reuse", action="store_true", help="full forward passes (the naive way)")
+    parser.add_argument("--until-stable", action="store_true")
+    parser.add_argument("--stability-threshold", type=float, default=0.9)
+    parser.add_argument("--max-examples", type=int, default=64)
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--no-resume", action="store_true")
+    parser.add_argument("--threads", type=int, default=None)
+    args = parser.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    if args.model == "smollm2":
+        from ripplekv_ext.models import load_smollm2
+        model, tokenizer = load_smollm2()
+    else:
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+        tokenizer = AutoTokenizer.from_pretrained(args.model)
+        model = AutoModelForCausalLM.from_pretrained(args.model, attn_implementation="sdpa").eval()
+    profile = profile_model(model, tokenizer, args.texts, prefix_len=args.prefix_len, cont_len=args.cont_len,
+                            num_examples=args.examples, sigma=args.sigma, seed=args.seed, draws=args.draws,
+                            layers=args.layers, target=args.target, reuse=not args.no_reuse,
+                            until_stable=args.until_stable, stability_threshold=args.stability_threshold,
+                            max_examples=args.max_examples, out_path=args.out, resume=not args.no_resume)
+    print(format_profile(profile))
+    return 0
+
+
+def format_profile(profile: Profile) -> str:
+    lines = [f"profile of {profile.model['name']} ({profile.calibration['num_examples']} examples, "
+             f"P={profile.calibration['prefix_len']}, T={profile.calibration['cont_len']}, "
+             f"target={profile.method['target']}, sigma={profile.method['sigma']})",
+             f"{'layer':>5}  {'sensitivity':>12}  {'stderr':>10}"]
+    for l, s, se in zip(profile.layers, profile.sensitivity, profile.stderr):
+        lines.append(f"{l:>5}  {s:12.6g}  {se:10.3g}")
+    rho = profile.stability["split_half_spearman"]
+    lines.append(f"split-half Spearman: {'n/a' if rho is None else f'{rho:.3f}'}; "
+                 f"wall time {profile.cost['seconds']:.1f} s on {profile.cost['device']}; "
+                 f"reuse of hidden states: {profile.cost['reuse_hidden_states']}")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
