@@ -37,7 +37,7 @@ def continuation_logits_fn(model, compression: Optional[Callable[[], ContextMana
         context = compression() if compression is not None else contextlib.nullcontext()
         with context, torch.inference_mode():
             prefill = model(prefix_ids.to(device), use_cache=True)
-            rest = model(continuation_ids.to(device), past_key_values=prefill.past_key_values, use_cache=True)
+            rest = model(continuation_ids.to(device), cache=prefill.cache, use_cache=True)
         # The prefix's last position predicts continuation token 0; continuation position t predicts t + 1.
         return torch.cat([prefill.logits[0, -1:], rest.logits[0, :-1]]).float()
 
