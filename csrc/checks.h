@@ -5,8 +5,11 @@
 #include <ATen/ATen.h>
 
 #include <string>
+#include <string_view>
 
 #include "ripplekv/common.h"
+#include "ripplekv/numeric.h"
+#include "ripplekv/snapkv_scores.h"
 
 namespace ripplekv_ext {
 
@@ -60,6 +63,40 @@ inline void check_status(const ripplekv::Status& s, const char* op, const char* 
                          const std::string& expected) {
   TORCH_CHECK(s.ok(), op, ": ", name, " ", expected, ", got ", ripplekv::status_name(s.code), " (",
               s.value, ") in row ", s.row);
+}
+
+inline ripplekv::Pooling parse_pooling(std::string_view pooling, const char* op) {
+  if (pooling == "max") return ripplekv::Pooling::kMax;
+  if (pooling == "avg") return ripplekv::Pooling::kAvg;
+  TORCH_CHECK(false, op, ": pooling must be 'max' or 'avg', got '", pooling, "'");
+}
+
+inline ripplekv::GroupReduce parse_group_reduce(std::string_view group_reduce, const char* op) {
+  if (group_reduce == "mean") return ripplekv::GroupReduce::kMean;
+  if (group_reduce == "max") return ripplekv::GroupReduce::kMax;
+  TORCH_CHECK(false, op, ": group_reduce must be 'mean' or 'max', got '", group_reduce, "'");
+}
+
+inline void check_budget(int64_t budget, const char* op, const char* name) {
+  TORCH_CHECK(budget >= 0, op, ": ", name, " must be a non-negative number of tokens, got ", budget);
+}
+
+// H_q = G * H_kv: returns G.
+inline int64_t check_group(int64_t h_q, int64_t h_kv, const char* op, const char* q_name) {
+  TORCH_CHECK(h_kv > 0 && h_q % h_kv == 0, op, ": ", q_name, " heads (H_q = ", h_q,
+              ") must be a positive multiple of the keys heads (H_kv = ", h_kv, ")");
+  return h_q / h_kv;
+}
+
+// Calls f(T{}) with the torch-free element type matching a float dtype (CPU kernels).
+template <typename F>
+void visit_float_type(at::ScalarType dtype, F&& f) {
+  switch (dtype) {
+    case at::kFloat: f(float{}); break;
+    case at::kHalf: f(ripplekv::Half{}); break;
+    case at::kBFloat16: f(ripplekv::BFloat16{}); break;
+    default: TORCH_CHECK(false, "ripplekv: unsupported dtype ", dtype);
+  }
 }
 
 }  // namespace ripplekv_ext

@@ -8,4 +8,27 @@ TORCH_LIBRARY(ripplekv, m) {
   m.def(
       "gather_kv_into(Tensor keys, Tensor values, Tensor indices, Tensor(a!) keys_out, "
       "Tensor(b!) values_out) -> ()");
+  // q_window: [B, H_q, W, D], keys: [B, H_kv, N, D] -> float32 [B, H_kv, N - W]: window attention
+  // mass per prefix key (causal inside the window, fp32 softmax), group-reduced, then 1-D pooled.
+  m.def(
+      "snapkv_scores(Tensor q_window, Tensor keys, int kernel_size=7, str pooling=\"max\", "
+      "str group_reduce=\"mean\", float? scale=None) -> Tensor");
+  // scores: float32 [B, H_kv, N - W] -> int64 [B, H_kv, min(budget, N)], ascending, window kept,
+  // ties to the lower position.
+  m.def("select_topk(Tensor scores, int budget, int window) -> Tensor");
+  // Score + select + gather without the [B, H_q, W, N] probabilities -> (K_c, V_c, indices).
+  m.def(
+      "snapkv_compress(Tensor q_window, Tensor keys, Tensor values, int budget, int kernel_size=7, "
+      "str pooling=\"max\", str group_reduce=\"mean\", float? scale=None) -> (Tensor, Tensor, Tensor)");
+  // queries: [B, H_q, N, D], keys: [B, H_kv, N, D] -> float32 [B, H_kv, N]: cumulative causal
+  // attention over every query, in query chunks.
+  m.def(
+      "h2o_scores(Tensor queries, Tensor keys, int chunk_size=1024, float? scale=None, "
+      "str group_reduce=\"mean\") -> Tensor");
+  // scores: float32 [L, B, H_kv, N - W], budgets: [L] -> (int64 [B, H_kv, sum_l C_l], offsets int64 [L + 1]).
+  m.def("select_topk_packed(Tensor scores, int[] budgets, int window) -> (Tensor, Tensor)");
+  // keys, values: L x [B, H_kv, N, D] -> packed [B, H_kv, sum_l C_l, D], layer l in [offsets[l], offsets[l + 1]).
+  m.def(
+      "gather_kv_packed(Tensor[] keys, Tensor[] values, Tensor indices_flat, Tensor offsets) -> "
+      "(Tensor, Tensor)");
 }

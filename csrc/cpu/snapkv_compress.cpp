@@ -1,0 +1,55 @@
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include "../gather_kv.h"
+#include "../select_topk.h"
+#include "../snapkv_scores.h"
+#include "ripplekv/snapkv_compress.h"
+
+namespace ripplekv_ext {
+namespace {
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> snapkv_compress_cpu(
+    const at::Tensor& q_window, const at::Tensor& keys, const at::Tensor& values, int64_t budget,
+    int64_t kernel_size, c10::string_view pooling, c10::string_view group_reduce, std::optional<double> scale) {
+  constexpr const char* op = "snapkv_compress";
+  check_window_inputs(q_window, keys, op);
+  check_rank(values, op, "values", 4, "[B, H_kv, N, D]");
+  check_same_dtype(values, keys, op, "values", "keys");
+  check_same_device(values, keys, op, "values", "keys");
+  TORCH_CHECK(values.sizes() == keys.sizes(), op, ": values must have the shape of keys ", keys.sizes(), ", got ",
+              values.sizes());
+  check_kernel_size(kernel_size, op);
+  parse_pooling(pooling, op);
+  parse_group_reduce(group_reduce, op);
+  const int64_t B = keys.size(0), H = keys.size(1), N = keys.size(2), W = q_window.size(2);
+  TORCH_CHECK(W >= 1 && W <= N, op, ": window W (q_window dim 2) must be in [1, N] = [1, ", N, "], got ", W);
+  check_window_and_budget(N - W, W, budget, op, "budget");
+  if (N <= budget) {  // nothing to compress: the whole cache, as fresh contiguous buffers
+    return {keys.contiguous().clone(), values.contiguous().clone(),
+            at::arange(N, keys.options().dtype(at::kLong)).expand({B, H, N}).contiguous()};
+  }
+  auto indices = at::empty({B, H, budget}, keys.options().dtype(at::kLong));
+  auto [keys_out, values_out] = empty_gather_kv_outputs(keys, indices);
+  ripplekv::SnapKVCompressParams p{};
+  p.score = make_snapkv_scores_params(q_window, keys, nullptr, {0, 0, 0}, kernel_size, pooling, group_reduce, scale,
+                                      op);
+  p.gather = make_gather_kv_params(keys, values, indices, keys_out, values_out);
+  p.indices = indices.data_ptr<int64_t>();
+  p.idx = strides3(indices);
+  p.budget = budget;
+  visit_float_type(keys.scalar_type(), [&](auto type_tag) {
+    using T = decltype(type_tag);
+    at::parallel_for(0, B * H, 1, [&](int64_t begin, int64_t end) {
+      check_status(ripplekv::snapkv_compress_rows<T>(p, begin, end), op, "scores",
+                   "must not be NaN (check q_window and keys for NaN/inf)");
+    });
+  });
+  return {keys_out, values_out, indices};
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(ripplekv, CPU, m) { m.impl("snapkv_compress", &snapkv_compress_cpu); }
+
+}  // namespace ripplekv_ext

@@ -1,0 +1,64 @@
+// snapkv_scores and snapkv_compress: validation and parameter packing shared by the CPU and CUDA bindings.
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <cmath>
+#include <optional>
+#include <string_view>
+
+#include "checks.h"
+#include "ripplekv/snapkv_scores.h"
+
+namespace ripplekv_ext {
+
+// q_window: [B, H_q, W, D]; keys: [B, H_kv, N, D], same dtype and device. W is checked by the caller
+// (scoring needs W < N; compression with nothing to compress accepts W <= N).
+inline void check_window_inputs(const at::Tensor& q_window, const at::Tensor& keys, const char* op) {
+  check_rank(q_window, op, "q_window", 4, "[B, H_q, W, D]");
+  check_rank(keys, op, "keys", 4, "[B, H_kv, N, D]");
+  check_float_dtype(q_window, op, "q_window");
+  check_same_dtype(keys, q_window, op, "keys", "q_window");
+  check_same_device(keys, q_window, op, "keys", "q_window");
+  check_size(keys, 0, q_window.size(0), op, "keys", "B");
+  check_size(keys, 3, q_window.size(3), op, "keys", "D");
+  check_group(q_window.size(1), keys.size(1), op, "q_window");
+}
+
+inline void check_window_below_n(const at::Tensor& q_window, const at::Tensor& keys, const char* op) {
+  TORCH_CHECK(q_window.size(2) >= 1 && q_window.size(2) < keys.size(2), op,
+              ": window W (q_window dim 2) must be in [1, N) = [1, ", keys.size(2), "), got ", q_window.size(2));
+}
+
+inline void check_kernel_size(int64_t kernel_size, const char* op) {
+  TORCH_CHECK(kernel_size >= 1 && kernel_size % 2 == 1, op,
+              ": kernel_size must be a positive odd number (pooling keeps the length), got ", kernel_size);
+}
+
+inline ripplekv::SnapKVScoresParams make_snapkv_scores_params(const at::Tensor& q_window, const at::Tensor& keys,
+                                                              float* scores, ripplekv::Strides3 score_strides,
+                                                              int64_t kernel_size, std::string_view pooling,
+                                                              std::string_view group_reduce,
+                                                              std::optional<double> scale, const char* op) {
+  const int64_t D = keys.size(3);
+  ripplekv::SnapKVScoresParams p{};
+  p.q_window = q_window.data_ptr();
+  p.keys = keys.data_ptr();
+  p.scores = scores;
+  p.B = keys.size(0);
+  p.H_kv = keys.size(1);
+  p.G = q_window.size(1) / keys.size(1);
+  p.W = q_window.size(2);
+  p.N = keys.size(2);
+  p.D = D;
+  p.q = strides4(q_window);
+  p.k = strides4(keys);
+  p.s = score_strides;
+  p.scale = static_cast<float>(scale.has_value() ? *scale : 1.0 / std::sqrt(static_cast<double>(D)));
+  p.kernel_size = kernel_size;
+  p.pooling = parse_pooling(pooling, op);
+  p.group_reduce = parse_group_reduce(group_reduce, op);
+  return p;
+}
+
+}  // namespace ripplekv_ext

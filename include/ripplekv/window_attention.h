@@ -1,0 +1,131 @@
+// Causal softmax attention mass of a block of queries, CPU, without the [queries, keys] matrix.
+//
+// Shared by SnapKV (the block is the observation window) and H2O (the block is a chunk of prompt
+// queries). Two passes over the keys: the first finds each query's softmax max and normalizer
+// online, tile by tile; the second recomputes the logits of a key tile and adds the normalized
+// probabilities into per-head sums. Scratch is O(queries * (D + tile)), never O(queries * keys).
+#pragma once
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <vector>
+
+#include "ripplekv/numeric.h"
+
+namespace ripplekv {
+namespace detail {
+
+constexpr int64_t kKeyTile = 64;
+
+class WindowAttention {
+ public:
+  // G query heads x Q queries each; query i of every head sits at absolute position pos0 + i and
+  // sees keys [0, pos0 + i]. Queries are read through strides and pre-multiplied by the scale.
+  template <typename T>
+  WindowAttention(const T* q, int64_t head_stride, int64_t query_stride, int64_t dim_stride, int64_t G,
+                  int64_t Q, int64_t D, int64_t pos0, float scale)
+      : G_(G), Q_(Q), D_(D), pos0_(pos0), rows_(G * Q),
+        q_(rows_ * D), key_tile_(D * kKeyTile), logits_(rows_ * kKeyTile),
+        max_(rows_, -std::numeric_limits<float>::infinity()), inv_sum_(rows_, 0.0f) {
+    for (int64_t h = 0; h < G; ++h)
+      for (int64_t i = 0; i < Q; ++i)
+        for (int64_t d = 0; d < D; ++d) {
+          const float v = scale * to_float(q[h * head_stride + i * query_stride + d * dim_stride]);
+          q_[(h * Q + i) * D + d] = v;
+        }
+  }
+
+  // Pass 1 over keys [0, pos0 + Q): softmax max and 1 / normalizer per query (online update).
+  template <typename T>
+  void compute_normalizers(const T* keys, int64_t key_stride, int64_t dim_stride) {
+    std::vector<float> sum(rows_, 0.0f);
+    const int64_t n_visible = pos0_ + Q_;
+    for (int64_t j0 = 0; j0 < n_visible; j0 += kKeyTile) {
+      const int64_t tile = std::min(kKeyTile, n_visible - j0);
+      compute_logits(keys, key_stride, dim_stride, j0, tile);
+      for (int64_t r = 0; r < rows_; ++r) {
+        float* l = &logits_[r * kKeyTile];
+        float tile_max = -std::numeric_limits<float>::infinity();
+        for (int64_t t = 0; t < tile; ++t) tile_max = l[t] > tile_max ? l[t] : tile_max;
+        const float new_max = std::max(max_[r], tile_max);
+        if (new_max == -std::numeric_limits<float>::infinity()) continue;  // fully masked so far
+        // Eight independent partial sums vectorize without reassociating a single sum.
+        float partial[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+        for (int64_t t = 0; t < tile; ++t) partial[t % 8] += exp_nonpositive(l[t] - new_max);
+        float tile_sum = 0.0f;
+        for (float p : partial) tile_sum += p;
+        sum[r] = sum[r] * exp_nonpositive(max_[r] - new_max) + tile_sum;
+        max_[r] = new_max;
+      }
+    }
+    for (int64_t r = 0; r < rows_; ++r) inv_sum_[r] = 1.0f / sum[r];
+  }
+
+  // Pass 2 over keys [j_begin, j_end): head_sums[h * head_stride + (j - j_begin)] += sum over the
+  // head's queries of p(query, j). Needs compute_normalizers first.
+  template <typename T>
+  void accumulate(const T* keys, int64_t key_stride, int64_t dim_stride, int64_t j_begin, int64_t j_end,
+                  float* head_sums, int64_t head_stride) {
+    for (int64_t j0 = j_begin; j0 < j_end; j0 += kKeyTile) {
+      const int64_t tile = std::min(kKeyTile, j_end - j0);
+      compute_logits(keys, key_stride, dim_stride, j0, tile);
+      for (int64_t h = 0; h < G_; ++h) {
+        float* out = head_sums + h * head_stride + (j0 - j_begin);
+        for (int64_t i = 0; i < Q_; ++i) {
+          const int64_t r = h * Q_ + i;
+          const float* l = &logits_[r * kKeyTile];
+          const float m = max_[r], inv = inv_sum_[r];
+          for (int64_t t = 0; t < tile; ++t) out[t] += exp_nonpositive(l[t] - m) * inv;
+        }
+      }
+    }
+  }
+
+ private:
+  // logits_[r][t] = <q_r, k_{j0 + t}>, -inf where key j0 + t is in the future of query r.
+  template <typename T>
+  void compute_logits(const T* keys, int64_t key_stride, int64_t dim_stride, int64_t j0, int64_t tile) {
+    // Keys transposed to [D][tile] so the inner loop is a contiguous multiply-add over keys.
+    for (int64_t t = 0; t < tile; ++t) {
+      const T* k = keys + (j0 + t) * key_stride;
+      for (int64_t d = 0; d < D_; ++d) key_tile_[d * kKeyTile + t] = to_float(k[d * dim_stride]);
+    }
+    for (int64_t t = tile; t < kKeyTile; ++t)
+      for (int64_t d = 0; d < D_; ++d) key_tile_[d * kKeyTile + t] = 0.0f;
+    int64_t r = 0;
+    for (; r + 4 <= rows_; r += 4) logits_block<4>(r);
+    for (; r < rows_; ++r) logits_block<1>(r);
+    if (pos0_ < j0 + tile - 1) {  // some query precedes some key of this tile
+      for (int64_t h = 0; h < G_; ++h)
+        for (int64_t i = 0; i < Q_; ++i) {
+          const int64_t pos = pos0_ + i;
+          float* l = &logits_[(h * Q_ + i) * kKeyTile];
+          for (int64_t t = std::max<int64_t>(0, pos + 1 - j0); t < tile; ++t)
+            l[t] = -std::numeric_limits<float>::infinity();
+        }
+    }
+  }
+
+  // Rows [r, r + R) of the logits tile; R rows share each load of the key tile.
+  template <int R>
+  void logits_block(int64_t r) {
+    float acc[R][kKeyTile] = {};
+    for (int64_t d = 0; d < D_; ++d) {
+      const float* k = &key_tile_[d * kKeyTile];
+      for (int x = 0; x < R; ++x) {
+        const float qv = q_[(r + x) * D_ + d];
+        for (int64_t t = 0; t < kKeyTile; ++t) acc[x][t] += qv * k[t];
+      }
+    }
+    for (int x = 0; x < R; ++x)
+      std::copy(acc[x], acc[x] + kKeyTile, &logits_[(r + x) * kKeyTile]);
+  }
+
+  int64_t G_, Q_, D_, pos0_, rows_;
+  std::vector<float> q_, key_tile_, logits_, max_, inv_sum_;
+};
+
+}  // namespace detail
+}  // namespace ripplekv

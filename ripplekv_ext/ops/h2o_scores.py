@@ -1,0 +1,32 @@
+"""h2o_scores: cumulative causal attention each key receives from every prompt query (H2O)."""
+
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from ripplekv_ext.ops._args import check_int
+
+
+def h2o_scores(queries: Tensor, keys: Tensor, chunk_size: int = 1024, scale: Optional[float] = None,
+               group_reduce: str = "mean") -> Tensor:
+    """``a_{g,j} = reduce over the group of sum_{i >= j} p_{h,i,j}``, for every position ``j``.
+
+    Args:
+        queries: ``[B, H_q, N, D]`` post-RoPE queries of every prompt position.
+        keys: ``[B, H_kv, N, D]``, same dtype and device.
+        chunk_size: queries processed together; memory is ``O(B * H_q * N)``, never ``O(N^2)``.
+        scale: logit scale, ``1/sqrt(D)`` when None.
+        group_reduce: ``"mean"`` (H2O) or ``"max"``.
+
+    Returns:
+        float32 ``[B, H_kv, N]``; slice ``[..., :N - W]`` and pass it to ``select_topk``.
+    """
+    chunk_size = check_int("h2o_scores", "chunk_size", chunk_size)
+    return torch.ops.ripplekv.h2o_scores(queries, keys, chunk_size, scale, group_reduce)
+
+
+@torch.library.register_fake("ripplekv::h2o_scores")
+def _(queries, keys, chunk_size=1024, scale=None, group_reduce="mean"):
+    torch._check(keys.dim() == 4, lambda: f"h2o_scores: keys must be 4-D, got {keys.dim()}-D")
+    return keys.new_empty((keys.shape[0], keys.shape[1], keys.shape[2]), dtype=torch.float32)

@@ -1,0 +1,34 @@
+"""snapkv_scores: attention mass each prefix key receives from the observation window (DESIGN.md §4)."""
+
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from ripplekv_ext.ops._args import check_int
+
+
+def snapkv_scores(q_window: Tensor, keys: Tensor, kernel_size: int = 7, pooling: str = "max",
+                  group_reduce: str = "mean", scale: Optional[float] = None) -> Tensor:
+    """SnapKV window scores without materializing the ``[B, H_q, W, N]`` probabilities.
+
+    Args:
+        q_window: ``[B, H_q, W, D]`` post-RoPE queries of the last ``W`` prompt positions.
+        keys: ``[B, H_kv, N, D]``, same dtype (fp32/fp16/bf16) and device; ``H_q = G * H_kv``, ``1 <= W < N``.
+        kernel_size: odd pooling width, 1 disables pooling.
+        pooling: ``"max"`` (pads with -inf) or ``"avg"`` (zero padding counted).
+        group_reduce: ``"mean"`` or ``"max"`` over the ``G`` query heads of each KV head.
+        scale: logit scale, ``1/sqrt(D)`` when None.
+
+    Returns:
+        float32 ``[B, H_kv, N - W]``. Computed in fp32 whatever the input dtype.
+    """
+    kernel_size = check_int("snapkv_scores", "kernel_size", kernel_size)
+    return torch.ops.ripplekv.snapkv_scores(q_window, keys, kernel_size, pooling, group_reduce, scale)
+
+
+@torch.library.register_fake("ripplekv::snapkv_scores")
+def _(q_window, keys, kernel_size=7, pooling="max", group_reduce="mean", scale=None):
+    torch._check(q_window.dim() == 4, lambda: f"snapkv_scores: q_window must be 4-D, got {q_window.dim()}-D")
+    torch._check(keys.dim() == 4, lambda: f"snapkv_scores: keys must be 4-D, got {keys.dim()}-D")
+    return keys.new_empty((keys.shape[0], keys.shape[1], keys.shape[2] - q_window.shape[2]), dtype=torch.float32)

@@ -1,0 +1,88 @@
+"""h2o_scores against the reference, hand-worked values and identities."""
+
+import pytest
+import torch
+from hypothesis import given, settings, strategies as st
+
+import ripplekv_ext
+import ripplekv_ref
+
+TOL = dict(rtol=1e-5, atol=1e-5)
+
+
+def make(B, H_q, H_kv, N, D, dtype, device, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(B, H_q, N, D, generator=g).to(dtype=dtype, device=device)
+    k = torch.randn(B, H_kv, N, D, generator=g).to(dtype=dtype, device=device)
+    return q, k
+
+
+@pytest.mark.parametrize("shape", [(1, 1, 1, 1, 4), (2, 4, 2, 50, 16), (1, 8, 1, 130, 32), (1, 9, 3, 200, 64)], ids=str)
+@pytest.mark.parametrize("chunk_size", [1, 7, 1024])
+def test_matches_reference(shape, chunk_size, dtype, device):
+    B, H_q, H_kv, N, D = shape
+    q, k = make(B, H_q, H_kv, N, D, dtype, device)
+    ours = ripplekv_ext.h2o_scores(q, k, chunk_size)
+    assert ours.dtype == torch.float32 and ours.shape == (B, H_kv, N)
+    torch.testing.assert_close(ours, ripplekv_ref.h2o_scores(q, k, chunk_size), **TOL)
+
+
+def test_options(device):
+    q, k = make(1, 4, 2, 60, 8, torch.float32, device, seed=4)
+    for scale, reduce in ((0.5, "max"), (None, "mean"), (3.0, "mean")):
+        torch.testing.assert_close(ripplekv_ext.h2o_scores(q, k, 16, scale, reduce),
+                                   ripplekv_ref.h2o_scores(q, k, 16, scale, reduce), **TOL)
+
+
+def test_uniform_attention_by_hand_and_total_mass(device):
+    n = 6
+    q = torch.zeros(1, 2, n, 4, device=device)
+    k = torch.randn(1, 1, n, 4, device=device)
+    expected = torch.tensor([sum(1 / (i + 1) for i in range(j, n)) for j in range(n)], device=device)
+    torch.testing.assert_close(ripplekv_ext.h2o_scores(q, k, 4)[0, 0], expected)
+    # Each query distributes exactly 1 over the keys, so every KV head's total is N.
+    q, k = make(2, 4, 2, 90, 16, torch.float32, device)
+    torch.testing.assert_close(ripplekv_ext.h2o_scores(q, k).sum(-1), torch.full((2, 2), 90.0, device=device),
+                               rtol=1e-4, atol=1e-3)
+
+
+def test_chunking_does_not_change_the_result(device):
+    q, k = make(1, 2, 1, 77, 8, torch.float32, device)
+    whole = ripplekv_ext.h2o_scores(q, k, 77)
+    for chunk in (1, 5, 32, 1000):
+        torch.testing.assert_close(ripplekv_ext.h2o_scores(q, k, chunk), whole, **TOL)
+
+
+@settings(max_examples=20, deadline=None)
+@given(H_kv=st.integers(1, 3), G=st.sampled_from([1, 2, 8]), N=st.integers(1, 70), D=st.sampled_from([1, 8, 32]),
+       chunk=st.integers(1, 80), seed=st.integers(0, 2**16))
+def test_property_matches_reference(H_kv, G, N, D, chunk, seed):
+    q, k = make(1, G * H_kv, H_kv, N, D, torch.float32, "cpu", seed)
+    torch.testing.assert_close(ripplekv_ext.h2o_scores(q, k, chunk), ripplekv_ref.h2o_scores(q, k, chunk), **TOL)
+
+
+def test_opcheck(device):
+    q, k = make(1, 4, 2, 20, 8, torch.float16, device)
+    torch.library.opcheck(torch.ops.ripplekv.h2o_scores.default, (q, k, 8, None, "max"))
+
+
+def test_torch_compile_fullgraph(device):
+    q, k = make(1, 2, 1, 30, 8, torch.float32, device)
+    fn = torch.compile(lambda q, k: ripplekv_ext.h2o_scores(q, k, 8)[..., :-4] + 0, fullgraph=True)
+    torch.testing.assert_close(fn(q, k), ripplekv_ref.h2o_scores(q, k)[..., :-4], **TOL)
+
+
+def test_bad_input(device):
+    q, k = make(1, 4, 2, 10, 8, torch.float32, device)
+    cases = [
+        ((q[0], k), r"h2o_scores: queries must be a 4-D tensor \[B, H_q, N, D\], got 3-D"),
+        ((q, k[:, :, :9]), r"keys dim 2 \(N\) must be 10, got 9"),
+        ((q[:, :3], k), r"queries heads \(H_q = 3\) must be a positive multiple of the keys heads \(H_kv = 2\)"),
+        ((q, k.half()), r"keys must have the dtype of queries \(Float\), got Half"),
+        ((q.int(), k.int()), r"queries must be float32, float16 or bfloat16, got Int"),
+        ((q, k, 0), r"chunk_size must be >= 1, got 0"),
+        ((q, k, 8, None, "sum"), r"group_reduce must be 'mean' or 'max', got 'sum'"),
+    ]
+    for args, message in cases:
+        with pytest.raises(RuntimeError, match=message):
+            ripplekv_ext.h2o_scores(*args)

@@ -1,0 +1,229 @@
+"""snapkv_scores and snapkv_compress against the reference, hand-worked values and adversarial inputs."""
+
+import pytest
+import torch
+from hypothesis import given, settings, strategies as st
+
+import ripplekv_ext
+import ripplekv_ref
+from conftest import requires_cuda
+
+# Scores are fp32 whatever the input dtype (inputs are upcast exactly), so one tolerance serves all
+# dtypes; it covers the different summation order of the tiled kernels.
+SCORE_TOL = dict(rtol=1e-5, atol=1e-5)
+
+
+def make_window(B, H_q, H_kv, W, N, D, dtype, device, seed=0, scale=1.0):
+    g = torch.Generator().manual_seed(seed)
+    q = (scale * torch.randn(B, H_q, W, D, generator=g)).to(dtype=dtype, device=device)
+    k = torch.randn(B, H_kv, N, D, generator=g).to(dtype=dtype, device=device)
+    v = torch.randn(B, H_kv, N, D, generator=g).to(dtype=dtype, device=device)
+    return q, k, v
+
+
+def assert_same_selection(idx, idx_ref, scores_ref, window):
+    """Indices must be identical, except where two scores are equal within the score tolerance: there the
+    kernel's fp32 summation order may legitimately flip a near-tie at the selection threshold."""
+    if torch.equal(idx, idx_ref):
+        return
+    n_prefix = scores_ref.shape[-1]
+    for row in range(idx.shape[0] * idx.shape[1]):
+        a, b = idx.flatten(0, 1)[row].tolist(), idx_ref.flatten(0, 1)[row].tolist()
+        if a == b:
+            continue
+        s = scores_ref.flatten(0, 1)[row]
+        ours_only = [j for j in set(a) - set(b)]
+        ref_only = [j for j in set(b) - set(a)]
+        assert all(j < n_prefix for j in ours_only + ref_only), "window positions must always be kept"
+        for j_ours, j_ref in zip(sorted(ours_only), sorted(ref_only)):
+            assert torch.isclose(s[j_ours], s[j_ref], **SCORE_TOL), (row, j_ours, j_ref, s[j_ours], s[j_ref])
+
+
+SHAPES = [  # (B, H_q, H_kv, W, N, D)
+    (1, 1, 1, 1, 2, 8),      # the smallest valid problem
+    (2, 4, 2, 8, 100, 16),
+    (1, 8, 1, 5, 77, 32),    # G = 8
+    (1, 3, 3, 31, 32, 64),   # W = N - 1, G = 1
+    (1, 9, 3, 32, 300, 64),  # SmolLM2 heads
+]
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+@pytest.mark.parametrize("pooling", ["max", "avg"])
+def test_scores_match_reference(shape, pooling, dtype, device):
+    B, H_q, H_kv, W, N, D = shape
+    q, k, _ = make_window(B, H_q, H_kv, W, N, D, dtype, device)
+    ours = ripplekv_ext.snapkv_scores(q, k, pooling=pooling)
+    ref = ripplekv_ref.snapkv_scores(q, k, pooling=pooling)
+    assert ours.dtype == torch.float32 and ours.shape == (B, H_kv, N - W) and ours.device == k.device
+    torch.testing.assert_close(ours, ref, **SCORE_TOL)
+
+
+@pytest.mark.parametrize("kernel_size, group_reduce, scale", [(1, "max", None), (3, "mean", 0.3), (9, "max", 2.0)])
+def test_scores_options(kernel_size, group_reduce, scale, device):
+    q, k, _ = make_window(2, 6, 2, 7, 90, 16, torch.float32, device, seed=3)
+    ours = ripplekv_ext.snapkv_scores(q, k, kernel_size, "max", group_reduce, scale)
+    ref = ripplekv_ref.snapkv_scores(q, k, kernel_size, "max", group_reduce, scale)
+    torch.testing.assert_close(ours, ref, **SCORE_TOL)
+
+
+def test_scores_uniform_attention_by_hand(device):
+    # Zero queries attend uniformly: window query i (of W = 2, N = 5) sees 4 + i keys.
+    q = torch.zeros(1, 2, 2, 4, device=device)
+    k = torch.randn(1, 1, 5, 4, device=device)
+    expected = torch.full((1, 1, 3), 1 / 4 + 1 / 5, device=device)
+    torch.testing.assert_close(ripplekv_ext.snapkv_scores(q, k, kernel_size=1), expected)
+
+
+def test_scores_large_logits_stay_finite(device):
+    # Logits of several hundred: a softmax without the max subtraction would overflow.
+    q, k, _ = make_window(1, 2, 1, 4, 200, 32, torch.float32, device, seed=5, scale=40.0)
+    ours = ripplekv_ext.snapkv_scores(q, k)
+    assert bool(torch.isfinite(ours).all())
+    torch.testing.assert_close(ours, ripplekv_ref.snapkv_scores(q, k), **SCORE_TOL)
+
+
+@pytest.mark.parametrize("layout", ["bnhd_transposed", "strided_dim"])
+def test_non_contiguous(layout, device):
+    q, k, v = make_window(2, 4, 2, 6, 70, 16, torch.float16, device, seed=2)
+    if layout == "bnhd_transposed":
+        q, k = q.transpose(1, 2).contiguous().transpose(1, 2), k.transpose(1, 2).contiguous().transpose(1, 2)
+    else:
+        q, k = torch.cat([q, q], -1)[..., ::2], torch.cat([k, k], -1)[..., ::2]
+    assert not k.is_contiguous()
+    torch.testing.assert_close(ripplekv_ext.snapkv_scores(q, k), ripplekv_ref.snapkv_scores(q, k), **SCORE_TOL)
+
+
+@pytest.mark.parametrize("shape", SHAPES[1:], ids=str)
+def test_compress_matches_reference(shape, dtype, device):
+    B, H_q, H_kv, W, N, D = shape
+    q, k, v = make_window(B, H_q, H_kv, W, N, D, dtype, device, seed=1)
+    budget = W + (N - W) // 3
+    k_c, v_c, idx = ripplekv_ext.snapkv_compress(q, k, v, budget)
+    _, _, idx_ref = ripplekv_ref.snapkv_compress(q, k, v, budget)
+    assert idx.shape == (B, H_kv, budget) and idx.dtype == torch.int64
+    assert_same_selection(idx, idx_ref, ripplekv_ref.snapkv_scores(q, k), W)
+    # Whatever was selected, K/V must be exactly those rows, and the window is always there.
+    k_g, v_g = ripplekv_ref.gather_kv(k, v, idx)
+    assert torch.equal(k_c, k_g) and torch.equal(v_c, v_g)
+    assert bool((idx.diff(dim=-1) > 0).all())
+    assert torch.equal(idx[..., -W:], torch.arange(N - W, N, device=device).expand(B, H_kv, W))
+
+
+def test_compress_exact_ties_go_low(device):
+    # Identical keys: every prefix score ties, so the lowest positions must win on every backend.
+    q, _, _ = make_window(1, 4, 2, 4, 1, 8, torch.float32, device)
+    k = torch.ones(1, 2, 40, 8, device=device)
+    v = torch.randn(1, 2, 40, 8, device=device)
+    _, _, idx = ripplekv_ext.snapkv_compress(q, k, v, 10)
+    expected = torch.cat([torch.arange(6), torch.arange(36, 40)]).to(device).expand(1, 2, 10)
+    assert torch.equal(idx, expected)
+
+
+def test_compress_nothing_to_compress(device):
+    q, k, v = make_window(1, 2, 1, 4, 20, 8, torch.bfloat16, device)
+    for budget in (20, 50):
+        k_c, v_c, idx = ripplekv_ext.snapkv_compress(q, k, v, budget)
+        assert torch.equal(k_c, k) and torch.equal(v_c, v)
+        assert torch.equal(idx, torch.arange(20, device=device).expand(1, 1, 20))
+        assert k_c.data_ptr() != k.data_ptr()  # fresh buffers, never aliases of the cache
+    # W = N is fine when nothing is compressed.
+    k_c, _, _ = ripplekv_ext.snapkv_compress(q, k[:, :, :4], v[:, :, :4], 4)
+    assert k_c.shape == (1, 1, 4, 8)
+
+
+def test_compress_budget_equals_window(device):
+    q, k, v = make_window(1, 2, 2, 5, 30, 8, torch.float32, device)
+    _, _, idx = ripplekv_ext.snapkv_compress(q, k, v, 5)
+    assert torch.equal(idx, torch.arange(25, 30, device=device).expand(1, 2, 5))
+
+
+@settings(max_examples=25, deadline=None)
+@given(B=st.integers(1, 2), H_kv=st.integers(1, 3), G=st.sampled_from([1, 2, 8]), W=st.integers(1, 8),
+       extra=st.integers(1, 60), D=st.sampled_from([1, 8, 24]), budget_frac=st.floats(0, 1.2),
+       dtype=st.sampled_from([torch.float32, torch.float16, torch.bfloat16]), seed=st.integers(0, 2**16))
+def test_property_compress_matches_reference(B, H_kv, G, W, extra, D, budget_frac, dtype, seed):
+    N = W + extra
+    q, k, v = make_window(B, G * H_kv, H_kv, W, N, D, dtype, "cpu", seed)
+    budget = W + int(budget_frac * (N - W))
+    scores = ripplekv_ext.snapkv_scores(q, k)
+    ref_scores = ripplekv_ref.snapkv_scores(q, k)
+    torch.testing.assert_close(scores, ref_scores, **SCORE_TOL)
+    k_c, v_c, idx = ripplekv_ext.snapkv_compress(q, k, v, budget)
+    _, _, idx_ref = ripplekv_ref.snapkv_compress(q, k, v, budget)
+    assert idx.shape == idx_ref.shape
+    if N > budget:
+        assert_same_selection(idx, idx_ref, ref_scores, W)
+        # The fused path selects exactly what select_topk selects on the unfused scores.
+        assert torch.equal(idx, ripplekv_ext.select_topk(scores, budget, W))
+    assert torch.equal(k_c, ripplekv_ref.gather_kv(k, v, idx)[0])
+
+
+def test_opcheck(device):
+    q, k, v = make_window(1, 4, 2, 4, 24, 8, torch.float16, device)
+    torch.library.opcheck(torch.ops.ripplekv.snapkv_scores.default, (q, k, 3, "avg", "max", 0.5))
+    torch.library.opcheck(torch.ops.ripplekv.snapkv_compress.default, (q, k, v, 10))
+    torch.library.opcheck(torch.ops.ripplekv.snapkv_compress.default, (q, k, v, 30))
+
+
+def test_torch_compile_fullgraph(device):
+    q, k, v = make_window(1, 4, 2, 4, 40, 8, torch.float32, device)
+
+    def compress(q, k, v):
+        k_c, v_c, idx = ripplekv_ext.snapkv_compress(q, k * 1, v, 12)
+        return k_c + 0, v_c, idx, ripplekv_ext.snapkv_scores(q, k) * 2
+
+    k_c, v_c, idx, scores = torch.compile(compress, fullgraph=True)(q, k, v)
+    assert torch.equal(idx, ripplekv_ext.snapkv_compress(q, k, v, 12)[2])
+    torch.testing.assert_close(scores, 2 * ripplekv_ref.snapkv_scores(q, k), **SCORE_TOL)
+
+
+def _bad_scores_calls(device):
+    q, k, _ = make_window(1, 4, 2, 4, 10, 8, torch.float32, device)
+    return {
+        "q rank": ((q[0], k), r"snapkv_scores: q_window must be a 4-D tensor \[B, H_q, W, D\], got 3-D"),
+        "keys rank": ((q, k[0]), r"keys must be a 4-D tensor \[B, H_kv, N, D\], got 3-D"),
+        "dtype": ((q.double(), k.double()), r"q_window must be float32, float16 or bfloat16, got Double"),
+        "dtype mix": ((q, k.half()), r"keys must have the dtype of q_window \(Float\), got Half"),
+        "heads": ((q[:, :3], k), r"q_window heads \(H_q = 3\) must be a positive multiple of the keys heads \(H_kv = 2\)"),
+        "head dim": ((q, k[..., :4]), r"keys dim 3 \(D\) must be 8, got 4"),
+        "batch": ((q, torch.cat([k, k])), r"keys dim 0 \(B\) must be 1, got 2"),
+        "W >= N": ((q, k[:, :, :4]), r"window W \(q_window dim 2\) must be in \[1, N\) = \[1, 4\), got 4"),
+        "kernel": ((q, k, 4), r"kernel_size must be a positive odd number .*, got 4"),
+        "pooling": ((q, k, 7, "min"), r"pooling must be 'max' or 'avg', got 'min'"),
+        "reduce": ((q, k, 7, "max", "sum"), r"group_reduce must be 'mean' or 'max', got 'sum'"),
+    }
+
+
+@pytest.mark.parametrize("case", list(_bad_scores_calls("cpu")))
+def test_scores_bad_input(case, device):
+    args, message = _bad_scores_calls(device)[case]
+    with pytest.raises(RuntimeError, match=message):
+        ripplekv_ext.snapkv_scores(*args)
+
+
+def test_compress_bad_input(device):
+    q, k, v = make_window(1, 4, 2, 4, 10, 8, torch.float32, device)
+    with pytest.raises(RuntimeError, match=r"snapkv_compress: values must have the shape of keys \[1, 2, 10, 8\], got \[1, 2, 9, 8\]"):
+        ripplekv_ext.snapkv_compress(q, k, v[:, :, :9], 6)
+    with pytest.raises(RuntimeError, match=r"budget must be >= window \(4\) when compressing \(N = 10\), got 3"):
+        ripplekv_ext.snapkv_compress(q, k, v, 3)
+    with pytest.raises(RuntimeError, match=r"budget must be a non-negative number of tokens, got -1"):
+        ripplekv_ext.snapkv_compress(q, k, v, -1)
+    with pytest.raises(TypeError, match=r"snapkv_compress: budget must be an integer, got float \(6.5\)"):
+        ripplekv_ext.snapkv_compress(q, k, v, 6.5)
+    with pytest.raises(RuntimeError, match=r"window W \(q_window dim 2\) must be in \[1, N\] = \[1, 3\], got 4"):
+        ripplekv_ext.snapkv_compress(q, k[:, :, :3], v[:, :, :3], 8)
+    with pytest.raises(RuntimeError, match=r"values must have the dtype of keys \(Float\), got Half"):
+        ripplekv_ext.snapkv_compress(q, k, v.half(), 6)
+    bad_q = q.clone()
+    bad_q[0, 1, 2, 3] = float("nan")
+    with pytest.raises(RuntimeError, match=r"NaN"):
+        ripplekv_ext.snapkv_compress(bad_q, k, v, 6)
+
+
+@requires_cuda
+def test_bad_device_mix():
+    q, k, v = make_window(1, 4, 2, 4, 10, 8, torch.float32, "cuda")
+    with pytest.raises(RuntimeError, match=r"keys must be on the device of q_window \(cuda:0\), got cpu"):
+        ripplekv_ext.snapkv_scores(q, k.cpu())
