@@ -157,7 +157,8 @@ class ContinuationRunner:
                 del layer.forward
         if cache.get_seq_length() != self.prefix_len + self.cont.shape[1] and replay_below == 0:
             raise RuntimeError("the continuation did not extend the cache as expected")
-        return torch.log_softmax(out.logits[0].float(), dim=-1)
+        logits = out.logits[0]
+        return torch.log_softmax(logits.to(torch.promote_types(logits.dtype, torch.float32)), dim=-1)
 
     def run(self, layer: int, modify: Callable | None = None, reuse: bool | None = None) -> torch.Tensor:
         reuse = self.reuse if reuse is None else (reuse and self.reuse)
@@ -194,10 +195,10 @@ def _noise_seed(seed: int, example: int, layer: int, draw: int, which: int) -> i
 
 
 def perturb(x: torch.Tensor, sigma: float, seed: int) -> torch.Tensor:
-    """`x + sigma * ||x|| / sqrt(D) * eps` per vector (last dim), eps ~ N(0, I), computed in fp32."""
+    """`x + sigma * ||x|| / sqrt(D) * eps` per vector (last dim), eps ~ N(0, I), computed in fp32 or wider."""
     g = torch.Generator(device="cpu").manual_seed(seed)
     eps = torch.randn(x.shape, generator=g, dtype=torch.float32).to(x.device)
-    xf = x.float()
+    xf = x.to(torch.promote_types(x.dtype, torch.float32))
     norm = xf.norm(dim=-1, keepdim=True)
     return (xf + sigma * norm / math.sqrt(x.shape[-1]) * eps).to(x.dtype)
 
