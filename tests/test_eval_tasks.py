@@ -234,3 +234,17 @@ def test_synthetic_errors(tokenizer):
         make_synthetic("passkey", tokenizer, 20)
     with pytest.raises(ValueError, match="num_examples must be >= 1, got 0"):
         make_synthetic("passkey", tokenizer, 300, num_examples=0)
+
+
+# ---------------------------------------------------------------- fidelity text
+
+
+def test_fidelity_examples_come_from_the_evaluation_split(tokenizer):
+    from ripplekv_ext.corpus import kjv_text
+    from ripplekv_ext.eval import fidelity_examples
+
+    windows = fidelity_examples(tokenizer, prefix_len=32, cont_len=8, num_examples=2)
+    assert windows.shape == (2, 40) and windows.dtype.is_floating_point is False
+    text = tokenizer.decode(windows[0, 1:-1])  # inner tokens: the ends may be partial words
+    assert text.strip() in kjv_text("evaluation")
+    assert text.strip() not in kjv_text("calibration")
