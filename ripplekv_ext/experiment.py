@@ -1,0 +1,107 @@
+"""Methods x retentions on a set of tasks: the grid behind `ripplekv eval` and `ripplekv demo`.
+
+Each cell (method at one retention) runs fidelity (KL and NLL of a teacher-forced continuation) and the
+generation tasks with the model's cache compressed by that policy. Results are written atomically after
+every cell; a rerun with the same settings picks up where an interrupted one stopped.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from pathlib import Path
+from typing import Optional, Sequence
+
+import torch
+
+from ripplekv_ext.eval import (continuation_logits_fn, evaluate, evaluate_fidelity, greedy_generate_fn)
+from ripplekv_ext.hook import compress
+from ripplekv_ext.methods import make_policy, split_method
+from ripplekv_ext.profile_file import write_json_atomic
+
+FORMAT = "ripplekv-eval"
+FORMAT_VERSION = 1
+
+
+def cell_key(method: str, retention: Optional[float]) -> str:
+    return "full" if split_method(method) is None else f"{method}@{retention:g}"
+
+
+def _memoized(logits_fn):
+    """Full-cache logits do not depend on the method: compute them once per example."""
+    cache = {}
+
+    def fn(prefix, continuation):
+        key = (prefix.numpy().tobytes(), continuation.numpy().tobytes())
+        if key not in cache:
+            cache[key] = logits_fn(prefix, continuation)
+        return cache[key]
+
+    return fn
+
+
+def _load_resumable(path: Optional[Path], settings: dict) -> dict:
+    if path is None or not path.exists():
+        return {}
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    if data.get("format") != FORMAT or data.get("settings") != settings:
+        return {}  # another experiment: start afresh (the file is replaced atomically at the first cell)
+    return data.get("cells", {})
+
+
+def run_grid(model, tokenizer, methods: Sequence[str], retentions: Sequence[float], *, profile=None,
+             fidelity_ids: Optional[torch.Tensor] = None, prefix_len: int = 0, task_examples=(),
+             window: int = 32, settings: Optional[dict] = None, out_path=None, progress: bool = True,
+             log=print) -> dict:
+    """Evaluate every method at every retention (Full once) and return the results document.
+
+    Args:
+        fidelity_ids: ``[E, prefix_len + T]`` token ids for the fidelity task, or None to skip it.
+        task_examples: generation examples (synthetic, LongBench, user JSONL) scored per task.
+        settings: what defines this experiment (model, tasks, sizes); a saved file with other settings is
+            not resumed from.
+        out_path: JSON results file, rewritten atomically after every cell.
+    """
+    out_path = Path(out_path) if out_path else None
+    settings = dict(settings or {}, methods=list(methods), retentions=list(retentions), window=window)
+    cells = _load_resumable(out_path, settings)
+    task_examples = list(task_examples)
+    full_fn = _memoized(continuation_logits_fn(model)) if fidelity_ids is not None else None
+
+    plan = []
+    for method in methods:
+        for retention in ([None] if split_method(method) is None else retentions):
+            plan.append((method, retention))
+    for i, (method, retention) in enumerate(plan, 1):
+        key = cell_key(method, retention)
+        if key in cells:
+            log(f"[{i}/{len(plan)}] {key}: already in {out_path}, skipped")
+            continue
+        log(f"[{i}/{len(plan)}] {key}")
+        policy = make_policy(method, retention or 1.0, profile, window)
+        compression = (lambda p=policy: compress(model, p))
+        start = time.perf_counter()
+        cell = {"method": method, "retention": retention, "policy": policy.name}
+        if fidelity_ids is not None:
+            compressed_fn = full_fn if policy.is_full else continuation_logits_fn(model, compression)
+            report = evaluate_fidelity(fidelity_ids, prefix_len, full_fn, compressed_fn, progress=progress)
+            # JSON has no NaN: a standard error over one example is reported as null.
+            cell["fidelity"] = {k: (None if isinstance(v, float) and math.isnan(v) else v)
+                                for k, v in report.summary().items()}
+        if task_examples:
+            generate = greedy_generate_fn(model, tokenizer, None if policy.is_full else compression)
+            report = evaluate(task_examples, generate, progress=progress, desc=key)
+            cell["tasks"] = report.task_scores()
+            cell["task_mean"] = report.mean()
+            cell["predictions"] = [{"task": r.task, "id": r.id, "prediction": r.prediction, "score": r.score}
+                                   for r in report.results]
+        cell["seconds"] = time.perf_counter() - start
+        cells[key] = cell
+        if out_path is not None:
+            write_json_atomic(out_path, {"format": FORMAT, "version": FORMAT_VERSION, "settings": settings,
+                                         "cells": cells})
+    return {"format": FORMAT, "version": FORMAT_VERSION, "settings": settings, "cells": cells}
