@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import re
 import sys
@@ -194,15 +195,38 @@ GENERATION_TASKS = ("passkey", "multikey", "kv_retrieval", "variable_tracking")
 TASKS = ("fidelity",) + GENERATION_TASKS + ("longbench", "user")
 
 
+def shortest_prompt(args) -> int:
+    """The lowest retention must leave more than the window: shorter prompts cannot be compressed to it."""
+    return math.ceil((args.window + 1) / min(args.retentions))
+
+
+def check_eval_args(args) -> None:
+    """Everything about an eval request that can be wrong, checked before minutes go into loading a model."""
+    from ripplekv_ext.methods import split_method
+
+    for method in args.methods:
+        try:
+            split_method(method)
+        except ValueError as err:
+            raise CliError(str(err))
+    unknown = [t for t in args.tasks if t not in TASKS]
+    if unknown:
+        raise CliError(f"unknown task(s) {', '.join(unknown)}: expected some of {', '.join(TASKS)}")
+    shortest = shortest_prompt(args)
+    for option, value in (("--prefix-len", args.prefix_len if "fidelity" in args.tasks else None),
+                          ("--length", args.length)):
+        if value is not None and value < shortest:
+            raise CliError(f"{option} {value} is too short: retention {min(args.retentions):g} with window "
+                           f"{args.window} needs prompts of at least {shortest} tokens")
+
+
 def build_tasks(args, tokenizer):
     """(fidelity ids or None, generation examples, settings that define them)."""
     from ripplekv_ext.eval import fidelity_examples, load_longbench, load_user_jsonl, make_synthetic
     from ripplekv_ext.eval.synthetic import DEFAULT_LENGTHS
 
-    unknown = [t for t in args.tasks if t not in TASKS]
-    if unknown:
-        raise CliError(f"unknown task(s) {', '.join(unknown)}: expected some of {', '.join(TASKS)}")
     settings = {"tasks": args.tasks, "examples": args.examples}
+    shortest = shortest_prompt(args)
     fidelity_ids = None
     if "fidelity" in args.tasks:
         fidelity_ids = fidelity_examples(tokenizer, args.prefix_len, args.cont_len, args.examples, source=args.text)
@@ -210,7 +234,8 @@ def build_tasks(args, tokenizer):
     examples = []
     for task in GENERATION_TASKS:
         if task in args.tasks:
-            length = args.length or DEFAULT_LENGTHS[task]
+            preferred = getattr(args, "task_lengths", {}).get(task, DEFAULT_LENGTHS[task])
+            length = args.length or max(preferred, shortest)
             examples += make_synthetic(task, tokenizer, length=length, num_examples=args.examples, seed=args.seed)
             settings[f"{task}_length"] = length
     if "longbench" in args.tasks:
@@ -278,13 +303,9 @@ def run_eval(args, model, tokenizer, name, profile) -> dict:
 
 
 def cmd_eval(args) -> int:
-    from ripplekv_ext.methods import needs_profile, split_method
+    from ripplekv_ext.methods import needs_profile
 
-    for method in args.methods:
-        try:
-            split_method(method)
-        except ValueError as err:
-            raise CliError(str(err))
+    check_eval_args(args)
     model, tokenizer, name = load_model(args.model)
     profile = None
     if any(needs_profile(m) for m in args.methods):
@@ -305,6 +326,7 @@ def cmd_demo(args) -> int:
     from ripplekv_ext.profile_file import ProfileError, load_profile
     from ripplekv_ext.profiler import format_profile, profile_model
 
+    check_eval_args(args)
     start = time.perf_counter()
     console = _console()
     console.rule("1/3 model")
@@ -430,6 +452,10 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("demo", help="profile, allocate and evaluate the six methods on the bundled model")
     _add_model(p)
     _add_eval_options(p, examples=2, prefix_len=1024)
+    # The bundled 135M model solves neither kv_retrieval nor variable_tracking even with the full cache
+    # (see ripplekv_ext/eval/synthetic.py), so the demo leaves them out; `ripplekv eval` runs all four.
+    # Passkey is solved up to 2048 tokens too, but 1024 keeps the demo within its time budget.
+    p.set_defaults(tasks=["fidelity", "passkey", "multikey"], task_lengths={"passkey": 1024})
     p.add_argument("--reprofile", action="store_true", help="measure the profile again even if one is cached")
     p.set_defaults(func=cmd_demo)
     return parser

@@ -104,6 +104,12 @@ def test_bad_arguments_one_line(argv, message, capsys):
     assert message in err and len(err.strip().splitlines()) == 1
 
 
+def test_prompt_too_short_for_retention(capsys):
+    code, _, err = run(["eval", "--retentions", "0.1,0.5", "--length", "200", "--tasks", "passkey"], capsys)
+    assert code == 2
+    assert "--length 200 is too short: retention 0.1 with window 32 needs prompts of at least 330 tokens" in err
+
+
 @pytest.mark.parametrize("retention", ["0", "1.5", "-0.1", "abc"])
 def test_retention_outside_range(retention, capsys):
     with pytest.raises(SystemExit) as exc:
