@@ -42,8 +42,9 @@ def _policy(method, smollm2):
 
 
 @pytest.mark.benchmark(group="e2e-prefill-256")
+@pytest.mark.parametrize("shape", ["smollm2-prefill-N256"])  # `make bench` groups by param:shape
 @pytest.mark.parametrize("method", METHODS)
-def bench_e2e_prefill(benchmark, smollm2, method):
+def bench_e2e_prefill(benchmark, smollm2, method, shape):
     model, ids = smollm2["model"], smollm2["ids"]
     policy = _policy(method, smollm2)
     result = benchmark.pedantic(e2e_bench.prefill, args=(model, ids, policy), rounds=3, iterations=1)
@@ -67,8 +68,9 @@ def bench_e2e_prefill(benchmark, smollm2, method):
 
 
 @pytest.mark.benchmark(group="e2e-decode-5-after-256")
+@pytest.mark.parametrize("shape", ["smollm2-decode5-N256"])
 @pytest.mark.parametrize("method", ["none", "ripplekv"])
-def bench_e2e_decode(benchmark, smollm2, method):
+def bench_e2e_decode(benchmark, smollm2, method, shape):
     model, ids = smollm2["model"], smollm2["ids"]
     policy = _policy(method, smollm2)
     result = benchmark.pedantic(e2e_bench.greedy_decode, args=(model, ids, NEW_TOKENS, policy), rounds=1,
@@ -88,7 +90,8 @@ def bench_e2e_decode(benchmark, smollm2, method):
 
 
 @pytest.mark.benchmark(group="e2e-profile-cost")
-def bench_e2e_profile_cost(benchmark, smollm2):
+@pytest.mark.parametrize("shape", ["smollm2-profile-P32-T6"])
+def bench_e2e_profile_cost(benchmark, smollm2, shape):
     # Three of the 30 layers keep this a smoke-sized run; the full profile is `ripplekv bench --figures profile`.
     p, t, n, layers = 32, 6, 2, [0, 10, 20]
     result = benchmark.pedantic(e2e_bench.measure_profile_cost, args=(smollm2["model"], smollm2["tokenizer"], p, t, n),
@@ -124,7 +127,8 @@ def bench_e2e_peak_memory_tracking():
 
 
 @pytest.mark.benchmark(group="e2e-peer-256")
-def bench_e2e_peer(benchmark, smollm2):
+@pytest.mark.parametrize("shape", ["smollm2-peer-N256"])
+def bench_e2e_peer(benchmark, smollm2, shape):
     reason = e2e_bench.kvpress_unavailable_reason()
     if reason is not None:
         pytest.skip(reason)

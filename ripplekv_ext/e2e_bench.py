@@ -327,8 +327,8 @@ def kvpress_unavailable_reason() -> Optional[str]:
     try:
         version = importlib.metadata.version("kvpress")
     except importlib.metadata.PackageNotFoundError:
-        return (f"kvpress is not installed (optional: requirements/peer.txt pins kvpress=={KVPRESS_VERSION}, which "
-                f"requires transformers<5.3,>=4.56.0 while this project pins transformers 5.24.0)")
+        return (f"kvpress is not installed: kvpress {KVPRESS_VERSION}, its latest release, requires "
+                f"transformers<5.3,>=4.56.0, and this project pins transformers 5.24.0")
     try:
         from packaging.requirements import Requirement
         from packaging.version import Version
