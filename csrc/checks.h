@@ -9,7 +9,7 @@
 
 #include "ripplekv/common.h"
 #include "ripplekv/numeric.h"
-#include "ripplekv/snapkv_scores.h"
+#include "ripplekv/options.h"
 
 namespace ripplekv_ext {
 

@@ -44,7 +44,7 @@ Status h2o_scores_rows(const H2OScoresParams& p, int64_t row_begin, int64_t row_
     for (int64_t j = 0; j < p.N; ++j) {
       float acc = head_sums[j];
       for (int64_t h = 1; h < p.G; ++h)
-        acc = p.group_reduce == GroupReduce::kMax ? std::max(acc, head_sums[h * p.N + j]) : acc + head_sums[h * p.N + j];
+        acc = p.group_reduce == GroupReduce::kMax ? detail::nan_max(acc, head_sums[h * p.N + j]) : acc + head_sums[h * p.N + j];
       out[j * p.s.c] = p.group_reduce == GroupReduce::kMax ? acc : acc / static_cast<float>(p.G);
     }
   }

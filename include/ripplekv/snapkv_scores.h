@@ -10,12 +10,10 @@
 #include <vector>
 
 #include "ripplekv/numeric.h"
+#include "ripplekv/options.h"
 #include "ripplekv/window_attention.h"
 
 namespace ripplekv {
-
-enum class Pooling : int { kMax = 0, kAvg = 1 };
-enum class GroupReduce : int { kMean = 0, kMax = 1 };
 
 struct SnapKVScoresParams {
   const void* q_window;  // [B, H_q, W, D], strides q; H_q = G * H_kv, query head h reads KV head h / G
@@ -32,6 +30,10 @@ struct SnapKVScoresParams {
 
 namespace detail {
 
+// max that keeps a NaN (std::max drops it when it comes second), so a NaN score reaches the
+// selection and is reported there, as torch's max_pool1d / amax propagate it in the reference.
+inline float nan_max(float acc, float x) { return (x > acc || x != x) ? x : acc; }
+
 // out[j] = pool(in)[j] with stride 1 and padding k / 2: max pads with -inf, avg counts the zero
 // padding in the divisor (as avg_pool1d does by default).
 inline void pool_row(const float* in, int64_t n, int64_t kernel_size, Pooling pooling, float* out,
@@ -40,7 +42,7 @@ inline void pool_row(const float* in, int64_t n, int64_t kernel_size, Pooling po
   for (int64_t j = 0; j < n; ++j) {
     const int64_t lo = std::max<int64_t>(0, j - pad), hi = std::min<int64_t>(n, j + pad + 1);
     float acc = pooling == Pooling::kMax ? -std::numeric_limits<float>::infinity() : 0.0f;
-    for (int64_t t = lo; t < hi; ++t) acc = pooling == Pooling::kMax ? std::max(acc, in[t]) : acc + in[t];
+    for (int64_t t = lo; t < hi; ++t) acc = pooling == Pooling::kMax ? nan_max(acc, in[t]) : acc + in[t];
     out[j * out_stride] = pooling == Pooling::kMax ? acc : acc / static_cast<float>(kernel_size);
   }
 }
@@ -63,7 +65,7 @@ void snapkv_raw_scores_row(const SnapKVScoresParams& p, int64_t row, float* raw)
     for (int64_t t = 0; t < tile; ++t) {
       float acc = head_sums[t];
       for (int64_t h = 1; h < p.G; ++h)
-        acc = p.group_reduce == GroupReduce::kMax ? std::max(acc, head_sums[h * kKeyTile + t])
+        acc = p.group_reduce == GroupReduce::kMax ? nan_max(acc, head_sums[h * kKeyTile + t])
                                                   : acc + head_sums[h * kKeyTile + t];
       raw[j0 + t] = p.group_reduce == GroupReduce::kMax ? acc : acc / static_cast<float>(p.G);
     }

@@ -108,19 +108,24 @@ class WindowAttention {
     }
   }
 
-  // Rows [r, r + R) of the logits tile; R rows share each load of the key tile.
+  // Rows [r, r + R) of the logits tile, in blocks of kCols keys: the R x kCols accumulators stay in
+  // registers for the whole reduction over D, so each key-tile load feeds R multiply-adds.
   template <int R>
   void logits_block(int64_t r) {
-    float acc[R][kKeyTile] = {};
-    for (int64_t d = 0; d < D_; ++d) {
-      const float* k = &key_tile_[d * kKeyTile];
-      for (int x = 0; x < R; ++x) {
-        const float qv = q_[(r + x) * D_ + d];
-        for (int64_t t = 0; t < kKeyTile; ++t) acc[x][t] += qv * k[t];
+    constexpr int kCols = 8;
+    for (int64_t t0 = 0; t0 < kKeyTile; t0 += kCols) {
+      float acc[R][kCols] = {};
+      const float* k = &key_tile_[t0];
+      const float* q = &q_[r * D_];
+      for (int64_t d = 0; d < D_; ++d, k += kKeyTile) {
+        for (int x = 0; x < R; ++x) {
+          const float qv = q[x * D_ + d];
+          for (int t = 0; t < kCols; ++t) acc[x][t] += qv * k[t];
+        }
       }
+      for (int x = 0; x < R; ++x)
+        for (int t = 0; t < kCols; ++t) logits_[(r + x) * kKeyTile + t0 + t] = acc[x][t];
     }
-    for (int x = 0; x < R; ++x)
-      std::copy(acc[x], acc[x] + kKeyTile, &logits_[(r + x) * kKeyTile]);
   }
 
   int64_t G_, Q_, D_, pos0_, rows_;
