@@ -106,9 +106,14 @@ def cmd_profile(args) -> int:
     from ripplekv_ext.plots import plot_profile
     from ripplekv_ext.profiler import format_profile, profile_model
 
+    if args.threads:
+        import torch
+
+        torch.set_num_threads(args.threads)
     model, tokenizer, name = load_model(args.model)
     out = Path(args.out) if args.out else default_profile_path(args.model)
-    profile = profile_model(model, tokenizer, args.text, prefix_len=args.prefix_len, cont_len=args.cont_len,
+    profile = profile_model(model, tokenizer, args.text, reuse=not args.no_reuse, prefix_len=args.prefix_len,
+                            cont_len=args.cont_len,
                             num_examples=args.examples, sigma=args.sigma, seed=args.seed, draws=args.draws,
                             layers=args.layers, target=args.target, until_stable=args.until_stable,
                             stability_threshold=args.stability_threshold, max_examples=args.max_examples,
@@ -181,9 +186,14 @@ def cmd_diagnose(args) -> int:
 
     model, tokenizer, _ = load_model(args.model)
     profile = load_profile_for(model, args.profile or default_profile_path(args.model), args.force)
-    ids = fidelity_examples(tokenizer, args.prefix_len, args.cont_len, args.examples, source=args.text)
-    out = Path(args.out_dir) / "diagnostic.json"
-    report = run_diagnostic(model, profile, ids, args.prefix_len, retentions=args.retentions, window=args.window,
+    # Unless told otherwise, damage is measured at the profile's own sizes, on held-out text.
+    calibration = profile.calibration
+    prefix_len = args.prefix_len or calibration["prefix_len"]
+    cont_len = args.cont_len or calibration["cont_len"]
+    examples = args.examples or calibration["num_examples"]
+    ids = fidelity_examples(tokenizer, prefix_len, cont_len, examples, source=args.text)
+    out = Path(args.out) if args.out else Path(args.out_dir) / "diagnostic.json"
+    report = run_diagnostic(model, profile, ids, prefix_len, retentions=args.retentions, window=args.window,
                             out_path=out)
     print(format_report(report))
     print(f"json: {out}")
@@ -194,6 +204,7 @@ def cmd_diagnose(args) -> int:
 
 GENERATION_TASKS = ("passkey", "multikey", "kv_retrieval", "variable_tracking")
 TASKS = ("fidelity",) + GENERATION_TASKS + ("longbench", "user")
+FILLER_MARGIN = 64  # tokens; more than any synthetic task's filler unit
 
 
 def shortest_prompt(args) -> int:
@@ -236,8 +247,14 @@ def build_tasks(args, tokenizer):
     for task in GENERATION_TASKS:
         if task in args.tasks:
             preferred = getattr(args, "task_lengths", {}).get(task, DEFAULT_LENGTHS[task])
-            length = args.length or max(preferred, shortest)
-            examples += make_synthetic(task, tokenizer, length=length, num_examples=args.examples, seed=args.seed)
+            # Prompts come out up to one filler unit shorter than asked: leave room above the minimum.
+            length = args.length or max(preferred, shortest + FILLER_MARGIN)
+            made = make_synthetic(task, tokenizer, length=length, num_examples=args.examples, seed=args.seed)
+            too_short = min(len(e.input_ids) for e in made)
+            if too_short < shortest:
+                raise CliError(f"{task} prompts of {too_short} tokens are too short for retention "
+                               f"{min(args.retentions):g} with window {args.window}; pass --length above {length}")
+            examples += made
             settings[f"{task}_length"] = length
     if "longbench" in args.tasks:
         if not args.longbench_dir or not Path(args.longbench_dir).is_dir():
@@ -427,6 +444,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-examples", type=positive_int, default=64)
     p.add_argument("--out", default=None, help="profile JSON (default: the model's cached profile)")
     p.add_argument("--no-resume", action="store_true", help="ignore a partial file of an interrupted run")
+    p.add_argument("--no-reuse", action="store_true",
+                   help="recompute every layer for every run (the naive way; same profile, slower)")
+    p.add_argument("--threads", type=positive_int, default=None, help="torch CPU threads")
     p.set_defaults(func=cmd_profile)
 
     p = sub.add_parser("allocate", help="per-layer budgets for a prompt length and retention")
@@ -442,12 +462,14 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("diagnose", help="isolated compression damage per layer vs the profile")
     _add_model(p)
     _add_profile(p)
-    p.add_argument("--examples", type=positive_int, default=4)
-    p.add_argument("--prefix-len", type=positive_int, default=1024)
-    p.add_argument("--cont-len", type=positive_int, default=64)
+    p.add_argument("--examples", type=positive_int, default=None, help="default: the profile's example count")
+    p.add_argument("--prefix-len", type=positive_int, default=None, help="default: the profile's P")
+    p.add_argument("--cont-len", type=positive_int, default=None, help="default: the profile's T")
     p.add_argument("--retentions", type=retention_list, default=[0.1, 0.2, 0.3])
-    p.add_argument("--text", default="kjv:evaluation")
+    p.add_argument("--text", default="kjv:evaluation",
+                   help="damage is measured on held-out text by default, not on the profile's calibration text")
     p.add_argument("--window", type=positive_int, default=32)
+    p.add_argument("--out", default=None, help="report JSON (default: OUT_DIR/diagnostic.json)")
     p.add_argument("--out-dir", default=str(RESULTS_DIR))
     p.set_defaults(func=cmd_diagnose)
 

@@ -187,36 +187,3 @@ def format_report(report: dict) -> str:
     mp, mi = report["mean_abs_spearman_profile"], report["mean_abs_spearman_index"]
     lines.append(f"mean |Spearman|: profile {fmt(mp)}, layer index {fmt(mi)}  (article, Llama-3.1-8B: 0.799 vs 0.359)")
     return "\n".join(lines)
-
-
-def main(argv=None) -> int:
-    """python -m ripplekv_ext.diagnostics --profile PROFILE.json --out DIAG.json [--examples 8 ...]"""
-    import argparse
-
-    from ripplekv_ext.corpus import load_texts, token_examples
-    from ripplekv_ext.models import load_smollm2
-    from ripplekv_ext.profile_file import load_profile
-
-    parser = argparse.ArgumentParser(prog="python -m ripplekv_ext.diagnostics", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--profile", required=True, help="a profile of the bundled SmolLM2 (ripplekv_ext.profiler)")
-    parser.add_argument("--texts", default="kjv:evaluation",
-                        help="damage is measured on held-out text by default, not on the profile's calibration text")
-    parser.add_argument("--examples", type=int, default=None, help="default: the profile's example count")
-    parser.add_argument("--retentions", type=float, nargs="+", default=[0.1, 0.2, 0.3])
-    parser.add_argument("--window", type=int, default=32)
-    parser.add_argument("--out", required=True)
-    args = parser.parse_args(argv)
-    model, tokenizer = load_smollm2()
-    profile = load_profile(args.profile, model)
-    cal = profile.calibration
-    docs, _ = load_texts(args.texts)
-    n = args.examples or cal["num_examples"]
-    examples = token_examples(tokenizer, docs, cal["prefix_len"], cal["cont_len"], n)
-    report = run_diagnostic(model, profile, examples, cal["prefix_len"], args.retentions, args.window, args.out)
-    print(format_report(report))
-    return 0
-
-
-if __name__ == "__main__":
-    import sys
-    sys.exit(main())

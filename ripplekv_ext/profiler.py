@@ -10,13 +10,12 @@ Cost: layers before `l` never see the perturbation, so their outputs on the cont
 once in the reference pass and replayed; only layers `l..L-1` run. This is checked against a full forward
 pass on the first example and falls back to full passes if the model's layers cannot be replayed.
 
-    python -m ripplekv_ext.profiler --model smollm2 --prefix-len 1024 --cont-len 64 --examples 8 \
+    ripplekv profile --model smollm2 --prefix-len 1024 --cont-len 64 --examples 8 \
         --out bench/results/smollm2_profile.json
 """
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import copy
 import math
@@ -409,46 +408,6 @@ def _progress_bar(enabled: bool, total: int, done: int):
     return tqdm(total=total, initial=done, desc="profiling (example x layer)", unit="run", dynamic_ncols=True)
 
 
-# ---- command line ----------------------------------------------------------------------------------
-
-def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m ripplekv_ext.profiler", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", default="smollm2", help="'smollm2' (bundled) or a transformers model path")
-    parser.add_argument("--texts", default=None, help="kjv[:calibration|evaluation], a .txt or .jsonl file")
-    parser.add_argument("--prefix-len", type=int, default=1024)
-    parser.add_argument("--cont-len", type=int, default=64)
-    parser.add_argument("--examples", type=int, default=8)
-    parser.add_argument("--sigma", type=float, default=0.1)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--draws", type=int, default=1)
-    parser.add_argument("--layers", type=int, nargs="*", default=None)
-    parser.add_argument("--target", choices=TARGETS, default="values")
-    parser.add_argument("--no-reuse", action="store_true", help="full forward passes (the naive way)")
-    parser.add_argument("--until-stable", action="store_true")
-    parser.add_argument("--stability-threshold", type=float, default=0.9)
-    parser.add_argument("--max-examples", type=int, default=64)
-    parser.add_argument("--out", required=True)
-    parser.add_argument("--no-resume", action="store_true")
-    parser.add_argument("--threads", type=int, default=None)
-    args = parser.parse_args(argv)
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    if args.model == "smollm2":
-        from ripplekv_ext.models import load_smollm2
-        model, tokenizer = load_smollm2()
-    else:
-        from transformers import AutoModelForCausalLM, AutoTokenizer
-        tokenizer = AutoTokenizer.from_pretrained(args.model)
-        model = AutoModelForCausalLM.from_pretrained(args.model, attn_implementation="sdpa").eval()
-    profile = profile_model(model, tokenizer, args.texts, prefix_len=args.prefix_len, cont_len=args.cont_len,
-                            num_examples=args.examples, sigma=args.sigma, seed=args.seed, draws=args.draws,
-                            layers=args.layers, target=args.target, reuse=not args.no_reuse,
-                            until_stable=args.until_stable, stability_threshold=args.stability_threshold,
-                            max_examples=args.max_examples, out_path=args.out, resume=not args.no_resume)
-    print(format_profile(profile))
-    return 0
-
-
 def format_profile(profile: Profile) -> str:
     lines = [f"profile of {profile.model['name']} ({profile.calibration['num_examples']} examples, "
              f"P={profile.calibration['prefix_len']}, T={profile.calibration['cont_len']}, "
@@ -462,6 +421,3 @@ def format_profile(profile: Profile) -> str:
                  f"reuse of hidden states: {profile.cost['reuse_hidden_states']}")
     return "\n".join(lines)
 
-
-if __name__ == "__main__":
-    sys.exit(main())
