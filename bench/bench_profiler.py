@@ -41,8 +41,9 @@ def _setup(case):
 
 
 @pytest.mark.parametrize("impl", ["naive", "reuse"])
-@pytest.mark.parametrize("case", list(CASES))
-def bench_profiler(benchmark, case, impl):
+@pytest.mark.parametrize("shape", list(CASES))  # named shape so `make bench` can group by it
+def bench_profiler(benchmark, shape, impl):
+    case = shape
     (model, ids), spec = _setup(case)
 
     def run():
