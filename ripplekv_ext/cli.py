@@ -97,7 +97,8 @@ def load_profile_for(model, path, force: bool = False):
 def _console():
     from rich.console import Console
 
-    return Console()
+    # Piped output (logs, CI) would otherwise be cut to 80 columns and truncate method names.
+    return Console(width=None if sys.stdout.isatty() else 120)
 
 
 # ---- profile -----------------------------------------------------------------------------------------
