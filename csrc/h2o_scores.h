@@ -1,9 +1,14 @@
-// h2o_scores: validation shared by the CPU and CUDA bindings.
+// h2o_scores: validation and parameter packing shared by the CPU and CUDA bindings.
 #pragma once
 
 #include <ATen/ATen.h>
 
+#include <cmath>
+#include <optional>
+#include <string_view>
+
 #include "checks.h"
+#include "ripplekv/h2o_scores.h"
 
 namespace ripplekv_ext {
 
@@ -19,6 +24,30 @@ inline void check_h2o_inputs(const at::Tensor& queries, const at::Tensor& keys, 
   check_size(keys, 3, queries.size(3), op, "keys", "D");
   check_group(queries.size(1), keys.size(1), op, "queries");
   TORCH_CHECK(chunk_size >= 1, op, ": chunk_size must be >= 1, got ", chunk_size);
+}
+
+// scores: fp32 [B, H_kv, N], allocated by the caller.
+inline ripplekv::H2OScoresParams make_h2o_scores_params(const at::Tensor& queries, const at::Tensor& keys,
+                                                        at::Tensor& scores, int64_t chunk_size,
+                                                        std::optional<double> scale, std::string_view group_reduce,
+                                                        const char* op) {
+  const int64_t D = keys.size(3);
+  ripplekv::H2OScoresParams p{};
+  p.queries = queries.data_ptr();
+  p.keys = keys.data_ptr();
+  p.scores = scores.data_ptr<float>();
+  p.B = keys.size(0);
+  p.H_kv = keys.size(1);
+  p.G = queries.size(1) / keys.size(1);
+  p.N = keys.size(2);
+  p.D = D;
+  p.chunk_size = chunk_size;
+  p.q = strides4(queries);
+  p.k = strides4(keys);
+  p.s = strides3(scores);
+  p.scale = static_cast<float>(scale.has_value() ? *scale : 1.0 / std::sqrt(static_cast<double>(D)));
+  p.group_reduce = parse_group_reduce(group_reduce, op);
+  return p;
 }
 
 }  // namespace ripplekv_ext

@@ -8,6 +8,7 @@
 #include <string_view>
 
 #include "checks.h"
+#include "select_topk.h"
 #include "ripplekv/snapkv_scores.h"
 
 namespace ripplekv_ext {
@@ -33,6 +34,24 @@ inline void check_window_below_n(const at::Tensor& q_window, const at::Tensor& k
 inline void check_kernel_size(int64_t kernel_size, const char* op) {
   TORCH_CHECK(kernel_size >= 1 && kernel_size % 2 == 1, op,
               ": kernel_size must be a positive odd number (pooling keeps the length), got ", kernel_size);
+}
+
+// values: like keys. W may equal N here (nothing to compress); the budget must leave room for the window.
+inline void check_snapkv_compress_inputs(const at::Tensor& q_window, const at::Tensor& keys, const at::Tensor& values,
+                                         int64_t budget, int64_t kernel_size, std::string_view pooling,
+                                         std::string_view group_reduce, const char* op) {
+  check_window_inputs(q_window, keys, op);
+  check_rank(values, op, "values", 4, "[B, H_kv, N, D]");
+  check_same_dtype(values, keys, op, "values", "keys");
+  check_same_device(values, keys, op, "values", "keys");
+  TORCH_CHECK(values.sizes() == keys.sizes(), op, ": values must have the shape of keys ", keys.sizes(), ", got ",
+              values.sizes());
+  check_kernel_size(kernel_size, op);
+  parse_pooling(pooling, op);
+  parse_group_reduce(group_reduce, op);
+  const int64_t N = keys.size(2), W = q_window.size(2);
+  TORCH_CHECK(W >= 1 && W <= N, op, ": window W (q_window dim 2) must be in [1, N] = [1, ", N, "], got ", W);
+  check_window_and_budget(N - W, W, budget, op, "budget");
 }
 
 inline ripplekv::SnapKVScoresParams make_snapkv_scores_params(const at::Tensor& q_window, const at::Tensor& keys,

@@ -1,8 +1,6 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
-#include <cmath>
-
 #include "../h2o_scores.h"
 #include "ripplekv/h2o_scores.h"
 
@@ -13,23 +11,9 @@ at::Tensor h2o_scores_cpu(const at::Tensor& queries, const at::Tensor& keys, int
                           std::optional<double> scale, c10::string_view group_reduce) {
   constexpr const char* op = "h2o_scores";
   check_h2o_inputs(queries, keys, chunk_size, op);
-  const int64_t B = keys.size(0), H = keys.size(1), N = keys.size(2), D = keys.size(3);
+  const int64_t B = keys.size(0), H = keys.size(1), N = keys.size(2);
   auto scores = at::empty({B, H, N}, keys.options().dtype(at::kFloat));
-  ripplekv::H2OScoresParams p{};
-  p.queries = queries.data_ptr();
-  p.keys = keys.data_ptr();
-  p.scores = scores.data_ptr<float>();
-  p.B = B;
-  p.H_kv = H;
-  p.G = queries.size(1) / H;
-  p.N = N;
-  p.D = D;
-  p.chunk_size = chunk_size;
-  p.q = strides4(queries);
-  p.k = strides4(keys);
-  p.s = strides3(scores);
-  p.scale = static_cast<float>(scale.has_value() ? *scale : 1.0 / std::sqrt(static_cast<double>(D)));
-  p.group_reduce = parse_group_reduce(group_reduce, op);
+  const auto p = make_h2o_scores_params(queries, keys, scores, chunk_size, scale, group_reduce, op);
   visit_float_type(keys.scalar_type(), [&](auto type_tag) {
     using T = decltype(type_tag);
     at::parallel_for(0, B * H, 1, [&](int64_t begin, int64_t end) {

@@ -2,8 +2,6 @@
 #include <c10/cuda/CUDAGuard.h>
 #include <torch/library.h>
 
-#include <cmath>
-
 #include "../h2o_scores.h"
 #include "cuda_types.cuh"
 #include "ripplekv/h2o_scores.cuh"
@@ -16,23 +14,9 @@ at::Tensor h2o_scores_cuda(const at::Tensor& queries, const at::Tensor& keys, in
   constexpr const char* op = "h2o_scores";
   check_h2o_inputs(queries, keys, chunk_size, op);
   const c10::cuda::CUDAGuard guard(keys.device());
-  const int64_t B = keys.size(0), H = keys.size(1), N = keys.size(2), D = keys.size(3);
+  const int64_t B = keys.size(0), H = keys.size(1), N = keys.size(2);
   auto scores = at::empty({B, H, N}, keys.options().dtype(at::kFloat));
-  ripplekv::H2OScoresParams p{};
-  p.queries = queries.data_ptr();
-  p.keys = keys.data_ptr();
-  p.scores = scores.data_ptr<float>();
-  p.B = B;
-  p.H_kv = H;
-  p.G = queries.size(1) / H;
-  p.N = N;
-  p.D = D;
-  p.chunk_size = chunk_size;
-  p.q = strides4(queries);
-  p.k = strides4(keys);
-  p.s = strides3(scores);
-  p.scale = static_cast<float>(scale.has_value() ? *scale : 1.0 / std::sqrt(static_cast<double>(D)));
-  p.group_reduce = parse_group_reduce(group_reduce, op);
+  const auto p = make_h2o_scores_params(queries, keys, scores, chunk_size, scale, group_reduce, op);
   at::Tensor workspace = at::empty({ripplekv::cuda::h2o_scores_workspace(p)}, scores.options());
   const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
   visit_cuda_float_type(keys.scalar_type(), [&](auto tag) {

@@ -48,18 +48,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> snapkv_compress_cuda(
     const at::Tensor& q_window, const at::Tensor& keys, const at::Tensor& values, int64_t budget,
     int64_t kernel_size, c10::string_view pooling, c10::string_view group_reduce, std::optional<double> scale) {
   constexpr const char* op = "snapkv_compress";
-  check_window_inputs(q_window, keys, op);
-  check_rank(values, op, "values", 4, "[B, H_kv, N, D]");
-  check_same_dtype(values, keys, op, "values", "keys");
-  check_same_device(values, keys, op, "values", "keys");
-  TORCH_CHECK(values.sizes() == keys.sizes(), op, ": values must have the shape of keys ", keys.sizes(), ", got ",
-              values.sizes());
-  check_kernel_size(kernel_size, op);
-  parse_pooling(pooling, op);
-  parse_group_reduce(group_reduce, op);
+  check_snapkv_compress_inputs(q_window, keys, values, budget, kernel_size, pooling, group_reduce, op);
   const int64_t B = keys.size(0), H = keys.size(1), N = keys.size(2), W = q_window.size(2);
-  TORCH_CHECK(W >= 1 && W <= N, op, ": window W (q_window dim 2) must be in [1, N] = [1, ", N, "], got ", W);
-  check_window_and_budget(N - W, W, budget, op, "budget");
   const c10::cuda::CUDAGuard guard(keys.device());
   if (N <= budget) {
     return {keys.contiguous().clone(), values.contiguous().clone(),
