@@ -11,6 +11,7 @@
 
 #include "ripplekv/snapkv_scores.h"
 #include "ripplekv/window_attention.h"
+#include "ripplekv/window_attention_avx2.h"
 
 namespace ripplekv {
 
@@ -25,8 +26,10 @@ struct H2OScoresParams {
   GroupReduce group_reduce;
 };
 
-template <typename T>
-Status h2o_scores_rows(const H2OScoresParams& p, int64_t row_begin, int64_t row_end) {
+namespace detail {
+
+template <typename Attention, typename T>
+Status h2o_scores_rows_with(const H2OScoresParams& p, int64_t row_begin, int64_t row_end) {
   if (p.chunk_size < 1 || p.G < 1) return Status::Error(StatusCode::kInvalidArgument, row_begin, p.chunk_size);
   std::vector<float> head_sums(p.G * p.N);
   for (int64_t row = row_begin; row < row_end; ++row) {
@@ -36,7 +39,7 @@ Status h2o_scores_rows(const H2OScoresParams& p, int64_t row_begin, int64_t row_
     std::fill(head_sums.begin(), head_sums.end(), 0.0f);
     for (int64_t c0 = 0; c0 < p.N; c0 += p.chunk_size) {
       const int64_t c1 = std::min(p.N, c0 + p.chunk_size);
-      detail::WindowAttention attention(q + c0 * p.q.n, p.q.h, p.q.n, p.q.d, p.G, c1 - c0, p.D, c0, p.scale);
+      Attention attention(q + c0 * p.q.n, p.q.h, p.q.n, p.q.d, p.G, c1 - c0, p.D, c0, p.scale);
       attention.compute_normalizers(k, p.k.n, p.k.d);
       attention.accumulate(k, p.k.n, p.k.d, 0, c1, head_sums.data(), p.N);  // keys past c1 are all masked
     }
@@ -44,11 +47,24 @@ Status h2o_scores_rows(const H2OScoresParams& p, int64_t row_begin, int64_t row_
     for (int64_t j = 0; j < p.N; ++j) {
       float acc = head_sums[j];
       for (int64_t h = 1; h < p.G; ++h)
-        acc = p.group_reduce == GroupReduce::kMax ? detail::nan_max(acc, head_sums[h * p.N + j]) : acc + head_sums[h * p.N + j];
+        acc = p.group_reduce == GroupReduce::kMax ? nan_max(acc, head_sums[h * p.N + j]) : acc + head_sums[h * p.N + j];
       out[j * p.s.c] = p.group_reduce == GroupReduce::kMax ? acc : acc / static_cast<float>(p.G);
     }
   }
   return Status::Ok();
+}
+
+}  // namespace detail
+
+// Scores of rows [row_begin, row_end) of the flattened (B * H_kv) grid, with the fastest
+// window-attention kernel this CPU runs.
+template <typename T>
+Status h2o_scores_rows(const H2OScoresParams& p, int64_t row_begin, int64_t row_end) {
+#ifdef RIPPLEKV_HAS_AVX2_KERNELS
+  if (detail::window_attention_avx2_enabled())
+    return detail::h2o_scores_rows_with<detail::WindowAttentionAvx2, T>(p, row_begin, row_end);
+#endif
+  return detail::h2o_scores_rows_with<detail::WindowAttention, T>(p, row_begin, row_end);
 }
 
 }  // namespace ripplekv

@@ -12,6 +12,7 @@
 #include "ripplekv/numeric.h"
 #include "ripplekv/options.h"
 #include "ripplekv/window_attention.h"
+#include "ripplekv/window_attention_avx2.h"
 
 namespace ripplekv {
 
@@ -47,29 +48,40 @@ inline void pool_row(const float* in, int64_t n, int64_t kernel_size, Pooling po
   }
 }
 
-// Unpooled, group-reduced window mass of every prefix key of one row into raw[0, N - W).
-template <typename T>
-void snapkv_raw_scores_row(const SnapKVScoresParams& p, int64_t row, float* raw) {
+// Unpooled, group-reduced window mass of every prefix key of one row into raw[0, N - W), with the
+// window-attention kernel `Attention` (portable or AVX2).
+template <typename Attention, typename T>
+void snapkv_raw_scores_row_with(const SnapKVScoresParams& p, int64_t row, float* raw) {
   const int64_t b = row / p.H_kv, g = row % p.H_kv;
   const T* q = static_cast<const T*>(p.q_window) + b * p.q.b + g * p.G * p.q.h;
   const T* k = static_cast<const T*>(p.keys) + b * p.k.b + g * p.k.h;
   const int64_t n_prefix = p.N - p.W;
-  WindowAttention attention(q, p.q.h, p.q.n, p.q.d, p.G, p.W, p.D, n_prefix, p.scale);
+  constexpr int64_t tile_keys = Attention::kKeyTile;
+  Attention attention(q, p.q.h, p.q.n, p.q.d, p.G, p.W, p.D, n_prefix, p.scale);
   attention.compute_normalizers(k, p.k.n, p.k.d);
   // Per-head sums for one key tile at a time, so the group max needs no [G, N] buffer.
-  std::vector<float> head_sums(p.G * kKeyTile);
-  for (int64_t j0 = 0; j0 < n_prefix; j0 += kKeyTile) {
-    const int64_t tile = std::min(kKeyTile, n_prefix - j0);
+  std::vector<float> head_sums(p.G * tile_keys);
+  for (int64_t j0 = 0; j0 < n_prefix; j0 += tile_keys) {
+    const int64_t tile = std::min(tile_keys, n_prefix - j0);
     std::fill(head_sums.begin(), head_sums.end(), 0.0f);
-    attention.accumulate(k, p.k.n, p.k.d, j0, j0 + tile, head_sums.data(), kKeyTile);
+    attention.accumulate(k, p.k.n, p.k.d, j0, j0 + tile, head_sums.data(), tile_keys);
     for (int64_t t = 0; t < tile; ++t) {
       float acc = head_sums[t];
       for (int64_t h = 1; h < p.G; ++h)
-        acc = p.group_reduce == GroupReduce::kMax ? nan_max(acc, head_sums[h * kKeyTile + t])
-                                                  : acc + head_sums[h * kKeyTile + t];
+        acc = p.group_reduce == GroupReduce::kMax ? nan_max(acc, head_sums[h * tile_keys + t])
+                                                  : acc + head_sums[h * tile_keys + t];
       raw[j0 + t] = p.group_reduce == GroupReduce::kMax ? acc : acc / static_cast<float>(p.G);
     }
   }
+}
+
+// The same with the fastest window-attention kernel this CPU runs.
+template <typename T>
+void snapkv_raw_scores_row(const SnapKVScoresParams& p, int64_t row, float* raw) {
+#ifdef RIPPLEKV_HAS_AVX2_KERNELS
+  if (window_attention_avx2_enabled()) return snapkv_raw_scores_row_with<WindowAttentionAvx2, T>(p, row, raw);
+#endif
+  snapkv_raw_scores_row_with<WindowAttention, T>(p, row, raw);
 }
 
 }  // namespace detail

@@ -17,10 +17,10 @@
 namespace ripplekv {
 namespace detail {
 
-constexpr int64_t kKeyTile = 64;
-
 class WindowAttention {
  public:
+  static constexpr int64_t kKeyTile = 64;
+
   // G query heads x Q queries each; query i of every head sits at absolute position pos0 + i and
   // sees keys [0, pos0 + i]. Queries are read through strides and pre-multiplied by the scale.
   template <typename T>
