@@ -7,7 +7,7 @@ DEPS_STAMP := $(VENV)/.ripplekv-deps
 EDITABLE_STAMP := $(VENV)/.ripplekv-editable
 export MAX_JOBS ?= 2
 
-.PHONY: build test demo bench cpp-test gpu-check clean
+.PHONY: build test demo bench cpp-test gpu-check peer-env clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -43,6 +43,12 @@ bench: build
 # The CMake build for C++ users (find_package(Torch)) and the torch-free kernel test via ctest.
 cpp-test: $(DEPS_STAMP)
 	$(PY) tools/cmake_build.py
+
+# The optional kvpress peer's own environment (kvpress needs transformers<5.3): `ripplekv bench --figures peer`
+# finds it at .venv-peer and runs bench/peer_kvpress.py there.
+peer-env:
+	$(PYTHON) -m venv .venv-peer
+	.venv-peer/bin/python -m pip install -r requirements/peer.txt
 
 gpu-check:
 	bash bench/gpu_check.sh

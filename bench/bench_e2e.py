@@ -14,7 +14,7 @@ import torch
 
 from ripplekv_ext import e2e_bench
 from ripplekv_ext.methods import make_policy
-from ripplekv_ext.models import load_smollm2
+from ripplekv_ext.models import load_smollm2, smollm2_folder
 
 N_TOKENS = 256
 RETENTION = 0.2
@@ -129,10 +129,56 @@ def bench_e2e_peak_memory_tracking():
 @pytest.mark.benchmark(group="e2e-peer-256")
 @pytest.mark.parametrize("shape", ["smollm2-peer-N256"])
 def bench_e2e_peer(benchmark, smollm2, shape):
-    reason = e2e_bench.kvpress_unavailable_reason()
-    if reason is not None:
+    python, reason = e2e_bench.find_peer_python()
+    if python is None:
         pytest.skip(reason)
-    result = benchmark.pedantic(e2e_bench.measure_peer, args=(smollm2["model"], smollm2["tokenizer"], N_TOKENS),
+    result = benchmark.pedantic(e2e_bench.measure_peer, args=(smollm2["model"], smollm2["tokenizer"],
+                                                              smollm2_folder(), N_TOKENS),
                                 kwargs=dict(cont_len=8, num_examples=1, retention=0.5), rounds=1, iterations=1)
     for row in result["rows"].values():
         assert row["ours_kl"] >= 0 and row["kvpress_kl"] >= 0
+
+
+def bench_e2e_peer_script_continuation():
+    """bench/peer_kvpress.py's fidelity path, without kvpress: with no press, the prefill + continuation logits
+    equal one forward over prefix + continuation (positions continue from P), and the KL of a run with itself
+    is 0; a press that keeps every other token changes the logits. The kvpress side itself only runs in its
+    environment (`make peer-env`)."""
+    import importlib.util
+
+    from ripplekv_ext.models import tiny_model
+
+    spec = importlib.util.spec_from_file_location("peer_kvpress", e2e_bench.PEER_SCRIPT)
+    peer = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(peer)
+    model = tiny_model("llama").eval()
+    ids = torch.randint(0, model.config.vocab_size, (1, 40), generator=torch.Generator().manual_seed(0))
+    prefix, continuation = ids[:, :32], ids[:, 32:]
+    _, logits, cache_tokens = peer.run_example(model, prefix, continuation)
+    with torch.inference_mode():
+        whole = model(ids).logits[0, 31:39].float()
+    torch.testing.assert_close(logits, whole, rtol=1e-4, atol=1e-4)
+    assert cache_tokens == 39 and peer.kl_mean(logits, logits) == pytest.approx(0.0, abs=1e-6)
+
+    class KeepEven:  # the press protocol kvpress uses: `with press(model):` compresses each layer's prefill cache
+        def __call__(self, model):
+            import contextlib
+
+            @contextlib.contextmanager
+            def ctx():
+                def hook(module, args, kwargs, output):
+                    cache = kwargs.get("past_key_values", kwargs.get("cache"))  # transformers < 5.3 / 5.24
+                    layer = cache.layers[module.layer_idx]
+                    layer.keys, layer.values = layer.keys[:, :, ::2], layer.values[:, :, ::2]
+                    return output
+                handles = [layer.self_attn.register_forward_hook(hook, with_kwargs=True)
+                           for layer in model.model.layers]
+                try:
+                    yield
+                finally:
+                    for h in handles:
+                        h.remove()
+            return ctx()
+
+    _, pressed, cache_tokens = peer.run_example(model, prefix, continuation, KeepEven())
+    assert cache_tokens == 16 + 7 and peer.kl_mean(logits, pressed) > 1e-4

@@ -18,12 +18,14 @@ from __future__ import annotations
 import argparse
 import contextlib
 import gc
-import importlib.metadata
+import json
 import math
 import os
 import platform
 import statistics
+import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Optional, Sequence
@@ -317,48 +319,64 @@ def measure_decode(model, tokenizer, n_tokens: int = 8192, new_tokens: int = 64,
 
 
 # ---- the peer: kvpress -------------------------------------------------------------------------------------
+#
+# kvpress 0.5.5 (its latest release) requires transformers<5.3; this project pins 5.24.0, so kvpress runs in its
+# own environment (`make peer-env` -> .venv-peer, from requirements/peer.txt) through bench/peer_kvpress.py, on
+# the same model folder and the exact token ids our side used, in the same `ripplekv bench` run.
 
-def kvpress_unavailable_reason() -> Optional[str]:
-    """Why kvpress cannot run next to this environment, or None when it can.
+PEER_SCRIPT = Path(__file__).resolve().parent.parent / "bench" / "peer_kvpress.py"
+PEER_VENV_PYTHON = Path(__file__).resolve().parent.parent / ".venv-peer" / "bin" / "python"
 
-    kvpress 0.5.5 (the latest release) requires ``transformers<5.3,>=4.56.0``; this project pins transformers
-    5.24.0 and never downgrades it, so in the project's environment the peer is skipped with this reason.
+
+def find_peer_python(explicit: Optional[str] = None) -> tuple[Optional[str], Optional[str]]:
+    """``(interpreter, None)`` for a Python that can import kvpress, or ``(None, why not)``.
+
+    ``explicit`` (``--peer-python``) first, then ``.venv-peer/bin/python`` beside the project, then this
+    interpreter when kvpress happens to be importable here.
     """
-    try:
-        version = importlib.metadata.version("kvpress")
-    except importlib.metadata.PackageNotFoundError:
-        return (f"kvpress is not installed: kvpress {KVPRESS_VERSION}, its latest release, requires "
-                f"transformers<5.3,>=4.56.0, and this project pins transformers 5.24.0")
-    try:
-        from packaging.requirements import Requirement
-        from packaging.version import Version
-    except ImportError:  # pragma: no cover - packaging comes with pip/setuptools
-        return None
-    transformers_version = importlib.metadata.version("transformers")
-    for text in importlib.metadata.requires("kvpress") or []:
-        req = Requirement(text)
-        if req.name == "transformers" and not req.marker and Version(transformers_version) not in req.specifier:
-            return (f"kvpress {version} requires transformers{req.specifier}, installed transformers is "
-                    f"{transformers_version}")
-    return None
+    if not PEER_SCRIPT.is_file():
+        return None, f"{PEER_SCRIPT} is missing (the peer script ships with the source tree, not the wheel)"
+    candidates = [explicit] if explicit else [str(PEER_VENV_PYTHON), sys.executable]
+    for python in candidates:
+        if python and Path(python).exists():
+            probe = subprocess.run([python, "-c", "import kvpress, transformers"], capture_output=True, text=True)
+            if probe.returncode == 0:
+                return python, None
+    if explicit:
+        return None, f"--peer-python {explicit} cannot import kvpress"
+    return None, (f"no Python with kvpress found: kvpress {KVPRESS_VERSION} requires transformers<5.3 and this "
+                  f"project pins 5.24.0, so it lives in its own environment; run `make peer-env` "
+                  f"(creates {PEER_VENV_PYTHON.parent.parent.name}) or pass --peer-python")
 
 
-def _kvpress_press(method: str, retention: float, window: int, kernel_size: int):
-    from kvpress import PyramidKVPress, SnapKVPress
+def run_peer(python: str, model_dir: str, examples: torch.Tensor, prefix_len: int, retention: float, window: int,
+             kernel_size: int, methods, dtype: torch.dtype, threads: int) -> dict:
+    """bench/peer_kvpress.py under ``python`` on ``examples``; its JSON result."""
+    with tempfile.TemporaryDirectory(prefix="ripplekv-peer-") as tmp:
+        ids_path, out_path = os.path.join(tmp, "ids.pt"), os.path.join(tmp, "peer.json")
+        torch.save(examples.cpu().clone(), ids_path)
+        cmd = [python, str(PEER_SCRIPT), "--model-dir", model_dir, "--ids", ids_path, "--prefix-len", str(prefix_len),
+               "--retention", str(retention), "--window", str(window), "--kernel-size", str(kernel_size),
+               "--methods", *methods, "--dtype", str(dtype).replace("torch.", ""), "--threads", str(threads),
+               "--out", out_path]
+        proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=None, text=True)  # its progress goes to our stderr
+        if proc.returncode != 0:
+            raise RuntimeError(f"the kvpress peer failed (exit {proc.returncode}): {' '.join(cmd)}")
+        with open(out_path) as f:
+            return json.load(f)
 
-    cls = {"snapkv": SnapKVPress, "pyramidkv": PyramidKVPress}[method]
-    # kvpress's compression_ratio is the fraction removed.
-    return cls(compression_ratio=1.0 - retention, window_size=window, kernel_size=kernel_size)
 
-
-def measure_peer(model, tokenizer, n_tokens: int = 8192, cont_len: int = 32, num_examples: int = 2,
-                 retention: float = 0.2, methods=PEER_METHODS, window: int = 32, kernel_size: int = 7) -> dict:
-    """Ours next to kvpress on the same model, prompts and retention: prefill+compression seconds, the
-    compression step alone (ours), and fidelity ``KL(P_full || P_compressed)`` on a teacher-forced continuation.
+def measure_peer(model, tokenizer, model_dir: str, n_tokens: int = 8192, cont_len: int = 32, num_examples: int = 2,
+                 retention: float = 0.2, methods=PEER_METHODS, window: int = 32, kernel_size: int = 7,
+                 peer_python: Optional[str] = None) -> dict:
+    """Ours next to kvpress on the same model, prompts and retention: prefill seconds, the compression step
+    alone, and fidelity ``KL(P_full || P_compressed)`` on a teacher-forced continuation. ``model_dir`` is the
+    folder ``model`` was loaded from: kvpress's process loads the same weights from it.
 
     Settings: window ``window`` and pooling kernel ``kernel_size`` for both. kvpress's SnapKV averages window
-    attention and average-pools; ours uses SnapKV's published max pooling: the same settings otherwise.
-    kvpress is only run when ``kvpress_unavailable_reason()`` is None; otherwise its side is marked skipped.
+    attention and average-pools; ours uses SnapKV's published max pooling: the same settings otherwise. kvpress
+    runs in a subprocess (``find_peer_python``); without one its side is marked skipped with the reason.
+    Each side's plain prefill is measured in its own process, so overheads are each against their own.
     """
     from ripplekv_ext.eval.fidelity import continuation_logits_fn, evaluate_fidelity, fidelity_examples
     from ripplekv_ext.allocation import PyramidKVAllocator, UniformAllocator
@@ -367,7 +385,7 @@ def measure_peer(model, tokenizer, n_tokens: int = 8192, cont_len: int = 32, num
     examples = fidelity_examples(tokenizer, n_tokens, cont_len, num_examples)
     prefixes = examples[:, :n_tokens]
     full_fn = continuation_logits_fn(model)
-    reason = kvpress_unavailable_reason()
+    python, reason = find_peer_python(peer_python)
     out = {"n_tokens": n_tokens, "cont_len": cont_len, "examples": num_examples, "retention": retention,
            "window": window, "kernel_size": kernel_size, "kvpress_skipped": reason, "rows": {}}
     base = [prefill(model, prefixes[i:i + 1])["seconds"] for i in range(num_examples)]
@@ -382,24 +400,21 @@ def measure_peer(model, tokenizer, n_tokens: int = 8192, cont_len: int = 32, num
                "ours_compress_s": _median([r["compress_seconds"] for r in runs]),
                "ours_kl": kl["kl"], "ours_kl_stderr": _finite(kl["kl_stderr"])}
         row["ours_overhead_s"] = row["ours_prefill_s"] - out["prefill_s"]
-        if reason is None:
-            press = _kvpress_press(m, retention, window, kernel_size)
-            times = []
-            for i in range(num_examples):
-                with press(model), torch.inference_mode():
-                    t0 = time.perf_counter()
-                    model(prefixes[i:i + 1], use_cache=True, logits_to_keep=1)
-                    times.append(time.perf_counter() - t0)
-            peer_fn = continuation_logits_fn(model, lambda: press(model))
-            peer_kl = evaluate_fidelity(examples, n_tokens, full_fn, peer_fn, progress=False).summary()
-            row.update(kvpress_prefill_s=_median(times), kvpress_kl=peer_kl["kl"],
-                       kvpress_kl_stderr=_finite(peer_kl["kl_stderr"]))
-            row["kvpress_overhead_s"] = row["kvpress_prefill_s"] - out["prefill_s"]
-            # The issue's target: our compression step >= 3x faster than theirs (both measured as the extra
-            # prefill time over the plain prefill in this run).
-            row["compression_speedup_vs_kvpress"] = _ratio(row["kvpress_overhead_s"], max(row["ours_overhead_s"],
-                                                                                          row["ours_compress_s"]))
         out["rows"][m] = row
+    if python is None:
+        return out
+    peer = run_peer(python, str(model_dir), examples, n_tokens, retention, window, kernel_size, methods,
+                    next(model.parameters()).dtype, torch.get_num_threads())
+    out["kvpress"] = {k: peer[k] for k in ("kvpress_version", "transformers_version", "torch_version", "threads")}
+    out["kvpress_plain_prefill_s"] = peer["prefill_s"]
+    for m in methods:
+        row, theirs = out["rows"][m], peer["rows"][m]
+        row.update(kvpress_prefill_s=theirs["prefill_s"], kvpress_compress_s=theirs["compress_s"],
+                   kvpress_kl=theirs["kl"], kvpress_kl_stderr=theirs["kl_stderr"],
+                   kvpress_overhead_s=theirs["prefill_s"] - peer["prefill_s"])
+        # The issue's target: our compression step >= 3x faster than kvpress's (each timed inside its prefill:
+        # our hook's compress call, their press.compress, summed over layers).
+        row["compression_speedup_vs_kvpress"] = _ratio(theirs["compress_s"], row["ours_compress_s"])
     return out
 
 
@@ -465,6 +480,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--cont-len", type=int, default=None, help="profile figure: T (64)")
     p.add_argument("--max-examples", type=int, default=None, help="profile figure: examples (16)")
     p.add_argument("--peer-examples", type=int, default=2, help="peer figure: examples for the KL")
+    p.add_argument("--peer-python", default=None, help="peer figure: a Python that imports kvpress (default: "
+                   ".venv-peer/bin/python from `make peer-env`)")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
     p.add_argument("--out", default="bench/results/e2e.json", help="JSON output (written atomically)")
     return p
@@ -523,8 +540,11 @@ def main(argv=None) -> int:
                                                       args.retention, args.methods, profile)
     if "peer" in args.figures:
         log(f"peer: ours vs kvpress at {sizes['tokens']} tokens")
-        results["figures"]["peer"] = measure_peer(model, tokenizer, sizes["tokens"], retention=args.retention,
-                                                  num_examples=args.peer_examples)
+        from ripplekv_ext.models import smollm2_folder
+
+        model_dir = smollm2_folder() if args.model == "smollm2" else args.model
+        results["figures"]["peer"] = measure_peer(model, tokenizer, model_dir, sizes["tokens"], retention=args.retention,
+                                                  num_examples=args.peer_examples, peer_python=args.peer_python)
     results["machine"]["load_average_at_end"] = list(os.getloadavg()) if hasattr(os, "getloadavg") else None
 
     from ripplekv_ext.profile_file import write_json_atomic
@@ -606,14 +626,16 @@ def print_tables(results: dict, console=None) -> None:
         title = f"Peer at {f['n_tokens']} tokens, retention {f['retention']:g}: plain prefill {_fmt(f['prefill_s'], '.2f')} s"
         if f["kvpress_skipped"]:
             title += f"\nkvpress skipped: {f['kvpress_skipped']}"
+        else:
+            title += f"; kvpress's plain prefill {_fmt(f['kvpress_plain_prefill_s'], '.2f')} s"
         t = Table(title=title)
-        for c in ("method", "ours prefill s", "ours compress s", "ours KL", "kvpress prefill s", "kvpress KL",
-                  "compression speedup"):
+        for c in ("method", "ours prefill s", "ours compress s", "ours KL", "kvpress prefill s", "kvpress compress s",
+                  "kvpress KL", "compression speedup"):
             t.add_column(c, justify="right")
         for name, r in f["rows"].items():
             t.add_row(name, _fmt(r["ours_prefill_s"], ".2f"), _fmt(r["ours_compress_s"], ".3f"), _fmt(r["ours_kl"], ".4f"),
-                      _fmt(r.get("kvpress_prefill_s"), ".2f"), _fmt(r.get("kvpress_kl"), ".4f"),
-                      _fmt(r.get("compression_speedup_vs_kvpress"), ".1f"))
+                      _fmt(r.get("kvpress_prefill_s"), ".2f"), _fmt(r.get("kvpress_compress_s"), ".3f"),
+                      _fmt(r.get("kvpress_kl"), ".4f"), _fmt(r.get("compression_speedup_vs_kvpress"), ".1f"))
         console.print(t)
 
 

@@ -69,11 +69,16 @@ def _convert_smollm2_to_cache(target: Path) -> None:
         shutil.rmtree(tmp, ignore_errors=True)
 
 
+def smollm2_folder() -> Path:
+    """The safetensors folder ``load_smollm2`` converts the GGUF into (and loads from)."""
+    return cache_dir() / SMOLLM2_CACHE_NAME
+
+
 def load_smollm2(dtype: torch.dtype = torch.float32):
     """(model, tokenizer) for SmolLM2-135M-Instruct: real weights, eval mode, SDPA attention."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    target = cache_dir() / SMOLLM2_CACHE_NAME
+    target = smollm2_folder()
     if not (target / "config.json").is_file():
         _convert_smollm2_to_cache(target)
     tokenizer = AutoTokenizer.from_pretrained(target)
