@@ -384,7 +384,14 @@ def measure_peer(model, tokenizer, model_dir: str, n_tokens: int = 8192, cont_le
 
     examples = fidelity_examples(tokenizer, n_tokens, cont_len, num_examples)
     prefixes = examples[:, :n_tokens]
-    full_fn = continuation_logits_fn(model)
+    plain_fn, full_logits = continuation_logits_fn(model), {}
+
+    def full_fn(prefix, continuation):  # every method compares against the same full-cache logits: compute once
+        key = (prefix.numpy().tobytes(), continuation.numpy().tobytes())
+        if key not in full_logits:
+            full_logits[key] = plain_fn(prefix, continuation)
+        return full_logits[key]
+
     python, reason = find_peer_python(peer_python)
     out = {"n_tokens": n_tokens, "cont_len": cont_len, "examples": num_examples, "retention": retention,
            "window": window, "kernel_size": kernel_size, "kvpress_skipped": reason, "rows": {}}
