@@ -579,10 +579,11 @@ def _fmt(x, spec=".3g"):
 
 
 def print_tables(results: dict, console=None) -> None:
-    from rich.console import Console
     from rich.table import Table
 
-    console = console or Console()
+    from ripplekv_ext.cli import _console
+
+    console = console or _console()
     m = results["machine"]
     console.print(f"[bold]{results['model']}[/] ({results['dtype']}) on {m.get('cpu_model', m['processor'])}, "
                   f"{m['threads']} threads, load {_fmt(m.get('load_average_at_start', [None])[0], '.1f')}")
