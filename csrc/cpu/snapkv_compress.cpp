@@ -5,6 +5,7 @@
 #include "../select_topk.h"
 #include "../snapkv_scores.h"
 #include "ripplekv/snapkv_compress.h"
+#include "snapkv_parallel.h"
 
 namespace ripplekv_ext {
 namespace {
@@ -28,10 +29,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> snapkv_compress_cpu(
   p.indices = indices.data_ptr<int64_t>();
   p.idx = strides3(indices);
   p.budget = budget;
+  std::vector<float> raw(B * H * (N - q_window.size(2)));
   visit_float_type(keys.scalar_type(), [&](auto type_tag) {
     using T = decltype(type_tag);
+    snapkv_raw_scores_parallel<T>(p.score, raw.data());
     at::parallel_for(0, B * H, 1, [&](int64_t begin, int64_t end) {
-      check_status(ripplekv::snapkv_compress_rows<T>(p, begin, end), op, "scores",
+      check_status(ripplekv::snapkv_select_gather_rows<T>(p, raw.data(), begin, end), op, "scores",
                    "must not be NaN (check q_window and keys for NaN/inf)");
     });
   });

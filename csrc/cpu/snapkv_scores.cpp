@@ -2,6 +2,7 @@
 #include <torch/library.h>
 
 #include "../snapkv_scores.h"
+#include "snapkv_parallel.h"
 
 namespace ripplekv_ext {
 namespace {
@@ -16,12 +17,16 @@ at::Tensor snapkv_scores_cpu(const at::Tensor& q_window, const at::Tensor& keys,
                           keys.options().dtype(at::kFloat));
   const auto p = make_snapkv_scores_params(q_window, keys, scores.data_ptr<float>(), strides3(scores), kernel_size,
                                            pooling, group_reduce, scale, op);
+  const int64_t n_prefix = p.N - p.W;
+  std::vector<float> raw(p.B * p.H_kv * n_prefix);
   visit_float_type(keys.scalar_type(), [&](auto type_tag) {
     using T = decltype(type_tag);
-    // A row costs O(G * W * N * D): one row per task already amortizes the threading.
-    at::parallel_for(0, p.B * p.H_kv, 1, [&](int64_t begin, int64_t end) {
-      check_status(ripplekv::snapkv_scores_rows<T>(p, begin, end), op, "arguments", "must be valid");
-    });
+    snapkv_raw_scores_parallel<T>(p, raw.data());
+  });
+  at::parallel_for(0, p.B * p.H_kv, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t row = begin; row < end; ++row)
+      ripplekv::detail::pool_row(&raw[row * n_prefix], n_prefix, p.kernel_size, p.pooling,
+                                 p.scores + (row / p.H_kv) * p.s.b + (row % p.H_kv) * p.s.h, p.s.c);
   });
   return scores;
 }

@@ -60,11 +60,9 @@ Status h2o_scores_rows_with(const H2OScoresParams& p, int64_t row_begin, int64_t
 // window-attention kernel this CPU runs.
 template <typename T>
 Status h2o_scores_rows(const H2OScoresParams& p, int64_t row_begin, int64_t row_end) {
-#ifdef RIPPLEKV_HAS_AVX2_KERNELS
-  if (detail::window_attention_avx2_enabled())
-    return detail::h2o_scores_rows_with<detail::WindowAttentionAvx2, T>(p, row_begin, row_end);
-#endif
-  return detail::h2o_scores_rows_with<detail::WindowAttention, T>(p, row_begin, row_end);
+  return detail::visit_window_attention([&](auto tag) {
+    return detail::h2o_scores_rows_with<typename decltype(tag)::type, T>(p, row_begin, row_end);
+  });
 }
 
 }  // namespace ripplekv

@@ -48,21 +48,53 @@ inline void pool_row(const float* in, int64_t n, int64_t kernel_size, Pooling po
   }
 }
 
-// Unpooled, group-reduced window mass of every prefix key of one row into raw[0, N - W), with the
-// window-attention kernel `Attention` (portable or AVX2).
+template <typename A>
+struct AttentionTag {
+  using type = A;
+};
+
+// f(AttentionTag<K>{}) with K the fastest window-attention kernel this CPU runs (AVX2 or portable).
+template <typename F>
+decltype(auto) visit_window_attention(F&& f) {
+#ifdef RIPPLEKV_HAS_AVX2_KERNELS
+  if (window_attention_avx2_enabled()) return f(AttentionTag<WindowAttentionAvx2>{});
+#endif
+  return f(AttentionTag<WindowAttention>{});
+}
+
+// One row's window attention: its G heads' W window queries and its KV head's keys.
 template <typename Attention, typename T>
-void snapkv_raw_scores_row_with(const SnapKVScoresParams& p, int64_t row, float* raw) {
+Attention snapkv_row_attention(const SnapKVScoresParams& p, int64_t row, const T** keys) {
   const int64_t b = row / p.H_kv, g = row % p.H_kv;
+  *keys = static_cast<const T*>(p.keys) + b * p.k.b + g * p.k.h;
   const T* q = static_cast<const T*>(p.q_window) + b * p.q.b + g * p.G * p.q.h;
-  const T* k = static_cast<const T*>(p.keys) + b * p.k.b + g * p.k.h;
-  const int64_t n_prefix = p.N - p.W;
+  return Attention(q, p.q.h, p.q.n, p.q.d, p.G, p.W, p.D, p.N - p.W, p.scale);
+}
+
+// Pass 1 of one row over keys [j_begin, j_end): softmax max and normalizer of its G * W window queries
+// (query i of head h at [h * W + i]), partial when the range is not all of [0, N).
+template <typename Attention, typename T>
+void snapkv_window_stats_with(const SnapKVScoresParams& p, int64_t row, int64_t j_begin, int64_t j_end, float* max,
+                              float* sum) {
+  const T* k;
+  Attention attention = snapkv_row_attention<Attention, T>(p, row, &k);
+  attention.compute_normalizers(k, p.k.n, p.k.d, j_begin, j_end);
+  attention.export_stats(max, sum);
+}
+
+// Pass 2 of one row: the unpooled, group-reduced window mass of prefix keys [j_begin, j_end) into
+// raw[0, j_end - j_begin), given the row's final statistics.
+template <typename Attention, typename T>
+void snapkv_raw_scores_with(const SnapKVScoresParams& p, int64_t row, const float* max, const float* sum,
+                            int64_t j_begin, int64_t j_end, float* raw) {
+  const T* k;
+  Attention attention = snapkv_row_attention<Attention, T>(p, row, &k);
+  attention.import_stats(max, sum);
   constexpr int64_t tile_keys = Attention::kKeyTile;
-  Attention attention(q, p.q.h, p.q.n, p.q.d, p.G, p.W, p.D, n_prefix, p.scale);
-  attention.compute_normalizers(k, p.k.n, p.k.d);
   // Per-head sums for one key tile at a time, so the group max needs no [G, N] buffer.
   std::vector<float> head_sums(p.G * tile_keys);
-  for (int64_t j0 = 0; j0 < n_prefix; j0 += tile_keys) {
-    const int64_t tile = std::min(tile_keys, n_prefix - j0);
+  for (int64_t j0 = j_begin; j0 < j_end; j0 += tile_keys) {
+    const int64_t tile = std::min(tile_keys, j_end - j0);
     std::fill(head_sums.begin(), head_sums.end(), 0.0f);
     attention.accumulate(k, p.k.n, p.k.d, j0, j0 + tile, head_sums.data(), tile_keys);
     for (int64_t t = 0; t < tile; ++t) {
@@ -70,18 +102,37 @@ void snapkv_raw_scores_row_with(const SnapKVScoresParams& p, int64_t row, float*
       for (int64_t h = 1; h < p.G; ++h)
         acc = p.group_reduce == GroupReduce::kMax ? nan_max(acc, head_sums[h * tile_keys + t])
                                                   : acc + head_sums[h * tile_keys + t];
-      raw[j0 + t] = p.group_reduce == GroupReduce::kMax ? acc : acc / static_cast<float>(p.G);
+      raw[j0 - j_begin + t] = p.group_reduce == GroupReduce::kMax ? acc : acc / static_cast<float>(p.G);
     }
   }
 }
 
-// The same with the fastest window-attention kernel this CPU runs.
+// Both passes over a whole row: raw[0, N - W).
+template <typename Attention, typename T>
+void snapkv_raw_scores_row_with(const SnapKVScoresParams& p, int64_t row, float* raw) {
+  std::vector<float> max(p.G * p.W), sum(p.G * p.W);
+  snapkv_window_stats_with<Attention, T>(p, row, 0, p.N, max.data(), sum.data());
+  snapkv_raw_scores_with<Attention, T>(p, row, max.data(), sum.data(), 0, p.N - p.W, raw);
+}
+
+// The same three with the fastest kernel this CPU runs.
+template <typename T>
+void snapkv_window_stats(const SnapKVScoresParams& p, int64_t row, int64_t j_begin, int64_t j_end, float* max,
+                         float* sum) {
+  visit_window_attention([&](auto tag) {
+    snapkv_window_stats_with<typename decltype(tag)::type, T>(p, row, j_begin, j_end, max, sum);
+  });
+}
+template <typename T>
+void snapkv_raw_scores(const SnapKVScoresParams& p, int64_t row, const float* max, const float* sum, int64_t j_begin,
+                       int64_t j_end, float* raw) {
+  visit_window_attention([&](auto tag) {
+    snapkv_raw_scores_with<typename decltype(tag)::type, T>(p, row, max, sum, j_begin, j_end, raw);
+  });
+}
 template <typename T>
 void snapkv_raw_scores_row(const SnapKVScoresParams& p, int64_t row, float* raw) {
-#ifdef RIPPLEKV_HAS_AVX2_KERNELS
-  if (window_attention_avx2_enabled()) return snapkv_raw_scores_row_with<WindowAttentionAvx2, T>(p, row, raw);
-#endif
-  snapkv_raw_scores_row_with<WindowAttention, T>(p, row, raw);
+  visit_window_attention([&](auto tag) { snapkv_raw_scores_row_with<typename decltype(tag)::type, T>(p, row, raw); });
 }
 
 }  // namespace detail

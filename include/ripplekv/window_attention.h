@@ -28,7 +28,7 @@ class WindowAttention {
                   int64_t Q, int64_t D, int64_t pos0, float scale)
       : G_(G), Q_(Q), D_(D), pos0_(pos0), rows_(G * Q),
         q_(rows_ * D), key_tile_(D * kKeyTile), logits_(rows_ * kKeyTile),
-        max_(rows_, -std::numeric_limits<float>::infinity()), inv_sum_(rows_, 0.0f) {
+        max_(rows_, -std::numeric_limits<float>::infinity()), sum_(rows_, 0.0f), inv_sum_(rows_, 0.0f) {
     for (int64_t h = 0; h < G; ++h)
       for (int64_t i = 0; i < Q; ++i)
         for (int64_t d = 0; d < D; ++d) {
@@ -37,12 +37,15 @@ class WindowAttention {
         }
   }
 
-  // Pass 1 over keys [0, pos0 + Q): softmax max and 1 / normalizer per query (online update).
+  // Pass 1 over keys [j_begin, j_end) clipped to the visible [0, pos0 + Q): softmax max and normalizer
+  // per query (online update). A sub-range gives partial statistics that merge_softmax_stats combines
+  // (then import_stats); the default range gives the final ones.
   template <typename T>
-  void compute_normalizers(const T* keys, int64_t key_stride, int64_t dim_stride) {
-    std::vector<float> sum(rows_, 0.0f);
-    const int64_t n_visible = pos0_ + Q_;
-    for (int64_t j0 = 0; j0 < n_visible; j0 += kKeyTile) {
+  void compute_normalizers(const T* keys, int64_t key_stride, int64_t dim_stride, int64_t j_begin = 0,
+                           int64_t j_end = std::numeric_limits<int64_t>::max()) {
+    std::vector<float>& sum = sum_;
+    const int64_t n_visible = std::min(pos0_ + Q_, j_end);
+    for (int64_t j0 = j_begin; j0 < n_visible; j0 += kKeyTile) {
       const int64_t tile = std::min(kKeyTile, n_visible - j0);
       compute_logits(keys, key_stride, dim_stride, j0, tile);
       for (int64_t r = 0; r < rows_; ++r) {
@@ -61,6 +64,21 @@ class WindowAttention {
       }
     }
     for (int64_t r = 0; r < rows_; ++r) inv_sum_[r] = 1.0f / sum[r];
+  }
+
+  // The statistics of query i of head h at [h * Q + i] (what compute_normalizers found).
+  void export_stats(float* max, float* sum) const {
+    std::copy(max_.begin(), max_.end(), max);
+    std::copy(sum_.begin(), sum_.end(), sum);
+  }
+
+  // Replaces the statistics (e.g. merged from key sub-ranges), in export_stats's layout.
+  void import_stats(const float* max, const float* sum) {
+    for (int64_t r = 0; r < rows_; ++r) {
+      max_[r] = max[r];
+      sum_[r] = sum[r];
+      inv_sum_[r] = 1.0f / sum[r];
+    }
   }
 
   // Pass 2 over keys [j_begin, j_end): head_sums[h * head_stride + (j - j_begin)] += sum over the
@@ -129,8 +147,27 @@ class WindowAttention {
   }
 
   int64_t G_, Q_, D_, pos0_, rows_;
-  std::vector<float> q_, key_tile_, logits_, max_, inv_sum_;
+  std::vector<float> q_, key_tile_, logits_, max_, sum_, inv_sum_;
 };
+
+// Combines softmax statistics of one set of n queries over disjoint key ranges: chunk c's are at
+// max[c * n + r], sum[c * n + r]. A chunk where a query saw no key (max -inf) adds nothing; a NaN
+// anywhere stays NaN.
+inline void merge_softmax_stats(const float* max, const float* sum, int64_t chunks, int64_t n, float* max_out,
+                                float* sum_out) {
+  for (int64_t r = 0; r < n; ++r) {
+    float m = -std::numeric_limits<float>::infinity();
+    for (int64_t c = 0; c < chunks; ++c) m = std::max(m, max[c * n + r]);
+    float total = 0.0f;
+    for (int64_t c = 0; c < chunks; ++c) {
+      const float chunk_max = max[c * n + r];
+      if (chunk_max == -std::numeric_limits<float>::infinity()) continue;
+      total += sum[c * n + r] * exp_nonpositive(chunk_max - m);
+    }
+    max_out[r] = m;
+    sum_out[r] = total;
+  }
+}
 
 }  // namespace detail
 }  // namespace ripplekv

@@ -116,20 +116,22 @@ class WindowAttentionAvx2 {
                                     int64_t G, int64_t Q, int64_t D, int64_t pos0, float scale)
       : G_(G), Q_(Q), D_(D), pos0_(pos0), Qp_((Q + 7) / 8 * 8), rows_((G * Qp_ + 15) / 16 * 16),
         qt_(D * rows_, 0.0f), key_tile_(kKeyTile * D, 0.0f), logits_(kKeyTile * rows_),
-        max_(rows_, -std::numeric_limits<float>::infinity()), inv_sum_(rows_, 0.0f) {
+        max_(rows_, -std::numeric_limits<float>::infinity()), sum_(rows_, 0.0f), inv_sum_(rows_, 0.0f) {
     for (int64_t h = 0; h < G; ++h)
       for (int64_t i = 0; i < Q; ++i)
         for (int64_t d = 0; d < D; ++d)
           qt_[d * rows_ + h * Qp_ + i] = scale * to_float(q[h * head_stride + i * query_stride + d * dim_stride]);
   }
 
-  // Pass 1 over keys [0, pos0 + Q): softmax max and 1 / normalizer per query (online update).
+  // Pass 1 over keys [j_begin, j_end) clipped to the visible [0, pos0 + Q): softmax max and normalizer
+  // per query (online update). A sub-range gives partial statistics that merge_softmax_stats combines
+  // (then import_stats); the default range gives the final ones.
   template <typename T>
-  RIPPLEKV_AVX2 void compute_normalizers(const T* keys, int64_t key_stride, int64_t dim_stride) {
+  RIPPLEKV_AVX2 void compute_normalizers(const T* keys, int64_t key_stride, int64_t dim_stride, int64_t j_begin = 0,
+                                         int64_t j_end = std::numeric_limits<int64_t>::max()) {
     const __m256 neg_inf = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
-    std::vector<float> sum(rows_, 0.0f);
-    const int64_t n_visible = pos0_ + Q_;
-    for (int64_t j0 = 0; j0 < n_visible; j0 += kKeyTile) {
+    const int64_t n_visible = std::min(pos0_ + Q_, j_end);
+    for (int64_t j0 = j_begin; j0 < n_visible; j0 += kKeyTile) {
       const int64_t tile = std::min(kKeyTile, n_visible - j0);
       compute_logits(keys, key_stride, dim_stride, j0, tile);
       for (int64_t r = 0; r < rows_; r += 8) {
@@ -143,16 +145,30 @@ class WindowAttentionAvx2 {
         for (int64_t t = 0; t < tile; ++t)
           tile_sum = _mm256_add_ps(tile_sum, exp_nonpositive_avx2(_mm256_sub_ps(_mm256_loadu_ps(&logits_[t * rows_ + r]), shift)));
         const __m256 rescale = exp_nonpositive_avx2(_mm256_sub_ps(old_max, shift));
-        _mm256_storeu_ps(&sum[r], _mm256_fmadd_ps(_mm256_loadu_ps(&sum[r]), rescale, tile_sum));
+        _mm256_storeu_ps(&sum_[r], _mm256_fmadd_ps(_mm256_loadu_ps(&sum_[r]), rescale, tile_sum));
         _mm256_storeu_ps(&max_[r], new_max);
       }
     }
-    // Pad rows keep weight 0, and a max of 0 so their (zero) logits give exp(0) * 0 = 0.
-    std::fill(max_.begin() + G_ * Qp_, max_.end(), 0.0f);
-    for (int64_t h = 0; h < G_; ++h) {
-      for (int64_t i = 0; i < Q_; ++i) inv_sum_[h * Qp_ + i] = 1.0f / sum[h * Qp_ + i];
-      std::fill(max_.begin() + h * Qp_ + Q_, max_.begin() + (h + 1) * Qp_, 0.0f);
-    }
+    set_weights();
+  }
+
+  // The statistics of query i of head h at [h * Q + i] (what compute_normalizers found).
+  void export_stats(float* max, float* sum) const {
+    for (int64_t h = 0; h < G_; ++h)
+      for (int64_t i = 0; i < Q_; ++i) {
+        max[h * Q_ + i] = max_[h * Qp_ + i];
+        sum[h * Q_ + i] = sum_[h * Qp_ + i];
+      }
+  }
+
+  // Replaces the statistics (e.g. merged from key sub-ranges), in export_stats's layout.
+  void import_stats(const float* max, const float* sum) {
+    for (int64_t h = 0; h < G_; ++h)
+      for (int64_t i = 0; i < Q_; ++i) {
+        max_[h * Qp_ + i] = max[h * Q_ + i];
+        sum_[h * Qp_ + i] = sum[h * Q_ + i];
+      }
+    set_weights();
   }
 
   // Pass 2 over keys [j_begin, j_end): head_sums[h * head_stride + (j - j_begin)] += sum over the
@@ -193,6 +209,17 @@ class WindowAttentionAvx2 {
   }
 
  private:
+  // 1 / normalizer of every real query. Pad rows keep weight 0, and a max of 0 so their (zero) logits
+  // give exp(0) * 0 = 0 in pass 2.
+  void set_weights() {
+    std::fill(inv_sum_.begin(), inv_sum_.end(), 0.0f);
+    for (int64_t h = 0; h < G_; ++h) {
+      for (int64_t i = 0; i < Q_; ++i) inv_sum_[h * Qp_ + i] = 1.0f / sum_[h * Qp_ + i];
+      std::fill(max_.begin() + h * Qp_ + Q_, max_.begin() + (h + 1) * Qp_, 0.0f);
+    }
+    std::fill(max_.begin() + G_ * Qp_, max_.end(), 0.0f);
+  }
+
   // logits_[t][r] = <q_r, k_{j0 + t}> for t < tile, -inf where key j0 + t is in the future of query
   // r; rows t in [tile, kKeyTile) come from zeroed keys and are never read as real keys.
   template <typename T>
@@ -240,7 +267,7 @@ class WindowAttentionAvx2 {
   }
 
   int64_t G_, Q_, D_, pos0_, Qp_, rows_;
-  std::vector<float> qt_, key_tile_, logits_, max_, inv_sum_;
+  std::vector<float> qt_, key_tile_, logits_, max_, sum_, inv_sum_;
 };
 
 }  // namespace detail

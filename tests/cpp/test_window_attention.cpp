@@ -3,6 +3,7 @@
 // odd D, tails of the key tile), every element type, strided dims, and masked keys.
 #include <cmath>
 #include <cstring>
+#include <algorithm>
 #include <cstdio>
 #include <cstdlib>
 #include <random>
@@ -52,6 +53,22 @@ static bool close(const std::vector<float>& a, const std::vector<float>& b) {
   return true;
 }
 
+template <typename Attention, typename T>
+std::vector<float> chunked_scores(const ripplekv::SnapKVScoresParams& sp, int64_t chunks) {
+  const int64_t gw = sp.G * sp.W, n_prefix = sp.N - sp.W;
+  std::vector<float> max(chunks * gw), sum(chunks * gw), merged_max(gw), merged_sum(gw), raw(n_prefix);
+  const int64_t keys_per_chunk = (sp.N + chunks - 1) / chunks;
+  for (int64_t c = 0; c < chunks; ++c)
+    ripplekv::detail::snapkv_window_stats_with<Attention, T>(sp, 0, c * keys_per_chunk, (c + 1) * keys_per_chunk,
+                                                             &max[c * gw], &sum[c * gw]);
+  ripplekv::detail::merge_softmax_stats(max.data(), sum.data(), chunks, gw, merged_max.data(), merged_sum.data());
+  const int64_t prefix_per_chunk = (n_prefix + chunks - 1) / chunks;
+  for (int64_t j0 = 0; j0 < n_prefix; j0 += prefix_per_chunk)
+    ripplekv::detail::snapkv_raw_scores_with<Attention, T>(sp, 0, merged_max.data(), merged_sum.data(), j0,
+                                                           std::min(n_prefix, j0 + prefix_per_chunk), &raw[j0]);
+  return raw;
+}
+
 // One row of SnapKV raw scores and of H2O scores, both kernels; dim_stride 2 reads every other
 // element of a buffer twice as wide (a non-contiguous head dim).
 template <typename T>
@@ -77,6 +94,12 @@ void compare(std::mt19937& rng, int64_t G, int64_t W, int64_t D, int64_t N, int6
   ripplekv::detail::snapkv_raw_scores_row_with<ripplekv::detail::WindowAttentionAvx2, T>(sp, 0, fast.data());
   ripplekv::detail::snapkv_raw_scores_row_with<ripplekv::detail::WindowAttention, T>(sp, 0, slow.data());
   EXPECT(close(fast, slow));
+  // Split over key ranges as the torch binding does for load balance: partial statistics merged, then
+  // each prefix range scored on its own; the same scores with either kernel.
+  for (int64_t chunks : {2, 3, 7}) {
+    EXPECT(close(chunked_scores<ripplekv::detail::WindowAttentionAvx2, T>(sp, chunks), slow));
+    EXPECT(close(chunked_scores<ripplekv::detail::WindowAttention, T>(sp, chunks), slow));
+  }
 
   ripplekv::H2OScoresParams hp{};
   hp.queries = hq.data();
