@@ -32,6 +32,8 @@ import torch
 import torch.nn.functional as F
 
 
+# kl_mean, stderr and median restate ripplekv_ext.eval.fidelity / statistics on purpose: this script runs under
+# kvpress's torch and transformers, where ripplekv_ext (built against ours) cannot be imported.
 def kl_mean(reference_logits, other_logits):
     log_p = F.log_softmax(reference_logits.float(), dim=-1)
     log_q = F.log_softmax(other_logits.float(), dim=-1)

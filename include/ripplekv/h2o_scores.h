@@ -44,12 +44,7 @@ Status h2o_scores_rows_with(const H2OScoresParams& p, int64_t row_begin, int64_t
       attention.accumulate(k, p.k.n, p.k.d, 0, c1, head_sums.data(), p.N);  // keys past c1 are all masked
     }
     float* out = p.scores + b * p.s.b + g * p.s.h;
-    for (int64_t j = 0; j < p.N; ++j) {
-      float acc = head_sums[j];
-      for (int64_t h = 1; h < p.G; ++h)
-        acc = p.group_reduce == GroupReduce::kMax ? nan_max(acc, head_sums[h * p.N + j]) : acc + head_sums[h * p.N + j];
-      out[j * p.s.c] = p.group_reduce == GroupReduce::kMax ? acc : acc / static_cast<float>(p.G);
-    }
+    for (int64_t j = 0; j < p.N; ++j) out[j * p.s.c] = reduce_group(&head_sums[j], p.N, p.G, p.group_reduce);
   }
   return Status::Ok();
 }

@@ -82,14 +82,19 @@ void snapkv_window_stats_with(const SnapKVScoresParams& p, int64_t row, int64_t 
   attention.export_stats(max, sum);
 }
 
-// Pass 2 of one row: the unpooled, group-reduced window mass of prefix keys [j_begin, j_end) into
-// raw[0, j_end - j_begin), given the row's final statistics.
+// head_sums[h * head_stride] reduced over the G heads of a group (mean or NaN-keeping max).
+inline float reduce_group(const float* head_sums, int64_t head_stride, int64_t G, GroupReduce mode) {
+  float acc = head_sums[0];
+  for (int64_t h = 1; h < G; ++h)
+    acc = mode == GroupReduce::kMax ? nan_max(acc, head_sums[h * head_stride]) : acc + head_sums[h * head_stride];
+  return mode == GroupReduce::kMax ? acc : acc / static_cast<float>(G);
+}
+
+// Pass 2 with `attention`'s final statistics: the unpooled, group-reduced window mass of prefix keys
+// [j_begin, j_end) into raw[0, j_end - j_begin).
 template <typename Attention, typename T>
-void snapkv_raw_scores_with(const SnapKVScoresParams& p, int64_t row, const float* max, const float* sum,
-                            int64_t j_begin, int64_t j_end, float* raw) {
-  const T* k;
-  Attention attention = snapkv_row_attention<Attention, T>(p, row, &k);
-  attention.import_stats(max, sum);
+void accumulate_raw_scores(Attention& attention, const T* k, const SnapKVScoresParams& p, int64_t j_begin,
+                           int64_t j_end, float* raw) {
   constexpr int64_t tile_keys = Attention::kKeyTile;
   // Per-head sums for one key tile at a time, so the group max needs no [G, N] buffer.
   std::vector<float> head_sums(p.G * tile_keys);
@@ -97,22 +102,27 @@ void snapkv_raw_scores_with(const SnapKVScoresParams& p, int64_t row, const floa
     const int64_t tile = std::min(tile_keys, j_end - j0);
     std::fill(head_sums.begin(), head_sums.end(), 0.0f);
     attention.accumulate(k, p.k.n, p.k.d, j0, j0 + tile, head_sums.data(), tile_keys);
-    for (int64_t t = 0; t < tile; ++t) {
-      float acc = head_sums[t];
-      for (int64_t h = 1; h < p.G; ++h)
-        acc = p.group_reduce == GroupReduce::kMax ? nan_max(acc, head_sums[h * tile_keys + t])
-                                                  : acc + head_sums[h * tile_keys + t];
-      raw[j0 - j_begin + t] = p.group_reduce == GroupReduce::kMax ? acc : acc / static_cast<float>(p.G);
-    }
+    for (int64_t t = 0; t < tile; ++t) raw[j0 - j_begin + t] = reduce_group(&head_sums[t], tile_keys, p.G, p.group_reduce);
   }
 }
 
-// Both passes over a whole row: raw[0, N - W).
+// Pass 2 of one row over prefix keys [j_begin, j_end), given the row's final (merged) statistics.
+template <typename Attention, typename T>
+void snapkv_raw_scores_with(const SnapKVScoresParams& p, int64_t row, const float* max, const float* sum,
+                            int64_t j_begin, int64_t j_end, float* raw) {
+  const T* k;
+  Attention attention = snapkv_row_attention<Attention, T>(p, row, &k);
+  attention.import_stats(max, sum);
+  accumulate_raw_scores(attention, k, p, j_begin, j_end, raw);
+}
+
+// Both passes over a whole row with one kernel object: raw[0, N - W).
 template <typename Attention, typename T>
 void snapkv_raw_scores_row_with(const SnapKVScoresParams& p, int64_t row, float* raw) {
-  std::vector<float> max(p.G * p.W), sum(p.G * p.W);
-  snapkv_window_stats_with<Attention, T>(p, row, 0, p.N, max.data(), sum.data());
-  snapkv_raw_scores_with<Attention, T>(p, row, max.data(), sum.data(), 0, p.N - p.W, raw);
+  const T* k;
+  Attention attention = snapkv_row_attention<Attention, T>(p, row, &k);
+  attention.compute_normalizers(k, p.k.n, p.k.d);
+  accumulate_raw_scores(attention, k, p, 0, p.N - p.W, raw);
 }
 
 // The same three with the fastest kernel this CPU runs.

@@ -43,7 +43,6 @@ class WindowAttention {
   template <typename T>
   void compute_normalizers(const T* keys, int64_t key_stride, int64_t dim_stride, int64_t j_begin = 0,
                            int64_t j_end = std::numeric_limits<int64_t>::max()) {
-    std::vector<float>& sum = sum_;
     const int64_t n_visible = std::min(pos0_ + Q_, j_end);
     for (int64_t j0 = j_begin; j0 < n_visible; j0 += kKeyTile) {
       const int64_t tile = std::min(kKeyTile, n_visible - j0);
@@ -59,11 +58,11 @@ class WindowAttention {
         for (int64_t t = 0; t < tile; ++t) partial[t % 8] += exp_nonpositive(l[t] - new_max);
         float tile_sum = 0.0f;
         for (float p : partial) tile_sum += p;
-        sum[r] = sum[r] * exp_nonpositive(max_[r] - new_max) + tile_sum;
+        sum_[r] = sum_[r] * exp_nonpositive(max_[r] - new_max) + tile_sum;
         max_[r] = new_max;
       }
     }
-    for (int64_t r = 0; r < rows_; ++r) inv_sum_[r] = 1.0f / sum[r];
+    for (int64_t r = 0; r < rows_; ++r) inv_sum_[r] = 1.0f / sum_[r];
   }
 
   // The statistics of query i of head h at [h * Q + i] (what compute_normalizers found).

@@ -6,13 +6,7 @@
 
 #include "ripplekv/gather_kv.h"
 
-#define EXPECT(cond)                                                  \
-  do {                                                                \
-    if (!(cond)) {                                                    \
-      std::fprintf(stderr, "%s:%d: failed: %s\n", __FILE__, __LINE__, #cond); \
-      std::exit(1);                                                   \
-    }                                                                 \
-  } while (0)
+#include "expect.h"
 
 int main() {
   const int64_t B = 2, H = 3, N = 7, D = 5, C = 4;

@@ -14,13 +14,7 @@
 #include "ripplekv/select_topk.h"
 #include "ripplekv/snapkv_scores.h"
 
-#define EXPECT(cond)                                                          \
-  do {                                                                        \
-    if (!(cond)) {                                                            \
-      std::fprintf(stderr, "%s:%d: failed: %s\n", __FILE__, __LINE__, #cond); \
-      std::exit(1);                                                           \
-    }                                                                         \
-  } while (0)
+#include "expect.h"
 
 static std::vector<int64_t> select_row(const std::vector<float>& scores, int64_t w, int64_t budget) {
   const int64_t n = static_cast<int64_t>(scores.size()) + w;

@@ -12,13 +12,7 @@
 #include "ripplekv/h2o_scores.h"
 #include "ripplekv/snapkv_scores.h"
 
-#define EXPECT(cond)                                                          \
-  do {                                                                        \
-    if (!(cond)) {                                                            \
-      std::fprintf(stderr, "%s:%d: failed: %s\n", __FILE__, __LINE__, #cond); \
-      std::exit(1);                                                           \
-    }                                                                         \
-  } while (0)
+#include "expect.h"
 
 #ifdef RIPPLEKV_HAS_AVX2_KERNELS
 using ripplekv::BFloat16;
