@@ -1,5 +1,9 @@
 """snapkv_scores and snapkv_compress against the reference, hand-worked values and adversarial inputs."""
 
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 from hypothesis import given, settings, strategies as st
@@ -227,3 +231,30 @@ def test_bad_device_mix():
     q, k, v = make_window(1, 4, 2, 4, 10, 8, torch.float32, "cuda")
     with pytest.raises(RuntimeError, match=r"keys must be on the device of q_window \(cuda:0\), got cpu"):
         ripplekv_ext.snapkv_scores(q, k.cpu())
+
+
+# Run in a fresh process: the CPU store budget (RIPPLEKV_SNAPKV_STORE_MIB) is read once per process.
+_STORE_BUDGET_SCRIPT = """
+import torch, ripplekv_ext, ripplekv_ref
+for n in (1024, 5000):
+    g = torch.Generator().manual_seed(n)
+    q, k, v = (torch.randn(2, 8, 32, 16, generator=g), torch.randn(2, 4, n, 16, generator=g),
+               torch.randn(2, 4, n, 16, generator=g))
+    torch.testing.assert_close(ripplekv_ext.snapkv_scores(q, k), ripplekv_ref.snapkv_scores(q, k), rtol=1e-5, atol=1e-5)
+    idx = ripplekv_ext.snapkv_compress(q, k, v, n // 5)[2]
+    assert torch.equal(idx, ripplekv_ref.snapkv_compress(q, k, v, n // 5)[2]), n
+print("ok")
+"""
+
+
+@pytest.mark.parametrize("kernel", ["default", "portable"])
+def test_cpu_store_budget_groups_and_fallback(kernel):
+    """With a 1 MiB store budget, one row's kept exps take about 0.27 MiB at N = 1024 (G = 2, W = 32), so the 8 rows
+    are scored in groups of 3, 3 and 2; at N = 5000 a row's take 1.3 MiB, more than the budget, so both passes run
+    from the keys. The scores and the selection must not change."""
+    env = {**os.environ, "RIPPLEKV_SNAPKV_STORE_MIB": "1"}
+    if kernel == "portable":
+        env["RIPPLEKV_DISABLE_AVX2"] = "1"
+    result = subprocess.run([sys.executable, "-c", _STORE_BUDGET_SCRIPT], env=env, capture_output=True, text=True,
+                            timeout=300)
+    assert result.returncode == 0 and result.stdout.strip() == "ok", result.stderr

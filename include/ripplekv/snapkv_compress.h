@@ -3,7 +3,8 @@
 // snapkv_compress_rows keeps each row's scores in a per-thread [N - W] buffer (beyond inputs and outputs
 // O(threads * (N + G * W * (D + tile))) memory); the torch binding scores over (row, key range) tasks
 // for load balance into a [B * H_kv, N - W] buffer, then calls snapkv_select_gather_rows. Neither
-// ever holds the [B, H_q, W, N] probabilities.
+// holds the [B, H_q, W, N] probabilities: the binding keeps some rows' exps for its second pass, but
+// never more than a fixed budget (csrc/cpu/snapkv_parallel.h), whatever B, H and N.
 #pragma once
 
 #include <cstdint>

@@ -72,13 +72,14 @@ Attention snapkv_row_attention(const SnapKVScoresParams& p, int64_t row, const T
 }
 
 // Pass 1 of one row over keys [j_begin, j_end): softmax max and normalizer of its G * W window queries
-// (query i of head h at [h * W + i]), partial when the range is not all of [0, N).
+// (query i of head h at [h * W + i]), partial when the range is not all of [0, N). With `store`, it
+// also keeps the range's exps for snapkv_raw_scores_with (layout: Attention::compute_normalizers).
 template <typename Attention, typename T>
 void snapkv_window_stats_with(const SnapKVScoresParams& p, int64_t row, int64_t j_begin, int64_t j_end, float* max,
-                              float* sum) {
+                              float* sum, float* store = nullptr, float* tile_shifts = nullptr) {
   const T* k;
   Attention attention = snapkv_row_attention<Attention, T>(p, row, &k);
-  attention.compute_normalizers(k, p.k.n, p.k.d, j_begin, j_end);
+  attention.compute_normalizers(k, p.k.n, p.k.d, j_begin, j_end, store, tile_shifts);
   attention.export_stats(max, sum);
 }
 
@@ -91,29 +92,37 @@ inline float reduce_group(const float* head_sums, int64_t head_stride, int64_t G
 }
 
 // Pass 2 with `attention`'s final statistics: the unpooled, group-reduced window mass of prefix keys
-// [j_begin, j_end) into raw[0, j_end - j_begin).
+// [j_begin, j_end) into raw[0, j_end - j_begin). The per-head sums come from recomputed logits, or
+// from `store` / `tile_shifts` when pass 1 kept them (then j_begin is a multiple of the key tile).
 template <typename Attention, typename T>
 void accumulate_raw_scores(Attention& attention, const T* k, const SnapKVScoresParams& p, int64_t j_begin,
-                           int64_t j_end, float* raw) {
+                           int64_t j_end, float* raw, const float* store = nullptr,
+                           const float* tile_shifts = nullptr) {
   constexpr int64_t tile_keys = Attention::kKeyTile;
   // Per-head sums for one key tile at a time, so the group max needs no [G, N] buffer.
   std::vector<float> head_sums(p.G * tile_keys);
   for (int64_t j0 = j_begin; j0 < j_end; j0 += tile_keys) {
     const int64_t tile = std::min(tile_keys, j_end - j0);
     std::fill(head_sums.begin(), head_sums.end(), 0.0f);
-    attention.accumulate(k, p.k.n, p.k.d, j0, j0 + tile, head_sums.data(), tile_keys);
+    if (store != nullptr) {
+      attention.accumulate_stored(store, tile_shifts, j0, j0 + tile, head_sums.data(), tile_keys);
+    } else {
+      attention.accumulate(k, p.k.n, p.k.d, j0, j0 + tile, head_sums.data(), tile_keys);
+    }
     for (int64_t t = 0; t < tile; ++t) raw[j0 - j_begin + t] = reduce_group(&head_sums[t], tile_keys, p.G, p.group_reduce);
   }
 }
 
-// Pass 2 of one row over prefix keys [j_begin, j_end), given the row's final (merged) statistics.
+// Pass 2 of one row over prefix keys [j_begin, j_end), given the row's final (merged) statistics and,
+// optionally, what pass 1 stored for the row.
 template <typename Attention, typename T>
 void snapkv_raw_scores_with(const SnapKVScoresParams& p, int64_t row, const float* max, const float* sum,
-                            int64_t j_begin, int64_t j_end, float* raw) {
+                            int64_t j_begin, int64_t j_end, float* raw, const float* store = nullptr,
+                            const float* tile_shifts = nullptr) {
   const T* k;
   Attention attention = snapkv_row_attention<Attention, T>(p, row, &k);
   attention.import_stats(max, sum);
-  accumulate_raw_scores(attention, k, p, j_begin, j_end, raw);
+  accumulate_raw_scores(attention, k, p, j_begin, j_end, raw, store, tile_shifts);
 }
 
 // Both passes over a whole row with one kernel object: raw[0, N - W).
@@ -125,21 +134,7 @@ void snapkv_raw_scores_row_with(const SnapKVScoresParams& p, int64_t row, float*
   accumulate_raw_scores(attention, k, p, 0, p.N - p.W, raw);
 }
 
-// The same three with the fastest kernel this CPU runs.
-template <typename T>
-void snapkv_window_stats(const SnapKVScoresParams& p, int64_t row, int64_t j_begin, int64_t j_end, float* max,
-                         float* sum) {
-  visit_window_attention([&](auto tag) {
-    snapkv_window_stats_with<typename decltype(tag)::type, T>(p, row, j_begin, j_end, max, sum);
-  });
-}
-template <typename T>
-void snapkv_raw_scores(const SnapKVScoresParams& p, int64_t row, const float* max, const float* sum, int64_t j_begin,
-                       int64_t j_end, float* raw) {
-  visit_window_attention([&](auto tag) {
-    snapkv_raw_scores_with<typename decltype(tag)::type, T>(p, row, max, sum, j_begin, j_end, raw);
-  });
-}
+// The same with the fastest kernel this CPU runs.
 template <typename T>
 void snapkv_raw_scores_row(const SnapKVScoresParams& p, int64_t row, float* raw) {
   visit_window_attention([&](auto tag) { snapkv_raw_scores_row_with<typename decltype(tag)::type, T>(p, row, raw); });

@@ -3,7 +3,9 @@
 // Shared by SnapKV (the block is the observation window) and H2O (the block is a chunk of prompt
 // queries). Two passes over the keys: the first finds each query's softmax max and normalizer
 // online, tile by tile; the second recomputes the logits of a key tile and adds the normalized
-// probabilities into per-head sums. Scratch is O(queries * (D + tile)), never O(queries * keys).
+// probabilities into per-head sums. Scratch is O(queries * (D + tile)), never O(queries * keys),
+// unless the caller gives pass 1 a store to keep its exps in, so pass 2 need not recompute the
+// logits (accumulate_stored): then the caller sizes and bounds that O(queries * keys) store.
 #pragma once
 
 #include <algorithm>
@@ -37,12 +39,21 @@ class WindowAttention {
         }
   }
 
+  // Floats per key (and per key tile) of a probability store: one per query row.
+  static int64_t store_width(int64_t G, int64_t Q) { return G * Q; }
+
   // Pass 1 over keys [j_begin, j_end) clipped to the visible [0, pos0 + Q): softmax max and normalizer
   // per query (online update). A sub-range gives partial statistics that merge_softmax_stats combines
   // (then import_stats); the default range gives the final ones.
+  //
+  // With `store` (j_begin a multiple of kKeyTile), it also keeps, for accumulate_stored, each visible
+  // key's exp(logit - shift) at store[j * store_width + row] and each tile's shift (the running max it
+  // was taken against) at tile_shifts[(j / kKeyTile) * store_width + row]: key j's absolute position
+  // indexes both, so any tile-aligned sub-range writes its own part.
   template <typename T>
   void compute_normalizers(const T* keys, int64_t key_stride, int64_t dim_stride, int64_t j_begin = 0,
-                           int64_t j_end = std::numeric_limits<int64_t>::max()) {
+                           int64_t j_end = std::numeric_limits<int64_t>::max(), float* store = nullptr,
+                           float* tile_shifts = nullptr) {
     const int64_t n_visible = std::min(pos0_ + Q_, j_end);
     for (int64_t j0 = j_begin; j0 < n_visible; j0 += kKeyTile) {
       const int64_t tile = std::min(kKeyTile, n_visible - j0);
@@ -52,6 +63,11 @@ class WindowAttention {
         float tile_max = -std::numeric_limits<float>::infinity();
         for (int64_t t = 0; t < tile; ++t) tile_max = l[t] > tile_max ? l[t] : tile_max;
         const float new_max = std::max(max_[r], tile_max);
+        if (store != nullptr) {  // a fully masked row stores exp(-inf - 0) = 0
+          const float shift = new_max == -std::numeric_limits<float>::infinity() ? 0.0f : new_max;
+          tile_shifts[(j0 / kKeyTile) * rows_ + r] = shift;
+          for (int64_t t = 0; t < tile; ++t) store[(j0 + t) * rows_ + r] = exp_nonpositive(l[t] - shift);
+        }
         if (new_max == -std::numeric_limits<float>::infinity()) continue;  // fully masked so far
         // Eight independent partial sums vectorize without reassociating a single sum.
         float partial[8] = {0, 0, 0, 0, 0, 0, 0, 0};
@@ -95,6 +111,26 @@ class WindowAttention {
           const float* l = &logits_[r * kKeyTile];
           const float m = max_[r], inv = inv_sum_[r];
           for (int64_t t = 0; t < tile; ++t) out[t] += exp_nonpositive(l[t] - m) * inv;
+        }
+      }
+    }
+  }
+
+  // Pass 2 from what compute_normalizers kept in `store` / `tile_shifts` (same layout; j_begin a
+  // multiple of kKeyTile), with the final statistics: no logits are recomputed. Key j's probability is
+  // its stored exp(logit - shift) times exp(shift - max) / sum, a weight per query and tile.
+  void accumulate_stored(const float* store, const float* tile_shifts, int64_t j_begin, int64_t j_end,
+                         float* head_sums, int64_t head_stride) {
+    std::vector<float> weight(rows_);
+    for (int64_t j0 = j_begin; j0 < j_end; j0 += kKeyTile) {
+      const int64_t tile = std::min(kKeyTile, j_end - j0);
+      const float* shift = &tile_shifts[(j0 / kKeyTile) * rows_];
+      for (int64_t r = 0; r < rows_; ++r) weight[r] = exp_nonpositive(shift[r] - max_[r]) * inv_sum_[r];
+      for (int64_t h = 0; h < G_; ++h) {
+        float* out = head_sums + h * head_stride + (j0 - j_begin);
+        for (int64_t t = 0; t < tile; ++t) {
+          const float* e = store + (j0 + t) * rows_ + h * Q_;
+          for (int64_t i = 0; i < Q_; ++i) out[t] += e[i] * weight[h * Q_ + i];
         }
       }
     }

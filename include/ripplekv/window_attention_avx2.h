@@ -5,6 +5,10 @@
 // tile's logits and adds the normalized probabilities into per-head sums; scratch stays
 // O(queries * (D + tile)).
 //
+// Optionally pass 1 also keeps what it computed (see compute_normalizers' `store`), and pass 2 then
+// reads it back (accumulate_stored) instead of recomputing the logits: one GEMM instead of two, for
+// O(queries * keys) scratch that the caller sizes and bounds.
+//
 // Layout, chosen so no step needs a transpose in the inner loops:
 // - queries are stored transposed, [D][rows], scaled; head h owns rows [h * Qp, h * Qp + Q) with Qp
 //   = Q rounded up to 8, so every 8-row vector belongs to one head (pad rows are zero and get zero
@@ -29,6 +33,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 #include "ripplekv/numeric.h"
@@ -116,24 +121,34 @@ class WindowAttentionAvx2 {
                                     int64_t G, int64_t Q, int64_t D, int64_t pos0, float scale)
       : G_(G), Q_(Q), D_(D), pos0_(pos0), Qp_((Q + 7) / 8 * 8), rows_((G * Qp_ + 15) / 16 * 16),
         qt_(D * rows_, 0.0f), key_tile_(kKeyTile * D, 0.0f), logits_(kKeyTile * rows_),
-        max_(rows_, -std::numeric_limits<float>::infinity()), sum_(rows_, 0.0f), inv_sum_(rows_, 0.0f) {
+        max_(rows_, -std::numeric_limits<float>::infinity()), sum_(rows_, 0.0f), inv_sum_(rows_, 0.0f),
+        weights_(rows_, 0.0f) {
     for (int64_t h = 0; h < G; ++h)
       for (int64_t i = 0; i < Q; ++i)
         for (int64_t d = 0; d < D; ++d)
           qt_[d * rows_ + h * Qp_ + i] = scale * to_float(q[h * head_stride + i * query_stride + d * dim_stride]);
   }
 
+  // Floats per key (and per key tile) of a probability store: one per (padded) query row.
+  static int64_t store_width(int64_t G, int64_t Q) { return (G * ((Q + 7) / 8 * 8) + 15) / 16 * 16; }
+
   // Pass 1 over keys [j_begin, j_end) clipped to the visible [0, pos0 + Q): softmax max and normalizer
   // per query (online update). A sub-range gives partial statistics that merge_softmax_stats combines
   // (then import_stats); the default range gives the final ones.
+  //
+  // With `store` (j_begin a multiple of kKeyTile), it also keeps, for accumulate_stored, each visible
+  // key's exp(logit - shift) at store[j * store_width + row] and each tile's shift (the running max it
+  // was taken against) at tile_shifts[(j / kKeyTile) * store_width + row]: key j's absolute position
+  // indexes both, so any tile-aligned sub-range writes its own part.
   template <typename T>
   RIPPLEKV_AVX2 void compute_normalizers(const T* keys, int64_t key_stride, int64_t dim_stride, int64_t j_begin = 0,
-                                         int64_t j_end = std::numeric_limits<int64_t>::max()) {
+                                         int64_t j_end = std::numeric_limits<int64_t>::max(), float* store = nullptr,
+                                         float* tile_shifts = nullptr) {
     const __m256 neg_inf = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
     const int64_t n_visible = std::min(pos0_ + Q_, j_end);
     for (int64_t j0 = j_begin; j0 < n_visible; j0 += kKeyTile) {
       const int64_t tile = std::min(kKeyTile, n_visible - j0);
-      compute_logits(keys, key_stride, dim_stride, j0, tile);
+      compute_logits(keys, key_stride, dim_stride, j0, tile, n_visible);
       for (int64_t r = 0; r < rows_; r += 8) {
         __m256 tile_max = neg_inf;
         for (int64_t t = 0; t < tile; ++t) tile_max = _mm256_max_ps(tile_max, _mm256_loadu_ps(&logits_[t * rows_ + r]));
@@ -142,8 +157,17 @@ class WindowAttentionAvx2 {
         // A row with every key so far masked keeps max -inf: subtract 0 instead so exp sees -inf, not NaN.
         const __m256 shift = _mm256_andnot_ps(_mm256_cmp_ps(new_max, neg_inf, _CMP_EQ_OQ), new_max);
         __m256 tile_sum = _mm256_setzero_ps();
-        for (int64_t t = 0; t < tile; ++t)
-          tile_sum = _mm256_add_ps(tile_sum, exp_nonpositive_avx2(_mm256_sub_ps(_mm256_loadu_ps(&logits_[t * rows_ + r]), shift)));
+        if (store != nullptr) {
+          _mm256_storeu_ps(&tile_shifts[(j0 / kKeyTile) * rows_ + r], shift);
+          for (int64_t t = 0; t < tile; ++t) {
+            const __m256 e = exp_nonpositive_avx2(_mm256_sub_ps(_mm256_loadu_ps(&logits_[t * rows_ + r]), shift));
+            _mm256_storeu_ps(&store[(j0 + t) * rows_ + r], e);
+            tile_sum = _mm256_add_ps(tile_sum, e);
+          }
+        } else {
+          for (int64_t t = 0; t < tile; ++t)
+            tile_sum = _mm256_add_ps(tile_sum, exp_nonpositive_avx2(_mm256_sub_ps(_mm256_loadu_ps(&logits_[t * rows_ + r]), shift)));
+        }
         const __m256 rescale = exp_nonpositive_avx2(_mm256_sub_ps(old_max, shift));
         _mm256_storeu_ps(&sum_[r], _mm256_fmadd_ps(_mm256_loadu_ps(&sum_[r]), rescale, tile_sum));
         _mm256_storeu_ps(&max_[r], new_max);
@@ -176,35 +200,35 @@ class WindowAttentionAvx2 {
   template <typename T>
   RIPPLEKV_AVX2 void accumulate(const T* keys, int64_t key_stride, int64_t dim_stride, int64_t j_begin,
                                 int64_t j_end, float* head_sums, int64_t head_stride) {
-    const int64_t vectors_per_head = Qp_ / 8;
     for (int64_t j0 = j_begin; j0 < j_end; j0 += kKeyTile) {
       const int64_t tile = std::min(kKeyTile, j_end - j0);
-      compute_logits(keys, key_stride, dim_stride, j0, tile);
-      for (int64_t h = 0; h < G_; ++h) {
-        const float* max = &max_[h * Qp_];
-        const float* inv = &inv_sum_[h * Qp_];
-        float* out = head_sums + h * head_stride + (j0 - j_begin);
-        for (int64_t t0 = 0; t0 < tile; t0 += 8) {
-          __m256 key_sums[8];  // key t0 + x: the head's probabilities, still 8 lanes wide
-          for (int x = 0; x < 8; ++x) {
-            const float* l = &logits_[(t0 + x) * rows_ + h * Qp_];  // keys past `tile` are zero-padded rows
-            __m256 acc = _mm256_setzero_ps();
-            for (int64_t v = 0; v < vectors_per_head; ++v) {
-              const __m256 p = exp_nonpositive_avx2(_mm256_sub_ps(_mm256_loadu_ps(l + 8 * v), _mm256_loadu_ps(max + 8 * v)));
-              acc = _mm256_fmadd_ps(p, _mm256_loadu_ps(inv + 8 * v), acc);
-            }
-            key_sums[x] = acc;
-          }
-          const __m256 sums = lane_sums8(key_sums);
-          if (t0 + 8 <= tile) {
-            _mm256_storeu_ps(out + t0, _mm256_add_ps(_mm256_loadu_ps(out + t0), sums));
-          } else {
-            float tail[8];
-            _mm256_storeu_ps(tail, sums);
-            for (int64_t x = 0; t0 + x < tile; ++x) out[t0 + x] += tail[x];
-          }
-        }
+      compute_logits(keys, key_stride, dim_stride, j0, tile, j_end);
+      // p = exp(logit - max) / sum; keys past `tile` are zero-padded logit rows.
+      add_head_sums(tile, head_sums + (j0 - j_begin), head_stride, [&](__m256 acc, int64_t t, int64_t r) RIPPLEKV_AVX2 {
+        const __m256 p = exp_nonpositive_avx2(_mm256_sub_ps(_mm256_loadu_ps(&logits_[t * rows_ + r]),
+                                                            _mm256_loadu_ps(&max_[r])));
+        return _mm256_fmadd_ps(p, _mm256_loadu_ps(&inv_sum_[r]), acc);
+      });
+    }
+  }
+
+  // Pass 2 from what compute_normalizers kept in `store` / `tile_shifts` (same layout; j_begin a
+  // multiple of kKeyTile), with the final statistics: no logits are recomputed. Key j's probability is
+  // its stored exp(logit - shift) times exp(shift - max) / sum, a weight per query and tile.
+  RIPPLEKV_AVX2 void accumulate_stored(const float* store, const float* tile_shifts, int64_t j_begin, int64_t j_end,
+                                       float* head_sums, int64_t head_stride) {
+    for (int64_t j0 = j_begin; j0 < j_end; j0 += kKeyTile) {
+      const int64_t tile = std::min(kKeyTile, j_end - j0);
+      const float* shift = &tile_shifts[(j0 / kKeyTile) * rows_];
+      for (int64_t r = 0; r < rows_; r += 8) {  // pad rows: shift 0, max 0, 1 / sum 0 -> weight 0
+        const __m256 rescale = exp_nonpositive_avx2(_mm256_sub_ps(_mm256_loadu_ps(shift + r), _mm256_loadu_ps(&max_[r])));
+        _mm256_storeu_ps(&weights_[r], _mm256_mul_ps(rescale, _mm256_loadu_ps(&inv_sum_[r])));
       }
+      const float* e = store + j0 * rows_;
+      add_head_sums(tile, head_sums + (j0 - j_begin), head_stride, [&](__m256 acc, int64_t t, int64_t r) RIPPLEKV_AVX2 {
+        // Keys past `tile` may lie outside the store: they add nothing.
+        return t < tile ? _mm256_fmadd_ps(_mm256_loadu_ps(e + t * rows_ + r), _mm256_loadu_ps(&weights_[r]), acc) : acc;
+      });
     }
   }
 
@@ -220,14 +244,58 @@ class WindowAttentionAvx2 {
     std::fill(max_.begin() + G_ * Qp_, max_.end(), 0.0f);
   }
 
+  // out[h * head_stride + t] += sum over head h's (padded) query rows r of p(t, r), for keys t < tile
+  // of the current tile; add_prob(acc, t, r) returns acc plus p of rows [r, r + 8) as a vector.
+  template <typename AddProb>
+  RIPPLEKV_AVX2 void add_head_sums(int64_t tile, float* out, int64_t head_stride, const AddProb& add_prob) {
+    const int64_t vectors_per_head = Qp_ / 8;
+    for (int64_t h = 0; h < G_; ++h, out += head_stride) {
+      for (int64_t t0 = 0; t0 < tile; t0 += 8) {
+        __m256 key_sums[8];  // key t0 + x: the head's probabilities, still 8 lanes wide
+        for (int x = 0; x < 8; ++x) {
+          __m256 acc = _mm256_setzero_ps();
+          for (int64_t v = 0; v < vectors_per_head; ++v) acc = add_prob(acc, t0 + x, h * Qp_ + 8 * v);
+          key_sums[x] = acc;
+        }
+        const __m256 sums = lane_sums8(key_sums);
+        if (t0 + 8 <= tile) {
+          _mm256_storeu_ps(out + t0, _mm256_add_ps(_mm256_loadu_ps(out + t0), sums));
+        } else {
+          float tail[8];
+          _mm256_storeu_ps(tail, sums);
+          for (int64_t x = 0; t0 + x < tile; ++x) out[t0 + x] += tail[x];
+        }
+      }
+    }
+  }
+
   // logits_[t][r] = <q_r, k_{j0 + t}> for t < tile, -inf where key j0 + t is in the future of query
-  // r; rows t in [tile, kKeyTile) come from zeroed keys and are never read as real keys.
+  // r; rows t in [tile, kKeyTile) come from zeroed keys and are never read as real keys. Keys from
+  // j0 + kKeyTile up to prefetch_end (exclusive) are the next tile's, and are prefetched.
   template <typename T>
-  RIPPLEKV_AVX2 void compute_logits(const T* keys, int64_t key_stride, int64_t dim_stride, int64_t j0, int64_t tile) {
-    for (int64_t t = 0; t < tile; ++t) load_key_row(keys + (j0 + t) * key_stride, dim_stride, D_, &key_tile_[t * D_]);
-    std::fill(key_tile_.begin() + tile * D_, key_tile_.end(), 0.0f);
+  RIPPLEKV_AVX2 void compute_logits(const T* keys, int64_t key_stride, int64_t dim_stride, int64_t j0, int64_t tile,
+                                    int64_t prefetch_end) {
+    // A whole tile of fp32 keys with contiguous dims is read in place; anything else is converted
+    // into key_tile_, zero-padded to the tile so the micro-kernel's last 6 keys stay in bounds.
+    const float* k = key_tile_.data();
+    int64_t k_stride = D_;
+    if constexpr (std::is_same_v<T, float>) {
+      if (dim_stride == 1 && tile == kKeyTile) k = keys + j0 * key_stride, k_stride = key_stride;
+    }
+    // Ask for the next tile's keys now: rows of a [B, N, H, D] tensor viewed as [B, H, N, D] lie a
+    // whole token apart, a stride the hardware prefetchers do not follow from one row to the next.
+    if (dim_stride == 1)
+      for (int64_t t = 0; t < std::min(kKeyTile, prefetch_end - j0 - kKeyTile); ++t) {
+        const char* row = reinterpret_cast<const char*>(keys + (j0 + kKeyTile + t) * key_stride);
+        for (int64_t byte = 0; byte < D_ * static_cast<int64_t>(sizeof(T)); byte += 64)
+          _mm_prefetch(row + byte, _MM_HINT_T0);
+      }
+    if (k == key_tile_.data()) {
+      for (int64_t t = 0; t < tile; ++t) load_key_row(keys + (j0 + t) * key_stride, dim_stride, D_, &key_tile_[t * D_]);
+      std::fill(key_tile_.begin() + tile * D_, key_tile_.end(), 0.0f);
+    }
     for (int64_t t0 = 0; t0 < tile; t0 += 6)
-      for (int64_t r0 = 0; r0 < rows_; r0 += 16) logits_6x16(t0, r0);
+      for (int64_t r0 = 0; r0 < rows_; r0 += 16) logits_6x16(k + t0 * k_stride, k_stride, t0, r0);
     if (pos0_ < j0 + tile - 1) {  // some query precedes some key of this tile
       for (int64_t h = 0; h < G_; ++h)
         for (int64_t i = 0; i < Q_; ++i)
@@ -236,26 +304,26 @@ class WindowAttentionAvx2 {
     }
   }
 
-  // Keys [t0, t0 + 6) x rows [r0, r0 + 16): 12 accumulators stay in registers for the whole
-  // reduction over D; each step loads 16 query values and broadcasts 6 key values for 12 FMAs.
-  RIPPLEKV_AVX2 void logits_6x16(int64_t t0, int64_t r0) {
+  // Keys [t0, t0 + 6) (fp32 rows at k, k + k_stride, ...) x rows [r0, r0 + 16): 12 accumulators stay
+  // in registers for the whole reduction over D; each step loads 16 query values and broadcasts 6
+  // key values for 12 FMAs.
+  RIPPLEKV_AVX2 void logits_6x16(const float* k, int64_t k_stride, int64_t t0, int64_t r0) {
     __m256 a00 = _mm256_setzero_ps(), a01 = a00, a10 = a00, a11 = a00, a20 = a00, a21 = a00;
     __m256 a30 = a00, a31 = a00, a40 = a00, a41 = a00, a50 = a00, a51 = a00;
     const float* q = &qt_[r0];
-    const float* k = &key_tile_[t0 * D_];
     for (int64_t d = 0; d < D_; ++d, q += rows_, ++k) {
       const __m256 q0 = _mm256_loadu_ps(q), q1 = _mm256_loadu_ps(q + 8);
       __m256 b = _mm256_broadcast_ss(k);
       a00 = _mm256_fmadd_ps(q0, b, a00), a01 = _mm256_fmadd_ps(q1, b, a01);
-      b = _mm256_broadcast_ss(k + D_);
+      b = _mm256_broadcast_ss(k + k_stride);
       a10 = _mm256_fmadd_ps(q0, b, a10), a11 = _mm256_fmadd_ps(q1, b, a11);
-      b = _mm256_broadcast_ss(k + 2 * D_);
+      b = _mm256_broadcast_ss(k + 2 * k_stride);
       a20 = _mm256_fmadd_ps(q0, b, a20), a21 = _mm256_fmadd_ps(q1, b, a21);
-      b = _mm256_broadcast_ss(k + 3 * D_);
+      b = _mm256_broadcast_ss(k + 3 * k_stride);
       a30 = _mm256_fmadd_ps(q0, b, a30), a31 = _mm256_fmadd_ps(q1, b, a31);
-      b = _mm256_broadcast_ss(k + 4 * D_);
+      b = _mm256_broadcast_ss(k + 4 * k_stride);
       a40 = _mm256_fmadd_ps(q0, b, a40), a41 = _mm256_fmadd_ps(q1, b, a41);
-      b = _mm256_broadcast_ss(k + 5 * D_);
+      b = _mm256_broadcast_ss(k + 5 * k_stride);
       a50 = _mm256_fmadd_ps(q0, b, a50), a51 = _mm256_fmadd_ps(q1, b, a51);
     }
     float* l = &logits_[t0 * rows_ + r0];
@@ -267,7 +335,7 @@ class WindowAttentionAvx2 {
   }
 
   int64_t G_, Q_, D_, pos0_, Qp_, rows_;
-  std::vector<float> qt_, key_tile_, logits_, max_, sum_, inv_sum_;
+  std::vector<float> qt_, key_tile_, logits_, max_, sum_, inv_sum_, weights_;
 };
 
 }  // namespace detail

@@ -47,19 +47,29 @@ static bool close(const std::vector<float>& a, const std::vector<float>& b) {
   return true;
 }
 
+// Scores split over key ranges as the torch binding does for load balance (csrc/cpu/snapkv_parallel.h):
+// partial statistics merged, then each prefix range scored on its own, from the keys or (store) from
+// the exps pass 1 kept; ranges start on key-tile multiples, as the store needs.
 template <typename Attention, typename T>
-std::vector<float> chunked_scores(const ripplekv::SnapKVScoresParams& sp, int64_t chunks) {
-  const int64_t gw = sp.G * sp.W, n_prefix = sp.N - sp.W;
+std::vector<float> chunked_scores(const ripplekv::SnapKVScoresParams& sp, int64_t chunks, bool store) {
+  constexpr int64_t tile = Attention::kKeyTile;
+  const int64_t gw = sp.G * sp.W, n_prefix = sp.N - sp.W, width = Attention::store_width(sp.G, sp.W);
   std::vector<float> max(chunks * gw), sum(chunks * gw), merged_max(gw), merged_sum(gw), raw(n_prefix);
-  const int64_t keys_per_chunk = (sp.N + chunks - 1) / chunks;
+  // NaN-filled, so a read of anything pass 1 did not write shows up in the scores.
+  std::vector<float> kept(store ? (sp.N + (sp.N + tile - 1) / tile) * width : 0, std::nanf(""));
+  float* exps = store ? kept.data() : nullptr;
+  float* shifts = store ? kept.data() + sp.N * width : nullptr;
+  const auto round_up = [](int64_t n, int64_t m) { return (n + m - 1) / m * m; };
+  const int64_t keys_per_chunk = round_up((sp.N + chunks - 1) / chunks, tile);
   for (int64_t c = 0; c < chunks; ++c)
     ripplekv::detail::snapkv_window_stats_with<Attention, T>(sp, 0, c * keys_per_chunk, (c + 1) * keys_per_chunk,
-                                                             &max[c * gw], &sum[c * gw]);
+                                                             &max[c * gw], &sum[c * gw], exps, shifts);
   ripplekv::detail::merge_softmax_stats(max.data(), sum.data(), chunks, gw, merged_max.data(), merged_sum.data());
-  const int64_t prefix_per_chunk = (n_prefix + chunks - 1) / chunks;
+  const int64_t prefix_per_chunk = round_up((n_prefix + chunks - 1) / chunks, tile);
   for (int64_t j0 = 0; j0 < n_prefix; j0 += prefix_per_chunk)
     ripplekv::detail::snapkv_raw_scores_with<Attention, T>(sp, 0, merged_max.data(), merged_sum.data(), j0,
-                                                           std::min(n_prefix, j0 + prefix_per_chunk), &raw[j0]);
+                                                           std::min(n_prefix, j0 + prefix_per_chunk), &raw[j0],
+                                                           exps, shifts);
   return raw;
 }
 
@@ -88,12 +98,12 @@ void compare(std::mt19937& rng, int64_t G, int64_t W, int64_t D, int64_t N, int6
   ripplekv::detail::snapkv_raw_scores_row_with<ripplekv::detail::WindowAttentionAvx2, T>(sp, 0, fast.data());
   ripplekv::detail::snapkv_raw_scores_row_with<ripplekv::detail::WindowAttention, T>(sp, 0, slow.data());
   EXPECT(close(fast, slow));
-  // Split over key ranges as the torch binding does for load balance: partial statistics merged, then
-  // each prefix range scored on its own; the same scores with either kernel.
-  for (int64_t chunks : {2, 3, 7}) {
-    EXPECT(close(chunked_scores<ripplekv::detail::WindowAttentionAvx2, T>(sp, chunks), slow));
-    EXPECT(close(chunked_scores<ripplekv::detail::WindowAttention, T>(sp, chunks), slow));
-  }
+  // Split over key ranges, with and without the store: the same scores with either kernel.
+  for (int64_t chunks : {1, 2, 3, 7})
+    for (bool store : {false, true}) {
+      EXPECT(close(chunked_scores<ripplekv::detail::WindowAttentionAvx2, T>(sp, chunks, store), slow));
+      EXPECT(close(chunked_scores<ripplekv::detail::WindowAttention, T>(sp, chunks, store), slow));
+    }
 
   ripplekv::H2OScoresParams hp{};
   hp.queries = hq.data();
@@ -127,7 +137,8 @@ int main() {
   }
   std::mt19937 rng(3);
   const int64_t shapes[][4] = {  // G, W, D, N
-      {1, 1, 3, 2}, {1, 5, 16, 40}, {3, 7, 64, 97}, {4, 32, 128, 300}, {8, 9, 100, 49}, {2, 16, 64, 48 + 16 + 1}};
+      {1, 1, 3, 2},     {1, 5, 16, 40}, {3, 7, 64, 97}, {4, 32, 128, 300}, {8, 9, 100, 49}, {2, 16, 64, 48 + 16 + 1},
+      {3, 32, 64, 1000}};
   for (const auto& s : shapes)
     for (int64_t dim_stride : {1, 2}) {
       compare<float>(rng, s[0], s[1], s[2], s[3], dim_stride);
