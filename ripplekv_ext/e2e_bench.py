@@ -368,14 +368,16 @@ def run_peer(python: str, model_dir: str, examples: torch.Tensor, prefix_len: in
 
 def measure_peer(model, tokenizer, model_dir: str, n_tokens: int = 8192, cont_len: int = 32, num_examples: int = 2,
                  retention: float = 0.2, methods=PEER_METHODS, window: int = 32, kernel_size: int = 7,
-                 peer_python: Optional[str] = None) -> dict:
+                 pooling: str = "avg", peer_python: Optional[str] = None) -> dict:
     """Ours next to kvpress on the same model, prompts and retention: prefill seconds, the compression step
     alone, and fidelity ``KL(P_full || P_compressed)`` on a teacher-forced continuation. ``model_dir`` is the
     folder ``model`` was loaded from: kvpress's process loads the same weights from it.
 
-    Settings: window ``window`` and pooling kernel ``kernel_size`` for both. kvpress's SnapKV averages window
-    attention and average-pools; ours uses SnapKV's published max pooling: the same settings otherwise. kvpress
-    runs in a subprocess (``find_peer_python``); without one its side is marked skipped with the reason.
+    Settings: window ``window`` and pooling kernel ``kernel_size`` for both. kvpress's SnapKV average-pools (and
+    averages the window queries' attention, a constant factor that changes no ranking), so ours runs with
+    ``pooling="avg"`` by default: the same scores. ``pooling="max"`` measures our default (SnapKV's published
+    max pooling) against kvpress's average instead. kvpress runs in a subprocess (``find_peer_python``); without
+    one its side is marked skipped with the reason.
     Each side's plain prefill is measured in its own process, so overheads are each against their own.
     """
     from ripplekv_ext.eval.fidelity import continuation_logits_fn, evaluate_fidelity, fidelity_examples
@@ -394,12 +396,13 @@ def measure_peer(model, tokenizer, model_dir: str, n_tokens: int = 8192, cont_le
 
     python, reason = find_peer_python(peer_python)
     out = {"n_tokens": n_tokens, "cont_len": cont_len, "examples": num_examples, "retention": retention,
-           "window": window, "kernel_size": kernel_size, "kvpress_skipped": reason, "rows": {}}
+           "window": window, "kernel_size": kernel_size, "ours_pooling": pooling, "kvpress_pooling": "avg",
+           "kvpress_skipped": reason, "rows": {}}
     base = [prefill(model, prefixes[i:i + 1])["seconds"] for i in range(num_examples)]
     out["prefill_s"] = _median(base)
     for m in methods:
         allocator = UniformAllocator() if m == "snapkv" else PyramidKVAllocator()
-        policy = Policy(allocator, SnapKVSelector(kernel_size=kernel_size), retention, window)
+        policy = Policy(allocator, SnapKVSelector(kernel_size=kernel_size, pooling=pooling), retention, window)
         runs = [prefill(model, prefixes[i:i + 1], policy) for i in range(num_examples)]
         ours_fn = continuation_logits_fn(model, lambda: compress(model, policy))
         kl = evaluate_fidelity(examples, n_tokens, full_fn, ours_fn, progress=False).summary()
@@ -487,6 +490,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--cont-len", type=int, default=None, help="profile figure: T (64)")
     p.add_argument("--max-examples", type=int, default=None, help="profile figure: examples (16)")
     p.add_argument("--peer-examples", type=int, default=2, help="peer figure: examples for the KL")
+    p.add_argument("--peer-pooling", choices=("avg", "max"), default="avg",
+                   help="peer figure: our SnapKV pooling (avg, kvpress's setting; max, our default)")
     p.add_argument("--peer-python", default=None, help="peer figure: a Python that imports kvpress (default: "
                    ".venv-peer/bin/python from `make peer-env`)")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
@@ -551,7 +556,8 @@ def main(argv=None) -> int:
 
         model_dir = smollm2_folder() if args.model == "smollm2" else args.model
         results["figures"]["peer"] = measure_peer(model, tokenizer, model_dir, sizes["tokens"], retention=args.retention,
-                                                  num_examples=args.peer_examples, peer_python=args.peer_python)
+                                                  num_examples=args.peer_examples, pooling=args.peer_pooling,
+                                                  peer_python=args.peer_python)
     results["machine"]["load_average_at_end"] = list(os.getloadavg()) if hasattr(os, "getloadavg") else None
 
     from ripplekv_ext.profile_file import write_json_atomic
@@ -631,7 +637,8 @@ def print_tables(results: dict, console=None) -> None:
         console.print(t)
     if "peer" in figs:
         f = figs["peer"]
-        title = f"Peer at {f['n_tokens']} tokens, retention {f['retention']:g}: plain prefill {_fmt(f['prefill_s'], '.2f')} s"
+        title = (f"Peer at {f['n_tokens']} tokens, retention {f['retention']:g}, pooling ours {f.get('ours_pooling', 'max')} "
+                 f"/ kvpress avg: plain prefill {_fmt(f['prefill_s'], '.2f')} s")
         if f["kvpress_skipped"]:
             title += f"\nkvpress skipped: {f['kvpress_skipped']}"
         else:
