@@ -134,9 +134,12 @@ def bench_e2e_peer(benchmark, smollm2, shape):
         pytest.skip(reason)
     result = benchmark.pedantic(e2e_bench.measure_peer, args=(smollm2["model"], smollm2["tokenizer"],
                                                               smollm2_folder(), N_TOKENS),
-                                kwargs=dict(cont_len=8, num_examples=1, retention=0.5), rounds=1, iterations=1)
+                                kwargs=dict(cont_len=8, num_examples=1, retention=0.5, step_rounds=2), rounds=1,
+                                iterations=1)
     for row in result["rows"].values():
         assert row["ours_kl"] >= 0 and row["kvpress_kl"] >= 0
+        assert len(row["ours_step_replay_s_all"]) == len(row["kvpress_step_replay_s_all"]) == 2
+        assert row["compression_speedup_vs_kvpress"] > 0
     # At kvpress's settings (average pooling, the default here) both SnapKVs score alike and keep the same
     # tokens up to near-ties, so their fidelity must agree; PyramidKV's layer budgets differ slightly by design.
     snap = result["rows"]["snapkv"]

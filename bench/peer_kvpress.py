@@ -16,6 +16,9 @@ For each example (prefix ``[P]`` + continuation ``[T]``) and each press, as kvpr
   the prefix's last position predicts continuation token 0, continuation position t predicts t + 1 (the same
   definition as ``ripplekv_ext.eval.fidelity``).
 
+With ``--serve-steps`` it instead captures each press's per-layer ``press.compress`` arguments from one prefill
+and replays the step on request, so the caller can time kvpress's step and its own alternately, side by side.
+
     python bench/peer_kvpress.py --model-dir DIR --ids ids.pt --prefix-len 8192 --retention 0.2 --out peer.json
 """
 
@@ -84,6 +87,50 @@ def make_press(method, retention, window, kernel_size):
     return timed_compress(cls(compression_ratio=1.0 - retention, window_size=window, kernel_size=kernel_size))
 
 
+def capture_steps(model, prefix, press):
+    """One prefill of ``prefix`` under ``press``, keeping the arguments of each layer's ``press.compress`` call
+    (the layer, its hidden states, its full keys and values) so ``replay_steps`` can time the step again."""
+    from transformers import DynamicCache
+
+    calls, inner = [], press.compress
+
+    def compress(*args, **kwargs):
+        calls.append((args, kwargs))
+        return inner(*args, **kwargs)
+
+    press.compress = compress
+    try:
+        with press(model), torch.inference_mode():
+            model(prefix, past_key_values=DynamicCache(), use_cache=True, logits_to_keep=1)
+    finally:
+        press.compress = inner
+    return calls
+
+
+def replay_steps(press, calls):
+    """Seconds for ``press.compress`` over every captured layer, in layer order (kvpress's presses are pure
+    functions of their arguments, so a replay repeats exactly the prefill's work)."""
+    t0 = time.perf_counter()
+    with torch.inference_mode():
+        for args, kwargs in calls:
+            press.compress(*args, **kwargs)
+    return time.perf_counter() - t0
+
+
+def serve_steps(model, prefix, presses):
+    """Capture each press's steps on ``prefix``, say ``ready``, then for each method name read on stdin replay
+    that press's steps and answer one JSON line. The caller alternates these with its own replays, so both
+    sides are timed at the same moment on the same machine."""
+    captured = {m: capture_steps(model, prefix, press) for m, press in presses.items()}
+    print(json.dumps({"ready": True, "layers": {m: len(c) for m, c in captured.items()}}), flush=True)
+    for line in sys.stdin:
+        method = line.strip()
+        if method not in captured:
+            print(json.dumps({"error": f"unknown method {method!r}"}), flush=True)
+            continue
+        print(json.dumps({"method": method, "seconds": replay_steps(presses[method], captured[method])}), flush=True)
+
+
 def stderr(xs):
     if len(xs) < 2:
         return None
@@ -107,8 +154,13 @@ def main(argv=None):
     ap.add_argument("--methods", nargs="+", default=["snapkv", "pyramidkv"])
     ap.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"])
     ap.add_argument("--threads", type=int, default=None)
-    ap.add_argument("--out", required=True)
+    ap.add_argument("--out", default=None, help="JSON result of the prefill and fidelity measurement")
+    ap.add_argument("--serve-steps", action="store_true",
+                    help="instead: capture each press's compression steps on the first example's prefix and "
+                         "replay them on request (a method name per stdin line, a JSON line back)")
     args = ap.parse_args(argv)
+    if args.out is None and not args.serve_steps:
+        ap.error("--out is required (unless --serve-steps)")
     if args.threads:
         torch.set_num_threads(args.threads)
 
@@ -120,6 +172,9 @@ def main(argv=None):
         sys.exit(f"--ids must be [examples, P + T] with P = {args.prefix_len}, got {list(examples.shape)}")
     model = AutoModelForCausalLM.from_pretrained(args.model_dir, dtype=getattr(torch, args.dtype)).eval()
     presses = {m: make_press(m, args.retention, args.window, args.kernel_size) for m in args.methods}
+    if args.serve_steps:
+        serve_steps(model, examples[:1, :args.prefix_len], presses)
+        return
     plain_s, rows = [], {m: {"prefill_s": [], "compress_s": [], "kl": [], "cache_tokens": []} for m in args.methods}
     for i in range(examples.shape[0]):
         prefix, continuation = examples[i:i + 1, :args.prefix_len], examples[i:i + 1, args.prefix_len:]
