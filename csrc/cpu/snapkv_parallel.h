@@ -8,8 +8,9 @@
 // Pass 1 also keeps its exps when a row's fit the store budget (16 MiB unless RIPPLEKV_SNAPKV_STORE_MIB
 // says otherwise; 0 turns it off), and pass 2 reads them back: one window-attention GEMM per key instead
 // of two, which is most of the scoring time. Rows are then scored in groups whose stores fit the budget.
-// A row too long for it (a Llama layer past about 30K tokens) runs both passes from the keys.
-// Scratch: the [rows, N - W] raw scores, O(rows * chunks * G * W) statistics and at most the budget.
+// A row too long for it (a Llama-3.1-8B layer past about 32K tokens) runs both passes from the keys.
+// Scratch: the [rows, N - W] raw scores, O(rows * chunks * G * W) statistics and at most the budget, which
+// each calling thread keeps between calls (snapkv_store_workspace).
 #pragma once
 
 #include <ATen/Parallel.h>
@@ -33,6 +34,19 @@ inline int64_t snapkv_store_budget_bytes() {
   return bytes;
 }
 
+// The store's memory, kept by each calling thread from one call to the next (at most the budget): a fresh
+// multi-megabyte buffer per layer is a new mapping whose pages the OS faults in and zeroes on first touch.
+inline float* snapkv_store_workspace(int64_t floats) {
+  thread_local std::unique_ptr<float[]> buffer;
+  thread_local int64_t capacity = 0;
+  if (floats > capacity) {
+    buffer.reset();  // free the old one first: never hold both
+    buffer.reset(new float[floats]);
+    capacity = floats;
+  }
+  return buffer.get();
+}
+
 template <typename Attention, typename T>
 void snapkv_raw_scores_parallel_with(const ripplekv::SnapKVScoresParams& p, float* raw) {
   constexpr int64_t kTile = Attention::kKeyTile;
@@ -54,8 +68,8 @@ void snapkv_raw_scores_parallel_with(const ripplekv::SnapKVScoresParams& p, floa
   const int64_t keys_per_chunk = round_up((p.N + chunks - 1) / chunks, kTile);  // pass 1 sees all N keys
   const int64_t prefix_per_chunk = round_up((n_prefix + chunks - 1) / chunks, kTile);  // pass 2 the prefix
 
-  // Not zero-filled (megabytes per call): pass 1 writes every element pass 2 reads.
-  const std::unique_ptr<float[]> store(keep ? new float[group * store_floats] : nullptr);
+  // Not zero-filled: pass 1 writes every element pass 2 reads.
+  float* const store = keep ? snapkv_store_workspace(group * store_floats) : nullptr;
   std::vector<float> chunk_max(group * chunks * gw), chunk_sum(group * chunks * gw);
   std::vector<float> row_max(group * gw), row_sum(group * gw);
   const auto row_store = [&](int64_t i) { return keep ? &store[i * store_floats] : nullptr; };
