@@ -372,26 +372,31 @@ def run_peer(python: str, model_dir: str, examples: torch.Tensor, prefix_len: in
 
 
 def capture_steps(model, ids: torch.Tensor, policy):
-    """One prefill of ``ids`` under ``policy``, keeping each layer's compression inputs (window queries, full keys
-    and values, scale) for ``replay_steps``; returns ``(compressor, inputs)``."""
-    inputs = []
+    """One prefill of ``ids`` under ``policy``, keeping the arguments of each ``KVCompressor.compress`` call the
+    hook makes (layer, queries, full keys and values, scale) for ``replay_steps``; returns ``(compressor,
+    calls)``."""
+    calls = []
     with compress(model, policy) as session, torch.inference_mode():
-        inner = session._compress_layer
+        compressor = session.compressor
+        inner = compressor.compress
 
-        def capture(cache, layer_idx, query, key, value, scaling):
-            inputs.append((layer_idx, query[:, :, -policy.window:].contiguous(), key, value, scaling))
-            return inner(cache, layer_idx, query, key, value, scaling)
-        session._compress_layer = capture
-        model(ids, use_cache=True, logits_to_keep=1)
-    return session.compressor, inputs
+        def capture(*args, **kwargs):
+            calls.append((args, kwargs))
+            return inner(*args, **kwargs)
+        compressor.compress = capture  # an instance attribute shadows the method for this prefill only
+        try:
+            model(ids, use_cache=True, logits_to_keep=1)
+        finally:
+            del compressor.compress
+    return compressor, calls
 
 
-def replay_steps(compressor, inputs) -> float:
+def replay_steps(compressor, calls) -> float:
     """Seconds for the compression step (selection + gather) over every captured layer, in layer order."""
     t0 = time.perf_counter()
     with torch.inference_mode():
-        for layer_idx, q_window, key, value, scaling in inputs:
-            compressor.compress(layer_idx, q_window, key, value, scale=scaling)
+        for args, kwargs in calls:
+            compressor.compress(*args, **kwargs)
     return time.perf_counter() - t0
 
 

@@ -63,15 +63,24 @@ class WindowAttention {
         float tile_max = -std::numeric_limits<float>::infinity();
         for (int64_t t = 0; t < tile; ++t) tile_max = l[t] > tile_max ? l[t] : tile_max;
         const float new_max = std::max(max_[r], tile_max);
-        if (store != nullptr) {  // a fully masked row stores exp(-inf - 0) = 0
-          const float shift = new_max == -std::numeric_limits<float>::infinity() ? 0.0f : new_max;
-          tile_shifts[(j0 / kKeyTile) * rows_ + r] = shift;
-          for (int64_t t = 0; t < tile; ++t) store[(j0 + t) * rows_ + r] = exp_nonpositive(l[t] - shift);
+        const bool masked = new_max == -std::numeric_limits<float>::infinity();  // fully masked so far
+        if (store != nullptr) tile_shifts[(j0 / kKeyTile) * rows_ + r] = masked ? 0.0f : new_max;
+        if (masked) {
+          if (store != nullptr)
+            for (int64_t t = 0; t < tile; ++t) store[(j0 + t) * rows_ + r] = 0.0f;  // exp(-inf)
+          continue;
         }
-        if (new_max == -std::numeric_limits<float>::infinity()) continue;  // fully masked so far
         // Eight independent partial sums vectorize without reassociating a single sum.
         float partial[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-        for (int64_t t = 0; t < tile; ++t) partial[t % 8] += exp_nonpositive(l[t] - new_max);
+        if (store != nullptr) {
+          for (int64_t t = 0; t < tile; ++t) {
+            const float e = exp_nonpositive(l[t] - new_max);
+            store[(j0 + t) * rows_ + r] = e;
+            partial[t % 8] += e;
+          }
+        } else {
+          for (int64_t t = 0; t < tile; ++t) partial[t % 8] += exp_nonpositive(l[t] - new_max);
+        }
         float tile_sum = 0.0f;
         for (float p : partial) tile_sum += p;
         sum_[r] = sum_[r] * exp_nonpositive(max_[r] - new_max) + tile_sum;
