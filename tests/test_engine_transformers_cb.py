@@ -1,0 +1,242 @@
+"""RippleKV inside transformers' continuous batching: each request's greedy tokens equal ``generate`` under
+``ripplekv_ext.compress(model, session.policy)`` for that prompt alone, whatever the batching."""
+
+import math
+import time
+
+import pytest
+import torch
+
+import ripplekv_ext
+from ripplekv_ext import Policy
+from ripplekv_ext.allocation import RippleKVAllocator, UniformAllocator, average_budget, ripplekv_budgets
+from ripplekv_ext.engines import TieredAllocator, tier_counts
+from ripplekv_ext.eval.models import tiny_model
+
+transformers = pytest.importorskip("transformers")
+cb = pytest.importorskip("ripplekv_ext.engines.transformers_cb")
+
+NUM_LAYERS = 6
+WINDOW = 8
+PAGE_SIZE = 8
+# A made-up sensitivity profile: layers 1 and 3 matter most.
+SENSITIVITY = [0.1, 2.0, 0.5, 3.0, 0.2, 1.0]
+# (prompt length, max new tokens): some prompts span several prefill chunks (max_batch_tokens below; the
+# first one ends with a 2-token chunk, shorter than the window), some end
+# mid-page, one is too short to compress, and they finish at different times.
+REQUESTS = [(50, 6), (41, 9), (12, 4), (97, 3), (58, 11), (83, 5)]
+MAX_BATCH_TOKENS = 48
+
+
+@pytest.fixture(scope="module")
+def model():
+    # A larger init than the default makes the random model's attention peaked, so that what compression keeps
+    # changes the greedy tokens (otherwise equal outputs would prove little).
+    m = tiny_model("llama", seed=3, num_layers=NUM_LAYERS, initializer_range=0.2)
+    m.generation_config.eos_token_id = None
+    m.generation_config.pad_token_id = 0
+    return m
+
+
+def prompts(seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, 500, (n,), generator=g).tolist() for n, _ in REQUESTS]
+
+
+def generation_config(max_new_tokens):
+    return transformers.GenerationConfig(max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=-1,
+                                         pad_token_id=0)
+
+
+def reference_tokens(model, policy, prompt, max_new_tokens):
+    ids = torch.tensor([prompt])
+    context = ripplekv_ext.compress(model, policy) if policy is not None else torch.no_grad()
+    with context, torch.no_grad():
+        out = model.generate(ids, max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=None,
+                             pad_token_id=0, min_new_tokens=max_new_tokens)
+    return out[0, len(prompt):].tolist()
+
+
+def run_staggered(model, session_policy_tiers=None, num_blocks=64):
+    """Requests arrive in three waves through the manager API (a wave is added once an earlier request has
+    finished), with their own max_new_tokens. Returns ({index: tokens}, session)."""
+    texts = prompts()
+    waves = [[0, 1], [2, 3], [4, 5]]
+    results = {}
+    config = cb.cb_config(page_size=PAGE_SIZE, num_blocks=num_blocks, max_batch_tokens=MAX_BATCH_TOKENS,
+                          max_requests_per_batch=8)
+    manager = model.init_continuous_batching(generation_config=generation_config(16),
+                                             continuous_batching_config=config)
+    manager.start()
+    try:
+        ids = {}
+        for wave in waves:
+            for i in wave:
+                ids[manager.add_request(texts[i], max_new_tokens=REQUESTS[i][1])] = i
+            # Wait for one result before the next wave: later requests arrive while others decode.
+            result = manager.get_result(timeout=60)
+            assert result is not None, "the engine produced nothing within 60 s"
+            assert result.error is None, result.error
+            results[ids[result.request_id]] = result.generated_tokens
+        deadline = time.monotonic() + 120
+        while len(results) < len(REQUESTS) and time.monotonic() < deadline:
+            result = manager.get_result(timeout=5)
+            if result is not None:
+                assert result.error is None, result.error
+                results[ids[result.request_id]] = result.generated_tokens
+    finally:
+        manager.stop(block=True, timeout=10)
+    assert len(results) == len(REQUESTS), f"only {sorted(results)} finished"
+    return results
+
+
+@pytest.fixture(scope="module")
+def policies():
+    return {
+        "snapkv": Policy.snapkv(0.3, window=WINDOW),
+        "ripplekv-t3": Policy(TieredAllocator(RippleKVAllocator(SENSITIVITY), 3), ripplekv_ext.SnapKVSelector(),
+                              0.3, WINDOW),
+    }
+
+
+@pytest.mark.parametrize("name", ["snapkv", "ripplekv-t3"])
+def test_generate_batch_tokens_equal_single_request_compress(model, policies, name):
+    policy = policies[name]
+    with cb.serve(model, policy) as session:
+        got = run_staggered(model)
+    assert session.policy is policy
+    for i, (n, new) in enumerate(REQUESTS):
+        want = reference_tokens(model, session.policy, prompts()[i], new)
+        assert got[i] == want, f"request {i} ({n} prompt tokens): engine {got[i]} != generate+compress {want}"
+    # The engine really compressed: every prompt long enough was cut, and requests overlapped in the cache.
+    compressed = {event.prompt_tokens for event in session.events}
+    assert compressed == {n for n, _ in REQUESTS if average_budget(0.3, n) > WINDOW}
+    assert session.peak_requests >= 2
+    # The check has power: compression changes what the model says for at least one request.
+    full = [reference_tokens(model, None, prompts()[i], new) for i, (_, new) in enumerate(REQUESTS)]
+    assert any(got[i] != full[i] for i in range(len(REQUESTS)))
+
+
+def test_ripplekv_exact_and_tiered_through_tiers_argument(model):
+    # tiers=T wraps the policy's allocator; the session's policy is the reference's policy.
+    policy = Policy.ripplekv(SENSITIVITY, retention=0.3, window=WINDOW)
+    with cb.serve(model, policy, tiers=2) as session:
+        got = run_staggered(model)
+    assert isinstance(session.policy.allocator, TieredAllocator) and session.num_tiers == 2
+    for i, (_, new) in enumerate(REQUESTS):
+        assert got[i] == reference_tokens(model, session.policy, prompts()[i], new)
+
+
+def test_full_policy_matches_stock_engine(model):
+    texts = prompts()
+    config = cb.cb_config(page_size=PAGE_SIZE, num_blocks=64, max_batch_tokens=MAX_BATCH_TOKENS)
+    stock = model.generate_batch(texts, generation_config=generation_config(5), continuous_batching_config=config,
+                                 progress_bar=False)
+    with cb.serve(model, Policy.full()) as session:
+        ours = model.generate_batch(texts, generation_config=generation_config(5),
+                                    continuous_batching_config=config, progress_bar=False)
+    assert [r.generated_tokens for r in ours.values()] == [r.generated_tokens for r in stock.values()]
+    assert session.events == []
+
+
+def test_pages_held_drop_to_the_tier_budgets(model, policies):
+    policy = policies["ripplekv-t3"]
+    with cb.serve(model, policy) as session:
+        run_staggered(model)
+    assert session.events
+    blocks_per_tier = lambda tokens: math.ceil(tokens / PAGE_SIZE)
+    for event in session.events:
+        n = event.prompt_tokens
+        per_layer = session.compressor.budgets(n)
+        tiers = [sorted({per_layer[layer] for layer in tier}) for tier in session.tiers]
+        assert all(len(t) == 1 for t in tiers), "a tier's layers must share one budget"
+        assert list(event.tier_budgets) == [t[0] for t in tiers]
+        assert event.blocks_before == session.num_tiers * blocks_per_tier(n)
+        assert event.blocks_after == sum(blocks_per_tier(b) for b in event.tier_budgets)
+        assert event.blocks_after < event.blocks_before
+        assert event.pages_per_block == NUM_LAYERS // session.num_tiers
+    # Everything went back to the pool once the requests finished.
+    cache = session.cache
+    assert cache.allocator.tables == {}
+    assert cache.pool.count_free_blocks(cache.allocator.index) + len(cache.pool.free_sectors) * \
+        cache.allocator.blocks_per_sector == cache.num_sectors * cache.allocator.blocks_per_sector
+
+
+def test_more_requests_fit_the_same_memory(model):
+    # 12 blocks of 6 layers x 8 tokens: the full cache holds about one 70-token request, 30% compression three.
+    texts = [prompts()[0]] * 4
+    config = cb.cb_config(page_size=PAGE_SIZE, num_blocks=24, max_batch_tokens=MAX_BATCH_TOKENS)
+    with cb.serve(model, Policy.full()) as full:
+        model.generate_batch(texts, generation_config=generation_config(24), continuous_batching_config=config,
+                             progress_bar=False)
+    with cb.serve(model, Policy.snapkv(0.3, window=WINDOW)) as compressed:
+        model.generate_batch(texts, generation_config=generation_config(24), continuous_batching_config=config,
+                             progress_bar=False)
+    assert compressed.peak_requests > full.peak_requests
+
+
+# -- tiers ---------------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("n_tokens, retention", [(1000, 0.2), (333, 0.1), (4096, 0.3)])
+def test_tiered_budgets_keep_the_total_and_the_extremes(n_tokens, retention):
+    avg = average_budget(retention, n_tokens)
+    exact = ripplekv_budgets(SENSITIVITY, n_tokens, avg, WINDOW)
+    for tiers in tier_counts(NUM_LAYERS):
+        budgets = TieredAllocator(RippleKVAllocator(SENSITIVITY), tiers).budgets(NUM_LAYERS, n_tokens, avg, WINDOW)
+        assert sum(budgets) == NUM_LAYERS * avg
+        assert len(set(budgets)) <= tiers
+        assert all(WINDOW < b <= n_tokens for b in budgets)
+    assert TieredAllocator(RippleKVAllocator(SENSITIVITY), NUM_LAYERS).budgets(NUM_LAYERS, n_tokens, avg,
+                                                                               WINDOW) == exact
+    assert TieredAllocator(RippleKVAllocator(SENSITIVITY), 1).budgets(NUM_LAYERS, n_tokens, avg, WINDOW) == \
+        UniformAllocator().budgets(NUM_LAYERS, n_tokens, avg, WINDOW)
+
+
+def test_tiers_group_layers_by_sensitivity():
+    tiers = TieredAllocator(RippleKVAllocator(SENSITIVITY), 3).tiers(list(range(NUM_LAYERS)))
+    assert tiers == [[1, 3], [2, 5], [0, 4]]
+    budgets = TieredAllocator(RippleKVAllocator(SENSITIVITY), 3).budgets(NUM_LAYERS, 1000, 200, WINDOW)
+    assert budgets[3] == budgets[1] > budgets[2] == budgets[5] > budgets[0] == budgets[4]
+
+
+def test_tiers_must_divide_the_layers():
+    with pytest.raises(ValueError, match="divide the 6 compressible layers"):
+        TieredAllocator(RippleKVAllocator(SENSITIVITY), 4).budgets(NUM_LAYERS, 1000, 200, WINDOW)
+
+
+# -- refusals ------------------------------------------------------------------------------------------------------
+
+def test_other_transformers_versions_are_refused(model, monkeypatch):
+    with pytest.raises(RuntimeError, match=r"written for transformers 5\.24\.x.*found transformers 5\.25\.0"):
+        cb.check_transformers_version("5.25.0")
+    cb.check_transformers_version("5.24.3")
+    monkeypatch.setattr(cb, "_installed_version", lambda: "6.0.0")
+    with pytest.raises(RuntimeError, match="found transformers 6.0.0"):
+        with cb.serve(model, Policy.snapkv(0.3, window=WINDOW)):
+            pass
+
+
+def test_settings_it_cannot_honour_are_named(model):
+    config = cb.cb_config(use_async_batching=True, cpu_offload_space=1.0)
+    with pytest.raises(ValueError, match="use_async_batching=False.*cpu_offload_space=0"):
+        cb._check_settings(model.config, config, distributed_helper=None)
+    with pytest.raises(ValueError, match="every prompt query"):
+        with cb.serve(model, Policy.h2o(0.3, window=WINDOW)):
+            pass
+
+
+def test_serve_restores_the_engine(model):
+    from transformers import modeling_utils
+    from transformers.generation.continuous_batching import continuous_api
+
+    before_cache = continuous_api.PagedAttentionCache
+    before_sdpa = modeling_utils.AttentionInterface._global_mapping["sdpa"]
+    with pytest.raises(KeyError):
+        with cb.serve(model, Policy.snapkv(0.3, window=WINDOW)):
+            assert continuous_api.PagedAttentionCache is not before_cache
+            with pytest.raises(RuntimeError, match="already open"):
+                with cb.serve(model, Policy.full()):
+                    pass
+            raise KeyError("boom")
+    assert continuous_api.PagedAttentionCache is before_cache
+    assert modeling_utils.AttentionInterface._global_mapping["sdpa"] is before_sdpa
