@@ -46,7 +46,7 @@ bench: build
 cpp-test: $(DEPS_STAMP)
 	$(PY) tools/cmake_build.py
 
-# The optional kvpress peer's own environment (kvpress needs transformers<5.3): `ripplekv bench --figures peer`
+# The optional kvpress peer's own environment (kvpress needs transformers<5.3): `bench/e2e_bench.py --figures peer`
 # finds it at .venv-peer and runs bench/peer_kvpress.py there.
 peer-env:
 	$(PYTHON) -m venv .venv-peer

@@ -4,7 +4,7 @@ profiling cost, peak-memory measurement, and the kvpress peer (skipped unless it
     .venv/bin/python -m pytest bench/bench_e2e.py --benchmark-group-by=group --benchmark-columns=min,median,rounds
 
 Read the ratios within a group (``none`` is the prefill without compression, measured in the same run). The
-issue's sizes (2K and 8K tokens) are in ``ripplekv bench`` / ``python -m ripplekv_ext.e2e_bench``; see
+issue's sizes (2K and 8K tokens) are in ``.venv/bin/python bench/e2e_bench.py``; see
 bench/README.md. Every benchmark also checks what it measured: cache bytes against the budgets, outputs against
 an uncompressed run, token counts against hand-worked formulas. Nothing here asserts on time.
 """
@@ -12,9 +12,11 @@ an uncompressed run, token counts against hand-worked formulas. Nothing here ass
 import pytest
 import torch
 
-from ripplekv_ext import e2e_bench
+import e2e_bench  # bench/e2e_bench.py, e2e_measure.py and e2e_peer.py, beside this file
+import e2e_measure
+import e2e_peer
 from ripplekv_ext.methods import make_policy
-from ripplekv_ext.models import load_smollm2, smollm2_folder
+from ripplekv_ext.eval.models import load_smollm2, smollm2_folder
 
 N_TOKENS = 256
 RETENTION = 0.2
@@ -25,7 +27,7 @@ METHODS = ("none", "snapkv", "pyramidkv", "ripplekv")
 @pytest.fixture(scope="module")
 def smollm2():
     model, tokenizer = load_smollm2()
-    ids = e2e_bench.prompt_ids(tokenizer, N_TOKENS)
+    ids = e2e_measure.prompt_ids(tokenizer, N_TOKENS)
     profile, _ = e2e_bench.find_profile(model)
     if profile is None:
         # Timing does not depend on which profile sets the budgets; a ramp gives unequal budgets like a real one.
@@ -33,7 +35,7 @@ def smollm2():
     with torch.inference_mode():
         plain = model(ids, use_cache=True, logits_to_keep=1)
     return {"model": model, "tokenizer": tokenizer, "ids": ids, "profile": profile,
-            "plain_logits": plain.logits[0, -1], "plain_bytes": e2e_bench.cache_bytes(plain.cache)}
+            "plain_logits": plain.logits[0, -1], "plain_bytes": e2e_measure.cache_bytes(plain.cache)}
 
 
 def _policy(method, smollm2):
@@ -47,14 +49,14 @@ def _policy(method, smollm2):
 def bench_e2e_prefill(benchmark, smollm2, method, shape):
     model, ids = smollm2["model"], smollm2["ids"]
     policy = _policy(method, smollm2)
-    result = benchmark.pedantic(e2e_bench.prefill, args=(model, ids, policy), rounds=3, iterations=1)
+    result = benchmark.pedantic(e2e_measure.prefill, args=(model, ids, policy), rounds=3, iterations=1)
 
     # Compression happens after each layer's attention, so the prefill's own output is that of the plain model.
     torch.testing.assert_close(result["logits"], smollm2["plain_logits"], rtol=1e-5, atol=1e-5)
-    per_token = e2e_bench.kv_bytes_per_token(model, torch.float32)
+    per_token = e2e_measure.kv_bytes_per_token(model, torch.float32)
     layers = model.config.num_hidden_layers
     assert per_token == 2 * 3 * 64 * 4  # K and V, 3 KV heads of 64 floats
-    actual = e2e_bench.cache_bytes(result["cache"])
+    actual = e2e_measure.cache_bytes(result["cache"])
     if policy is None:
         assert actual == smollm2["plain_bytes"] == layers * N_TOKENS * per_token
         return
@@ -73,10 +75,10 @@ def bench_e2e_prefill(benchmark, smollm2, method, shape):
 def bench_e2e_decode(benchmark, smollm2, method, shape):
     model, ids = smollm2["model"], smollm2["ids"]
     policy = _policy(method, smollm2)
-    result = benchmark.pedantic(e2e_bench.greedy_decode, args=(model, ids, NEW_TOKENS, policy), rounds=1,
+    result = benchmark.pedantic(e2e_measure.greedy_decode, args=(model, ids, NEW_TOKENS, policy), rounds=1,
                                 iterations=1)
     assert len(result["tokens"]) == NEW_TOKENS
-    per_token = e2e_bench.kv_bytes_per_token(model, torch.float32)
+    per_token = e2e_measure.kv_bytes_per_token(model, torch.float32)
     layers = model.config.num_hidden_layers
     kept = N_TOKENS if policy is None else round(RETENTION * N_TOKENS)
     # The prompt's kept tokens plus one per decode step (the last generated token is never fed back).
@@ -94,7 +96,7 @@ def bench_e2e_decode(benchmark, smollm2, method, shape):
 def bench_e2e_profile_cost(benchmark, smollm2, shape):
     # Three of the 30 layers keep this a smoke-sized run; the full profile is `ripplekv bench --figures profile`.
     p, t, n, layers = 32, 6, 2, [0, 10, 20]
-    result = benchmark.pedantic(e2e_bench.measure_profile_cost, args=(smollm2["model"], smollm2["tokenizer"], p, t, n),
+    result = benchmark.pedantic(e2e_measure.measure_profile_cost, args=(smollm2["model"], smollm2["tokenizer"], p, t, n),
                                 kwargs=dict(layers=layers), rounds=1, iterations=1)
     rows = result["rows"]
     assert [r["examples"] for r in rows] == [1, 2]
@@ -112,27 +114,27 @@ def bench_e2e_profile_cost(benchmark, smollm2, shape):
 
 def bench_e2e_peak_memory_tracking():
     """The memory figure's in-process peak RSS sees a known allocation after a reset, and forgets it after."""
-    if not e2e_bench.reset_peak_rss():
+    if not e2e_measure.reset_peak_rss():
         pytest.skip("peak RSS cannot be reset on this platform (needs Linux /proc/self/clear_refs)")
-    e2e_bench.release_free_memory()
-    before = e2e_bench.current_rss()
-    e2e_bench.reset_peak_rss()
+    e2e_measure.release_free_memory()
+    before = e2e_measure.current_rss()
+    e2e_measure.reset_peak_rss()
     block = torch.ones(64 * 2 ** 20 // 4)  # 64 MiB, written so every page is resident
-    peak = e2e_bench.peak_rss()
+    peak = e2e_measure.peak_rss()
     assert peak - before >= 60 * 2 ** 20
     del block
-    e2e_bench.release_free_memory()
-    e2e_bench.reset_peak_rss()
-    assert e2e_bench.peak_rss() - before < 32 * 2 ** 20
+    e2e_measure.release_free_memory()
+    e2e_measure.reset_peak_rss()
+    assert e2e_measure.peak_rss() - before < 32 * 2 ** 20
 
 
 @pytest.mark.benchmark(group="e2e-peer-256")
 @pytest.mark.parametrize("shape", ["smollm2-peer-N256"])
 def bench_e2e_peer(benchmark, smollm2, shape):
-    python, reason = e2e_bench.find_peer_python()
+    python, reason = e2e_peer.find_peer_python()
     if python is None:
         pytest.skip(reason)
-    result = benchmark.pedantic(e2e_bench.measure_peer, args=(smollm2["model"], smollm2["tokenizer"],
+    result = benchmark.pedantic(e2e_peer.measure_peer, args=(smollm2["model"], smollm2["tokenizer"],
                                                               smollm2_folder(), N_TOKENS),
                                 kwargs=dict(cont_len=8, num_examples=1, retention=0.5, step_rounds=2), rounds=1,
                                 iterations=1)
@@ -154,9 +156,9 @@ def bench_e2e_peer_script_continuation():
     environment (`make peer-env`)."""
     import importlib.util
 
-    from ripplekv_ext.models import tiny_model
+    from ripplekv_ext.eval.models import tiny_model
 
-    spec = importlib.util.spec_from_file_location("peer_kvpress", e2e_bench.PEER_SCRIPT)
+    spec = importlib.util.spec_from_file_location("peer_kvpress", e2e_peer.PEER_SCRIPT)
     peer = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(peer)
     model = tiny_model("llama").eval()

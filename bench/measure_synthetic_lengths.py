@@ -14,14 +14,12 @@ On a 2-core machine shared with other jobs, one torch thread was ~4x faster than
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import sys
-import tempfile
 import time
 
 import torch
 
+from ripplekv_ext._jsonio import write_json_atomic
 from ripplekv_ext.eval.runner import evaluate, greedy_generate_fn
 from ripplekv_ext.eval.synthetic import SYNTHETIC_TASKS, make_synthetic
 
@@ -39,7 +37,7 @@ def main(argv=None):
     if args.threads:
         torch.set_num_threads(args.threads)
 
-    from ripplekv_ext.models import load_smollm2
+    from ripplekv_ext.eval.models import load_smollm2
     model, tokenizer = load_smollm2(torch.float32)
     generate = greedy_generate_fn(model, tokenizer)
     need = int(round(args.threshold * args.examples + 1e-9))
@@ -65,7 +63,7 @@ def main(argv=None):
             print(f"== {task} @ {length}: {solved}/{solved + failed} solved -> "
                   f"{'PASS' if passed else 'FAIL'}", flush=True)
             if args.out:
-                _write_json(args.out, results)
+                write_json_atomic(args.out, results)
             if not passed:
                 alive.remove(task)
 
@@ -75,15 +73,6 @@ def main(argv=None):
         good = [r["length"] for r in rows if r["passed"]]
         detail = ", ".join(f"{r['length']}: {r['solved']}/{r['run']}" for r in rows)
         print(f"{task:<20} {max(good) if good else 'none':<6} ({detail})")
-
-
-def _write_json(path, data):
-    # Write then rename: an interrupted run never leaves a half-written file.
-    folder = os.path.dirname(os.path.abspath(path))
-    fd, tmp = tempfile.mkstemp(dir=folder, prefix=".synthetic_lengths.")
-    with os.fdopen(fd, "w") as f:
-        json.dump(data, f, indent=2)
-    os.replace(tmp, path)
 
 
 if __name__ == "__main__":

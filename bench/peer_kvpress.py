@@ -1,7 +1,7 @@
 """kvpress's side of the peer benchmark, run in kvpress's own environment.
 
 kvpress 0.5.5 requires transformers<5.3 and this project pins 5.24, so the two cannot share a process.
-``ripplekv bench --figures peer`` (``ripplekv_ext.e2e_bench.measure_peer``) measures our side, saves the exact
+``bench/e2e_bench.py --figures peer`` (``e2e_peer.measure_peer``) measures our side, saves the exact
 token ids it used, and runs this script with the peer environment's interpreter (``make peer-env`` builds
 ``.venv-peer`` from ``requirements/peer.txt``). It imports nothing from this project, so the peer environment
 needs only torch, transformers and kvpress.
@@ -197,6 +197,7 @@ def main(argv=None):
                           "kl": sum(row["kl"]) / len(row["kl"]), "kl_stderr": stderr(row["kl"]),
                           "kl_all": row["kl"], "prefill_s_all": row["prefill_s"], "compress_s_all": row["compress_s"],
                           "cache_tokens_layer0": row["cache_tokens"]}
+    # Its own write-then-rename, not ripplekv_ext._jsonio's: this script runs in .venv-peer, without ripplekv_ext.
     tmp = args.out + ".tmp"
     with open(tmp, "w") as f:
         json.dump(out, f, indent=2)

@@ -6,18 +6,51 @@ An engine asks ``budgets(n_tokens)`` to plan memory before prefill, then after e
     comp = KVCompressor(Policy.ripplekv(profile, retention=0.2), num_layers=30)
     plan = comp.budgets(n_prompt)                       # [C_0, ..., C_29] tokens per KV head
     k_c, v_c = comp.compress(layer, q_post_rope, k, v)  # [B, H_kv, C_layer, D]
+
+``on_compress`` observes every ``compress`` call (benchmarks time the step with it, tests check the budgets) with a
+``CompressionStep``: the layer, the step's inputs and outputs, the budget and the seconds it took.
 """
 
 from __future__ import annotations
 
-from typing import Optional, Sequence
+import time
+from dataclasses import dataclass
+from typing import Callable, Optional, Sequence
 
+import torch
 from torch import Tensor
 
-from ripplekv_ext import policies
+from ripplekv_ext.model_info import compressible_layers, text_config
+from ripplekv_ext.ops import gather_kv
 from ripplekv_ext.policies import Policy
 
-__all__ = ["KVCompressor"]
+__all__ = ["KVCompressor", "CompressionStep"]
+
+
+@dataclass(frozen=True)
+class CompressionStep:
+    """One ``KVCompressor.compress`` call, as an ``on_compress`` observer sees it.
+
+    The tensors are the call's own (not copies): an observer that keeps them keeps them alive.
+    """
+
+    layer_idx: int
+    queries: Tensor  # [B, H_q, W', D] post-RoPE queries the selector was given
+    keys: Tensor  # [B, H_kv, N, D] the layer's full cache
+    values: Tensor
+    scale: Optional[float]  # softmax scale passed through (None: 1/sqrt(D))
+    budget: Optional[int]  # tokens kept per KV head; None when the policy does not manage the layer
+    indices: Optional[Tensor]  # int64 [B, H_kv, C] kept positions, None when the layer stayed whole
+    kept_keys: Tensor  # [B, H_kv, C, D] (the inputs themselves when the layer stayed whole)
+    kept_values: Tensor
+    seconds: float  # selection + gather; on a GPU the device is synchronized around the step first
+
+    @property
+    def n_tokens(self) -> int:
+        return self.keys.shape[2]
+
+
+CompressionObserver = Callable[[CompressionStep], None]
 
 
 class KVCompressor:
@@ -28,9 +61,11 @@ class KVCompressor:
         num_layers: the model's number of decoder layers.
         compressible_layers: indices of the layers the policy manages (full-attention layers); default all.
             Others (e.g. sliding-window layers, which already bound their cache) are never compressed.
+        on_compress: called with a ``CompressionStep`` after every ``compress`` call (or None).
     """
 
-    def __init__(self, policy: Policy, num_layers: int, compressible_layers: Optional[Sequence[int]] = None):
+    def __init__(self, policy: Policy, num_layers: int, compressible_layers: Optional[Sequence[int]] = None,
+                 on_compress: Optional[CompressionObserver] = None):
         if not isinstance(policy, Policy):
             raise TypeError(f"policy must be a ripplekv_ext.Policy, got {type(policy).__name__}")
         if isinstance(num_layers, bool) or not isinstance(num_layers, int) or num_layers < 1:
@@ -39,6 +74,9 @@ class KVCompressor:
         bad = [i for i in layers if not 0 <= i < num_layers]
         if bad or len(set(layers)) != len(layers):
             raise ValueError(f"compressible_layers must be distinct indices in [0, {num_layers}), got {layers}")
+        if on_compress is not None and not callable(on_compress):
+            raise TypeError(f"on_compress must be callable or None, got {type(on_compress).__name__}")
+        self.on_compress = on_compress
         self.policy = policy
         self.num_layers = num_layers
         self.compressible_layers = sorted(layers)
@@ -46,16 +84,14 @@ class KVCompressor:
         self._plans: dict[int, list[int]] = {}
 
     @classmethod
-    def for_model(cls, model, policy: Policy) -> "KVCompressor":
+    def for_model(cls, model, policy: Policy, on_compress: Optional[CompressionObserver] = None) -> "KVCompressor":
         """Compressor for a transformers model: its full-attention layers are the compressible ones."""
-        from ripplekv_ext.models import _text_config, compressible_layers
-
-        return cls(policy, _text_config(model).num_hidden_layers, compressible_layers(model))
+        return cls(policy, text_config(model).num_hidden_layers, compressible_layers(model), on_compress)
 
     def _plan(self, n_tokens: int) -> list[int]:
         plan = self._plans.get(n_tokens)
         if plan is None:
-            plan = self.policy.layer_budgets(len(self.compressible_layers), n_tokens)
+            plan = self.policy.layer_budgets(len(self.compressible_layers), n_tokens, self.compressible_layers)
             self._plans[n_tokens] = plan
         return plan
 
@@ -99,10 +135,17 @@ class KVCompressor:
         the inputs themselves when the layer is not compressed (budget >= N or not compressible)."""
         if values.shape != keys.shape:
             raise ValueError(f"values must have the shape of keys {list(keys.shape)}, got {list(values.shape)}")
+        observed = self.on_compress is not None
+        if observed:
+            start = _clock(keys)
         indices = self.select(layer_idx, queries, keys, scale)
-        if indices is None:
-            return keys, values
-        return policies.gather_kv(keys, values, indices)
+        keys_c, values_c = (keys, values) if indices is None else gather_kv(keys, values, indices)
+        if observed:
+            seconds = _clock(keys) - start
+            budget = self.layer_budget(layer_idx, keys.shape[2])
+            self.on_compress(CompressionStep(layer_idx, queries, keys, values, scale, budget, indices, keys_c,
+                                             values_c, seconds))
+        return keys_c, values_c
 
     def _check_layer(self, layer_idx: int) -> None:
         if isinstance(layer_idx, bool) or not isinstance(layer_idx, int) or not 0 <= layer_idx < self.num_layers:
@@ -111,3 +154,10 @@ class KVCompressor:
     def __repr__(self):
         return (f"KVCompressor({self.policy.name}, num_layers={self.num_layers}, "
                 f"compressible_layers={self.compressible_layers})")
+
+
+def _clock(like: Tensor) -> float:
+    # GPU kernels run asynchronously: without a synchronization the step would look as fast as its launches.
+    if like.is_cuda:
+        torch.cuda.synchronize(like.device)
+    return time.perf_counter()

@@ -24,17 +24,26 @@ from __future__ import annotations
 import contextlib
 import functools
 import itertools
+import threading
+import weakref
 from typing import Optional
 
 import torch
 from torch import Tensor
 
-from ripplekv_ext.compressor import KVCompressor
+from ripplekv_ext import _compat
+from ripplekv_ext.compressor import CompressionObserver, KVCompressor
+from ripplekv_ext.model_info import text_config
 from ripplekv_ext.policies import Policy
 
-__all__ = ["compress", "CompressedLayer", "CompressionSession", "eager_attention"]
+__all__ = ["compress", "CompressedLayer", "CompressionSession", "eager_attention", "registered_attention",
+           "unique_attention_name"]
 
 _session_ids = itertools.count()
+# model -> the CompressionSession whose block is open on it. A block switches the model's (shared) config to its
+# own attention function, so two open blocks on one model would undo each other in whatever order they exit.
+_active_sessions: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+_active_lock = threading.Lock()
 
 
 def _transformers():
@@ -76,12 +85,14 @@ def _compressed_layer_class():
         def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
             # The mask transformers builds from this is never used for this layer (the hook builds its own);
             # sizing it by what is stored keeps it small.
-            return self.physical_length + query_length, 0
+            return self.physical_length + _compat.query_length(query_length), 0
 
         def crop(self, tokens_to_remove: int) -> None:
-            before = self.physical_length
-            super().crop(tokens_to_remove)
-            self.seen_tokens -= before - self.physical_length
+            remove = _compat.tokens_to_remove(tokens_to_remove, self.seen_tokens)
+            if remove:
+                before = self.physical_length
+                super().crop(-remove)
+                self.seen_tokens -= before - self.physical_length
 
         def reset(self) -> None:
             super().reset()
@@ -127,13 +138,13 @@ def eager_attention(module, query: Tensor, key: Tensor, value: Tensor, attention
 class CompressionSession:
     """State of one ``compress(...)`` block: the policy's compressor, the cache of the forward in flight."""
 
-    def __init__(self, model, policy: Policy, attention: str):
+    def __init__(self, model, policy: Policy, attention: str, on_compress: Optional[CompressionObserver] = None):
         self.model = model
         self.policy = policy
         self.attention = attention
-        self.compressor = KVCompressor.for_model(model, policy)
+        self.compressor = KVCompressor.for_model(model, policy, on_compress)
         self._compressible = set(self.compressor.compressible_layers)
-        self.name = f"ripplekv_{attention}_{next(_session_ids)}"
+        self.name = unique_attention_name(f"ripplekv_{attention}")
         self.cache = None
         self.last_budgets: dict[int, int] = {}  # layer -> tokens kept by the last prefill
         _, masking_utils, _, sdpa_attention = _transformers()
@@ -150,12 +161,12 @@ class CompressionSession:
         cache = kwargs.get("cache", kwargs.get("past_key_values"))
         use_cache = kwargs.get("use_cache")
         if use_cache is None:
-            use_cache = getattr(_text_config(self.model), "use_cache", True)
+            use_cache = getattr(text_config(self.model), "use_cache", True)
         if cache is None and use_cache:
             # The model would create this cache itself, out of our sight; create it here so it can be compressed.
             cache_utils = _transformers()[0]
-            cache = cache_utils.DynamicCache(config=_text_config(self.model))
-            kwargs["cache"] = cache
+            cache = cache_utils.DynamicCache(config=text_config(self.model))
+            kwargs[_compat.cache_argument()] = cache
         self.cache = cache
         return args, kwargs
 
@@ -192,11 +203,6 @@ class CompressionSession:
         self.last_budgets[layer_idx] = keys_c.shape[2]
 
 
-def _text_config(model):
-    config = model.config
-    return config.get_text_config() if hasattr(config, "get_text_config") else config
-
-
 def _check_mask(attention_mask) -> None:
     if attention_mask is None or not isinstance(attention_mask, Tensor):
         return
@@ -227,52 +233,92 @@ def _configs(model) -> list:
     return list(seen.values())
 
 
+def unique_attention_name(prefix: str) -> str:
+    """A registry name no other block uses: open blocks never see each other's attention function."""
+    return f"{prefix}_{next(_session_ids)}"
+
+
+@contextlib.contextmanager
+def registered_attention(model, name: str, attention_function, mask_function):
+    """Run ``model`` with ``attention_function`` inside the block: the one way this package enters transformers.
+
+    Registers ``attention_function`` in transformers' ``AttentionInterface`` (and ``mask_function``, e.g.
+    ``masking_utils.sdpa_mask``, in ``AttentionMaskInterface``) under ``name`` and sets every config of the model
+    to it, so every model that routes attention through the registry calls it, with no per-model patching and no
+    change to the global "sdpa"/"eager" entries. On exit, even after an exception, the configs get their previous
+    implementation back and ``name`` is withdrawn from both registries.
+    """
+    _, masking_utils, modeling_utils, _ = _transformers()
+    configs = _configs(model)
+    saved = [(config, config._attn_implementation_internal) for config in configs]
+    try:
+        modeling_utils.AttentionInterface.register(name, attention_function)
+        masking_utils.AttentionMaskInterface.register(name, mask_function)
+        for config in configs:
+            config._attn_implementation_internal = name
+        yield name
+    finally:
+        for config, value in saved:
+            config._attn_implementation_internal = value
+        modeling_utils.AttentionInterface._global_mapping.pop(name, None)
+        masking_utils.AttentionMaskInterface._global_mapping.pop(name, None)
+
+
 def _entry_points(model) -> list:
     decoder = model.get_decoder() if hasattr(model, "get_decoder") else None
     return [model] if decoder is None or decoder is model else [model, decoder]
 
 
 @contextlib.contextmanager
-def compress(model, policy: Policy, attention: Optional[str] = None):
+def compress(model, policy: Policy, attention: Optional[str] = None,
+             on_compress: Optional[CompressionObserver] = None):
     """Compress ``model``'s KV cache with ``policy`` inside the block; restore the model on exit.
 
     Args:
         model: a transformers model whose attention goes through ``AttentionInterface``.
         policy: ``Policy`` (``Policy.full()`` leaves the cache whole).
         attention: ``"sdpa"`` or ``"eager"``; default: eager if the model is set to eager, SDPA otherwise.
+        on_compress: called with a ``ripplekv_ext.CompressionStep`` after each layer's compression at the end of a
+            prefill (layer, queries/keys/values in, kept keys/values/indices out, budget, seconds).
 
     Yields the ``CompressionSession`` (``.compressor.budgets(n)`` is the plan; ``.last_budgets`` what the last
     prefill kept). On exit, even after an exception, the model's attention implementation is restored, the
     forward hook removed and the registration withdrawn.
+
+    Threads: one block per model at a time; a second block on a model whose block is still open (nested, or from
+    another thread) raises ``RuntimeError``, so the model always ends as it began. While a block is open, every
+    forward of that model, from any thread, is compressed by it. Blocks on different model objects are
+    independent and may run in different threads.
     """
     if not isinstance(policy, Policy):
         raise TypeError(f"policy must be a ripplekv_ext.Policy, got {type(policy).__name__}")
+    _compat.check_versions()
     current = model.config._attn_implementation
     if attention is None:
         attention = "eager" if current == "eager" else "sdpa"
     if attention not in ("sdpa", "eager"):
         raise ValueError(f"attention must be 'sdpa' or 'eager', got {attention!r}")
-    _, masking_utils, modeling_utils, _ = _transformers()
-    session = CompressionSession(model, policy, attention)
+    session = CompressionSession(model, policy, attention, on_compress)
+    with _active_lock:
+        other = _active_sessions.get(model)
+        if other is not None:
+            raise RuntimeError(f"a ripplekv_ext.compress block ({other.policy.name}) is already open on this model: "
+                               "one block per model at a time (blocks on one model, nested or from two threads, "
+                               "would restore each other's attention setting out of order). Close it first, or "
+                               "give each thread its own model object.")
+        _active_sessions[model] = session
 
-    configs = _configs(model)
-    saved = [(config, config._attn_implementation_internal) for config in configs]
-    modeling_utils.AttentionInterface.register(session.name, session.attention_forward)
-    masking_utils.AttentionMaskInterface.register(session.name, session.mask_function)
     handles = []
     try:
-        # On the model and on its decoder stack, so that calling either one is seen (and the cache created by
-        # the outer call is the one the inner call reports).
-        for module in _entry_points(model):
-            handles.append(module.register_forward_pre_hook(session.before_forward, with_kwargs=True))
-        for config in configs:
-            config._attn_implementation_internal = session.name
-        yield session
+        with registered_attention(model, session.name, session.attention_forward, session.mask_function):
+            # On the model and on its decoder stack, so that calling either one is seen (and the cache created by
+            # the outer call is the one the inner call reports).
+            for module in _entry_points(model):
+                handles.append(module.register_forward_pre_hook(session.before_forward, with_kwargs=True))
+            yield session
     finally:
-        for config, value in saved:
-            config._attn_implementation_internal = value
         for handle in handles:
             handle.remove()
-        modeling_utils.AttentionInterface._global_mapping.pop(session.name, None)
-        masking_utils.AttentionMaskInterface._global_mapping.pop(session.name, None)
         session.cache = None
+        with _active_lock:
+            _active_sessions.pop(model, None)

@@ -1,6 +1,7 @@
 """Method names, as the CLI and the benchmarks spell them, turned into policies.
 
-The six published methods have names of their own; any other allocator x selector pair is written
+The published methods are the ``Policy`` constructors of the same name (``Policy.snapkv``, ...), so the pairing of
+allocator and selector is written once, there. Any other allocator x selector pair is written
 ``ALLOCATOR+SELECTOR`` (e.g. ``ripplekv+h2o``, ``pyramidkv+streamingllm``).
 """
 
@@ -9,36 +10,36 @@ from __future__ import annotations
 from ripplekv_ext.allocation import PyramidKVAllocator, RippleKVAllocator, UniformAllocator
 from ripplekv_ext.policies import H2OSelector, Policy, SnapKVSelector, StreamingLLMSelector
 
-# name -> (allocator, selector), as in the article's comparison.
-PUBLISHED = {
-    "streamingllm": ("uniform", "streamingllm"),
-    "h2o": ("uniform", "h2o"),
-    "snapkv": ("uniform", "snapkv"),
-    "pyramidkv": ("pyramidkv", "snapkv"),
-    "ripplekv": ("ripplekv", "snapkv"),
-}
-DEFAULT_METHODS = ("full", "streamingllm", "h2o", "snapkv", "pyramidkv", "ripplekv")
+__all__ = ["PUBLISHED", "DEFAULT_METHODS", "ALLOCATORS", "SELECTORS", "check_method", "is_full", "needs_profile",
+           "make_allocator", "make_policy"]
+
+# name -> Policy constructor, in the article's order of comparison.
+PUBLISHED = {"streamingllm": Policy.streamingllm, "h2o": Policy.h2o, "snapkv": Policy.snapkv,
+             "pyramidkv": Policy.pyramidkv, "ripplekv": Policy.ripplekv}
+DEFAULT_METHODS = ("full", *PUBLISHED)
 ALLOCATORS = ("uniform", "pyramidkv", "ripplekv")
 SELECTORS = {"snapkv": SnapKVSelector, "h2o": H2OSelector, "streamingllm": StreamingLLMSelector}
 
 
-def split_method(method: str) -> tuple[str, str] | None:
-    """``(allocator, selector)`` of a method name; None for ``full``. Raises ValueError on an unknown name."""
+def check_method(method: str) -> str:
+    """The method's canonical (lower-case) name. Raises ValueError on an unknown name."""
     name = method.strip().lower()
-    if name == "full":
-        return None
-    if name in PUBLISHED:
-        return PUBLISHED[name]
+    if name == "full" or name in PUBLISHED:
+        return name
     allocator, plus, selector = name.partition("+")
     if plus and allocator in ALLOCATORS and selector in SELECTORS:
-        return allocator, selector
+        return name
     raise ValueError(f"unknown method {method!r}: expected one of {', '.join(DEFAULT_METHODS)} or "
                      f"ALLOCATOR+SELECTOR with ALLOCATOR in {ALLOCATORS} and SELECTOR in {tuple(SELECTORS)}")
 
 
+def is_full(method: str) -> bool:
+    return check_method(method) == "full"
+
+
 def needs_profile(method: str) -> bool:
-    parts = split_method(method)
-    return parts is not None and parts[0] == "ripplekv"
+    """Whether the method allocates with RippleKV (and so needs the model's sensitivity profile)."""
+    return check_method(method).partition("+")[0] == "ripplekv"
 
 
 def make_allocator(name: str, profile=None, ratio: float = 1.5):
@@ -55,8 +56,13 @@ def make_allocator(name: str, profile=None, ratio: float = 1.5):
 
 def make_policy(method: str, retention: float, profile=None, window: int = 32, ratio: float = 1.5) -> Policy:
     """The policy a method name stands for at ``retention`` (Full ignores the retention)."""
-    parts = split_method(method)
-    if parts is None:
+    name = check_method(method)
+    if name == "full":
         return Policy.full()
-    allocator, selector = parts
+    if name == "ripplekv":
+        make_allocator(name, profile)  # the same clear error when the profile is missing
+        return Policy.ripplekv(profile, retention, window, ratio=ratio)
+    if name in PUBLISHED:
+        return PUBLISHED[name](retention, window)
+    allocator, _, selector = name.partition("+")
     return Policy(make_allocator(allocator, profile, ratio), SELECTORS[selector](), retention, window)

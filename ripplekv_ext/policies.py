@@ -8,32 +8,22 @@ Budgets are tokens kept per KV head, observation window included (DESIGN.md §3)
 
 from __future__ import annotations
 
+import functools
+import inspect
+import warnings
 from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, Sequence
 
 from torch import Tensor
 
-import ripplekv_ref
-from ripplekv_ext import ops as _ext_ops
 from ripplekv_ext.allocation import (PyramidKVAllocator, RippleKVAllocator, UniformAllocator,
                                      average_budget)
+# The product runs the compiled ops only; the pure-PyTorch reference (ripplekv_ref) is for tests and benchmarks.
+from ripplekv_ext.ops import h2o_scores, select_topk, snapkv_scores, streaming_indices
 
-__all__ = ["Policy", "SnapKVSelector", "H2OSelector", "StreamingLLMSelector", "DEFAULT_WINDOW"]
+__all__ = ["Policy", "SnapKVSelector", "H2OSelector", "StreamingLLMSelector", "DEFAULT_WINDOW", "PromptTooShortWarning"]
 
 DEFAULT_WINDOW = 32
-
-
-def _bind(name: str):
-    # The one place that decides which implementation of each op the policies use: the compiled extension op
-    # when this build has it, the pure-PyTorch reference otherwise (same name, same semantics).
-    return getattr(_ext_ops, name, None) or getattr(ripplekv_ref, name)
-
-
-snapkv_scores = _bind("snapkv_scores")
-h2o_scores = _bind("h2o_scores")
-select_topk = _bind("select_topk")
-streaming_indices = _bind("streaming_indices")
-gather_kv = _bind("gather_kv")
 
 
 def _check_queries(queries: Tensor, keys: Tensor) -> None:
@@ -109,6 +99,24 @@ class StreamingLLMSelector:
         return f"StreamingLLMSelector(sink={self.sink})"
 
 
+class PromptTooShortWarning(UserWarning):
+    """A prompt too short for the policy's retention and window: it is left uncompressed."""
+
+
+@functools.lru_cache(maxsize=None)
+def _accepts_layers_of(budgets_function) -> bool:
+    try:
+        return "layers" in inspect.signature(budgets_function).parameters
+    except (TypeError, ValueError):
+        return False
+
+
+def _accepts_layers(allocator) -> bool:
+    # Allocators written against the four-argument protocol keep working; those that hold per-layer data take
+    # the layer indices as a keyword.
+    return _accepts_layers_of(type(allocator).budgets) if hasattr(type(allocator), "budgets") else False
+
+
 @dataclass(frozen=True)
 class Policy:
     """``allocator x selector`` at a retention ratio, or Full (both ``None``: nothing is compressed).
@@ -146,11 +154,16 @@ class Policy:
             return "full"
         return f"{self.allocator.name}+{self.selector.name}@{self.retention:g}"
 
-    def layer_budgets(self, num_layers: int, n_tokens: int) -> list[int]:
+    def layer_budgets(self, num_layers: int, n_tokens: int, layers: Optional[Sequence[int]] = None) -> list[int]:
         """Budget of each of ``num_layers`` compressible layers for an ``n_tokens`` prompt.
 
-        ``n_tokens`` for a layer means it is left uncompressed: always for Full, and for a prompt no longer than
-        the window or the average budget.
+        ``layers`` names those layers (ascending indices; default ``0 .. num_layers - 1``), so that an allocator
+        holding per-layer data (a RippleKV profile) gives each layer its own budget.
+
+        ``n_tokens`` for a layer means it is left uncompressed: always for Full, for a prompt no longer than the
+        window or the average budget, and for a prompt too short for the policy (its average budget would not
+        exceed the window): that last case warns (``PromptTooShortWarning``, once per call site) instead of
+        failing in the middle of a generation.
         """
         if isinstance(n_tokens, bool) or not isinstance(n_tokens, int) or n_tokens < 1:
             raise ValueError(f"n_tokens must be an integer >= 1, got {n_tokens!r}")
@@ -160,10 +173,14 @@ class Policy:
         if avg >= n_tokens:
             return [n_tokens] * num_layers
         if avg <= self.window:
-            raise ValueError(f"retention {self.retention:g} of a {n_tokens}-token prompt is an average budget of "
-                             f"{avg} tokens, which must be > window = {self.window} (lower the window or raise the "
-                             f"retention)")
-        budgets = self.allocator.budgets(num_layers, n_tokens, avg, self.window)
+            warnings.warn(f"retention {self.retention:g} of a {n_tokens}-token prompt is an average budget of {avg} "
+                          f"tokens, not more than the window ({self.window}): the prompt is left uncompressed",
+                          PromptTooShortWarning, stacklevel=2)
+            return [n_tokens] * num_layers
+        if layers is not None and _accepts_layers(self.allocator):
+            budgets = self.allocator.budgets(num_layers, n_tokens, avg, self.window, layers=list(layers))
+        else:
+            budgets = self.allocator.budgets(num_layers, n_tokens, avg, self.window)
         if len(budgets) != num_layers:
             raise ValueError(f"allocator {self.allocator!r} returned {len(budgets)} budgets for {num_layers} layers")
         return [int(b) for b in budgets]

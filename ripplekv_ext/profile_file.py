@@ -12,9 +12,11 @@ import hashlib
 import json
 import math
 import os
-import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from ripplekv_ext._jsonio import write_json_atomic
+from ripplekv_ext.model_info import text_config
 
 FORMAT_NAME = "ripplekv-profile"
 FORMAT_VERSION = 1
@@ -89,13 +91,8 @@ class Profile:
 
 # ---- model description ---------------------------------------------------------------------------
 
-def _text_config(model):
-    config = getattr(model, "config", model)
-    return config.get_text_config() if hasattr(config, "get_text_config") else config
-
-
 def config_sha256(model) -> str:
-    config = _text_config(model).to_dict()
+    config = text_config(model).to_dict()
     clean = {k: v for k, v in config.items() if not k.startswith("_") and k not in _VOLATILE_CONFIG_KEYS}
     return hashlib.sha256(json.dumps(clean, sort_keys=True, default=str).encode()).hexdigest()
 
@@ -120,7 +117,7 @@ def _samples_match(a, b) -> bool:
 
 
 def describe_model(model, name: str | None = None) -> dict:
-    config = _text_config(model)
+    config = text_config(model)
     heads = config.num_attention_heads
     return {
         "name": name or getattr(model, "name_or_path", None) or getattr(config, "_name_or_path", "") or "unnamed",
@@ -208,6 +205,10 @@ def validate_profile_dict(data) -> None:
     n = len(data["layers"])
     _check_number_list("sensitivity", data["sensitivity"], n)
     _check_number_list("stderr", data["stderr"], n)
+    # KL divergences and their standard errors are never negative.
+    for key in ("sensitivity", "stderr"):
+        if any(x < 0 for x in data[key]):
+            _fail(key, "numbers >= 0 (a KL divergence is never negative)", data[key])
     per_example = data["per_example"]
     if not isinstance(per_example, list) or len(per_example) != data["calibration"]["num_examples"]:
         _fail("per_example", f"{data['calibration']['num_examples']} rows (calibration.num_examples)",
@@ -218,26 +219,6 @@ def validate_profile_dict(data) -> None:
 
 # ---- files ---------------------------------------------------------------------------------------
 
-def write_json_atomic(path, data: dict) -> None:
-    """Write JSON to a temporary file next to `path`, then rename: readers never see half a file."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            json.dump(data, f, indent=1, allow_nan=False)
-            f.write("\n")
-            f.flush()
-            os.fsync(f.fileno())
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(tmp, 0o666 & ~umask)  # mkstemp creates 0600; a profile is meant to be shared
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
-
 def save_profile(profile: Profile, path) -> None:
     data = profile.to_dict()
     validate_profile_dict(data)  # never write a file that would not load
@@ -245,12 +226,21 @@ def save_profile(profile: Profile, path) -> None:
 
 
 def load_profile(path, model=None, force: bool = False) -> Profile:
-    """Read and validate a profile; with `model`, also check it was measured on that model."""
-    path = Path(path)
+    """Read and validate a profile (`~` is expanded); with `model`, also check it was measured on that model.
+
+    Every problem with the file (missing, a folder, unreadable, not UTF-8 JSON, malformed) is a ProfileError.
+    """
+    path = Path(os.path.expanduser(os.fspath(path)))
     try:
         text = path.read_text(encoding="utf-8")
     except FileNotFoundError:
         raise ProfileError(f"profile file {path} not found") from None
+    except IsADirectoryError:
+        raise ProfileError(f"profile file {path} is a folder, not a profile JSON file") from None
+    except UnicodeDecodeError:
+        raise ProfileError(f"profile file {path} is not a text (UTF-8 JSON) file") from None
+    except OSError as e:
+        raise ProfileError(f"profile file {path} cannot be read: {e.strerror or e}") from None
     try:
         # NaN / Infinity are not JSON; Python would accept them, so reject them here explicitly.
         data = json.loads(text, parse_constant=lambda c: _fail("<number>", "a finite number", c))

@@ -28,57 +28,14 @@ from typing import Callable, Sequence
 import numpy as np
 import torch
 
-from ripplekv_ext.corpus import load_texts, token_examples
-from ripplekv_ext.models import compressible_layers as model_compressible_layers
-from ripplekv_ext.profile_file import (TARGETS, Profile, ProfileError, describe_model, save_profile,
-                                       write_json_atomic)
+from ripplekv_ext._jsonio import write_json_atomic
+from ripplekv_ext.model_info import compressible_layers as model_compressible_layers
+from ripplekv_ext.model_info import text_config
+from ripplekv_ext.profile_file import TARGETS, Profile, ProfileError, describe_model, save_profile
+from ripplekv_ext.stats import split_half_spearman, standard_errors
 
 METRIC = "kl(p_ref || p_perturbed), natural log, mean over continuation positions"
 PARTIAL_SUFFIX = ".partial.json"
-
-
-# ---- statistics ----------------------------------------------------------------------------------
-
-def _ranks(x: Sequence[float]) -> np.ndarray:
-    """Average ranks (ties share the mean rank), as Spearman's rho needs."""
-    x = np.asarray(x, dtype=np.float64)
-    order = np.argsort(x, kind="stable")
-    ranks = np.empty(len(x))
-    i = 0
-    while i < len(x):
-        j = i
-        while j + 1 < len(x) and x[order[j + 1]] == x[order[i]]:
-            j += 1
-        ranks[order[i:j + 1]] = (i + j) / 2.0
-        i = j + 1
-    return ranks
-
-
-def spearman(a: Sequence[float], b: Sequence[float]) -> float | None:
-    """Spearman rank correlation; None when undefined (fewer than 2 points or a constant input)."""
-    if len(a) != len(b):
-        raise ValueError(f"spearman needs equal lengths, got {len(a)} and {len(b)}")
-    if len(a) < 2:
-        return None
-    ra, rb = _ranks(a), _ranks(b)
-    ra, rb = ra - ra.mean(), rb - rb.mean()
-    denom = math.sqrt(float((ra ** 2).sum() * (rb ** 2).sum()))
-    return None if denom == 0 else float((ra * rb).sum() / denom)
-
-
-def standard_errors(per_example: Sequence[Sequence[float]]) -> list[float]:
-    x = np.asarray(per_example, dtype=np.float64)
-    if x.shape[0] < 2:
-        return [0.0] * x.shape[1]
-    return (x.std(axis=0, ddof=1) / math.sqrt(x.shape[0])).tolist()
-
-
-def split_half_spearman(per_example: Sequence[Sequence[float]]) -> float | None:
-    """Spearman between the profiles of the even- and odd-numbered examples (None with < 2 examples)."""
-    x = np.asarray(per_example, dtype=np.float64)
-    if x.shape[0] < 2:
-        return None
-    return spearman(x[0::2].mean(axis=0).tolist(), x[1::2].mean(axis=0).tolist())
 
 
 # ---- running a continuation against a modified cache ----------------------------------------------
@@ -133,6 +90,9 @@ class ContinuationRunner:
         return self.cache
 
     def _forward(self, record: bool = False, replay_below: int = 0):
+        # Forward hooks on whole decoder layers, not the hook's attention registration (hook.registered_attention):
+        # the profiler changes no attention computation (the perturbation is applied to the cache beforehand); it
+        # records and replays each layer's *output* hidden states, which only a layer-level hook can see or replace.
         cache = self._fresh_cache()
         handles, patched = [], []
         if record:
@@ -174,7 +134,9 @@ class ContinuationRunner:
     def kl_from_ref(self, logprobs: torch.Tensor) -> float:
         """KL(P_ref || P) per position, averaged over the continuation."""
         ref = self.ref_logprobs
-        return float((ref.exp() * (ref - logprobs)).sum(-1).mean())
+        # A KL is >= 0; rounding can leave a layer that barely moves the output a hair below (profiles must not
+        # hold negative sensitivities).
+        return max(0.0, float((ref.exp() * (ref - logprobs)).sum(-1).mean()))
 
     def check_reuse(self, layer: int, rtol: float = 1e-4) -> bool:
         """Does replaying layers < `layer` reproduce the reference? (It must, bit for bit in principle.)"""
@@ -267,7 +229,7 @@ def profile_model(model, tokenizer=None, texts=None, *, examples: torch.Tensor |
     """
     _check_options(prefix_len, cont_len, num_examples, sigma, draws, target, until_stable, stability_threshold,
                    max_examples)
-    num_layers = model.config.get_text_config().num_hidden_layers
+    num_layers = text_config(model).num_hidden_layers
     compressible = model_compressible_layers(model)
     layers = list(compressible if layers is None else layers)
     if not layers:
@@ -281,6 +243,10 @@ def profile_model(model, tokenizer=None, texts=None, *, examples: torch.Tensor |
     if examples is None:
         if tokenizer is None:
             raise ValueError("tokenizer is required to cut texts into examples (or pass examples=token ids)")
+        # Text sources (the bundled KJV corpus, files) are evaluation-side data: imported only when text is given,
+        # so the core library does not load the evaluation package (callers with token ids never need it).
+        from ripplekv_ext.eval.corpus import load_texts
+
         docs, source_desc = load_texts(texts)
         examples = _cut_available(tokenizer, docs, prefix_len, cont_len, num_examples, cap)
     else:
@@ -356,6 +322,8 @@ def profile_model(model, tokenizer=None, texts=None, *, examples: torch.Tensor |
 
 def _cut_available(tokenizer, docs, prefix_len, cont_len, num_examples, cap):
     """As many examples as the text holds, up to `cap` (at least `num_examples`)."""
+    from ripplekv_ext.eval.corpus import token_examples
+
     try:
         return token_examples(tokenizer, docs, prefix_len, cont_len, cap)
     except ValueError:

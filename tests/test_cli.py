@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from ripplekv_ext import cli
-from ripplekv_ext.models import load_smollm2, tiny_model
+from ripplekv_ext.eval.models import load_smollm2, tiny_model
 
 
 @pytest.fixture(scope="module")
@@ -63,7 +63,7 @@ def test_eval_grid_and_resume(tiny_dir, profile_path, tmp_path, capsys, monkeypa
             "--retentions", "0.3", "--tasks", "fidelity,passkey", "--examples", "1", "--prefix-len", "160",
             "--cont-len", "8", "--length", "200", "--out-dir", str(tmp_path)]
     # Interrupt the second cell: the first must already be on disk, and a rerun must resume after it.
-    import ripplekv_ext.experiment as experiment
+    import ripplekv_ext.eval.grid as experiment
 
     calls = {"n": 0}
     real = experiment.evaluate_fidelity
@@ -133,3 +133,20 @@ def test_profile_from_another_model(tiny_dir, profile_path, tmp_path, tokenizer,
     code, _, err = run(["allocate", "--model", str(other), "--profile", str(profile_path), "--prompt-len", "500",
                         "--retention", "0.2", "--force", "--out-dir", str(tmp_path)], capsys)
     assert code == 0, err
+
+
+def test_bench_is_a_source_checkout_harness(capsys):
+    code, _, err = run(["bench", "--figures", "memory"], capsys)
+    assert code == 2 and "bench/e2e_bench.py" in err and len(err.strip().splitlines()) == 1
+
+
+def test_shipped_smollm2_profile_is_package_data_for_the_bundled_model():
+    from ripplekv_ext.eval.models import shipped_profile_path
+    from ripplekv_ext.profile_file import load_profile
+
+    path = shipped_profile_path("smollm2")
+    assert path is not None and path.parent.parent.name == "eval" and path.parents[2].name == "ripplekv_ext"
+    assert shipped_profile_path("/some/model/folder") is None
+    model = load_smollm2()[0]
+    profile = load_profile(path, model=model)  # the fingerprint matches the bundled weights
+    assert len(profile.sensitivity) == model.config.num_hidden_layers

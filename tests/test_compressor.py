@@ -101,9 +101,33 @@ def test_bad_construction():
 
 
 def test_for_model_skips_sliding_window_layers():
-    from ripplekv_ext.models import tiny_model
+    from ripplekv_ext.eval.models import tiny_model
 
     model = tiny_model("gemma3")  # sliding / full alternating
     comp = KVCompressor.for_model(model, Policy.snapkv(0.5, window=8))
     assert comp.compressible_layers == [1, 3]
     assert comp.budgets(100) == [None, 50, None, 50]
+
+
+def test_on_compress_sees_each_call_with_its_inputs_outputs_and_budget():
+    steps = []
+    comp = KVCompressor(Policy.snapkv(0.25, window=8), num_layers=3, compressible_layers=[0, 2],
+                        on_compress=steps.append)
+    q, k, v = _layer(n=96)
+    outputs = [comp.compress(layer, q[:, :, -8:], k, v) for layer in range(3)]
+    assert [s.layer_idx for s in steps] == [0, 1, 2]
+    plan = comp.budgets(96)
+    for step, (k_c, v_c) in zip(steps, outputs):
+        assert step.budget == plan[step.layer_idx] and step.n_tokens == 96 and step.seconds >= 0
+        assert step.keys is k and step.values is v and step.kept_keys is k_c and step.kept_values is v_c
+    # Layer 1 is not managed: nothing selected, the inputs come back.
+    assert steps[1].budget is None and steps[1].indices is None and steps[1].kept_keys is k
+    # Compressed layers: the indices are the reference SnapKV selection, and the kept tokens are their gather.
+    expected = ripplekv_ref.select_topk(ripplekv_ref.snapkv_scores(q[:, :, -8:], k), plan[0], 8)
+    assert torch.equal(steps[0].indices, expected)
+    assert torch.equal(steps[0].kept_keys, ripplekv_ref.gather_kv(k, v, expected)[0])
+
+
+def test_on_compress_must_be_callable():
+    with pytest.raises(TypeError, match="on_compress must be callable or None, got int"):
+        KVCompressor(Policy.snapkv(0.25), num_layers=2, on_compress=3)

@@ -3,7 +3,7 @@ import json
 import pytest
 import torch
 
-from ripplekv_ext.corpus import (kjv_books, kjv_split_books, kjv_text, load_jsonl, load_text_file, load_texts,
+from ripplekv_ext.eval.corpus import (kjv_books, kjv_split_books, kjv_text, load_jsonl, load_text_file, load_texts,
                                  token_examples)
 
 

@@ -5,9 +5,9 @@ import pytest
 import torch
 
 import ripplekv_ref
-from ripplekv_ext.diagnostics import (_AttentionTap, _tapped_sdpa, compression_damage, damage_report, format_report,
+from ripplekv_ext.eval.diagnostics import (_AttentionTap, compression_damage, damage_report, format_report,
                                       run_diagnostic, snapkv_keep_mask)
-from ripplekv_ext.models import tiny_model
+from ripplekv_ext.eval.models import tiny_model
 from ripplekv_ext.profiler import profile_model
 
 P, T, W = 32, 8, 4
@@ -26,7 +26,7 @@ def ids():
 def test_keep_mask_matches_reference_selection():
     g = torch.Generator().manual_seed(0)
     q, k = torch.randn(1, 4, W, 16, generator=g), torch.randn(1, 2, 40, 16, generator=g)
-    keep = snapkv_keep_mask(q, k, k, 12)
+    keep = snapkv_keep_mask(q, k, 12)
     idx = ripplekv_ref.select_topk(ripplekv_ref.snapkv_scores(q, k), 12, W)
     expected = torch.zeros(1, 2, 40, dtype=torch.bool).scatter_(-1, idx, True)
     assert torch.equal(keep, expected) and keep.sum(-1).tolist() == [[12, 12]]
@@ -40,7 +40,7 @@ def test_masking_equals_attention_over_the_compacted_cache():
     h_q, h_kv, d = 4, 2, 16
     q = torch.randn(1, h_q, T, d, generator=g)
     k, v = torch.randn(1, h_kv, P + T, d, generator=g), torch.randn(1, h_kv, P + T, d, generator=g)
-    keep = snapkv_keep_mask(torch.randn(1, h_q, W, d, generator=g), k[:, :, :P], v[:, :, :P], 12)
+    keep = snapkv_keep_mask(torch.randn(1, h_q, W, d, generator=g), k[:, :, :P], 12)
     tap = _AttentionTap(W)
     tap.keep, tap.evict_layer = keep, 5
     module = types.SimpleNamespace(layer_idx=5, scaling=d ** -0.5, is_causal=True, training=False,

@@ -8,7 +8,7 @@ from scipy.special import rel_entr
 
 from ripplekv_ext.eval import (Example, continuation_logits_fn, evaluate, evaluate_fidelity, greedy_generate_fn,
                                kl_per_position, nll_per_position)
-from ripplekv_ext.models import tiny_model
+from ripplekv_ext.eval.models import tiny_model
 
 PREFIX, CONT = 24, 8
 

@@ -11,7 +11,7 @@ LENGTH = 256
 
 @pytest.fixture(scope="module")
 def smollm2():
-    from ripplekv_ext.models import load_smollm2
+    from ripplekv_ext.eval.models import load_smollm2
 
     return load_smollm2(torch.float32)
 

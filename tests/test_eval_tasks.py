@@ -16,7 +16,7 @@ SHARED_LONGBENCH = Path(__file__).resolve().parents[1].parent / "shared" / "long
 
 @pytest.fixture(scope="module")
 def tokenizer():
-    from ripplekv_ext.models import load_smollm2
+    from ripplekv_ext.eval.models import load_smollm2
 
     return load_smollm2()[1]
 
@@ -240,7 +240,7 @@ def test_synthetic_errors(tokenizer):
 
 
 def test_fidelity_examples_come_from_the_evaluation_split(tokenizer):
-    from ripplekv_ext.corpus import kjv_text
+    from ripplekv_ext.eval.corpus import kjv_text
     from ripplekv_ext.eval import fidelity_examples
 
     windows = fidelity_examples(tokenizer, prefix_len=32, cont_len=8, num_examples=2)

@@ -16,7 +16,8 @@ import torch
 import ripplekv_ref
 from ripplekv_ext import Policy, compress
 from ripplekv_ext.allocation import average_budget
-from ripplekv_ext.models import TINY_ARCHS, compressible_layers, tiny_model
+from ripplekv_ext.eval.models import TINY_ARCHS, tiny_model
+from ripplekv_ext.model_info import compressible_layers
 from ripplekv_ext.policies import H2OSelector, SnapKVSelector
 
 transformers = pytest.importorskip("transformers")
@@ -26,6 +27,10 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward  # n
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask  # noqa: E402
 
 from ripplekv_ext.hook import CompressedLayer  # noqa: E402
+from ripplekv_ext._compat import cache_argument, output_cache  # noqa: E402
+
+# The cache argument's name: `cache`, or `past_key_values` in the oldest supported transformers.
+CACHE = cache_argument()
 
 WINDOW = 8
 
@@ -54,9 +59,9 @@ def _policies(num_compressible):
 def _prefill_then_continue(model, ids, continuation, cache=None):
     """Logits of prefill, of a multi-token continuation chunk, then of one decoded token; and the cache."""
     out = model(ids, use_cache=True)
-    cache = out.cache
-    chunk = model(continuation[:, :-1], cache=cache, use_cache=True)
-    step = model(continuation[:, -1:], cache=cache, use_cache=True)
+    cache = output_cache(out)
+    chunk = model(continuation[:, :-1], **{CACHE: cache}, use_cache=True)
+    step = model(continuation[:, -1:], **{CACHE: cache}, use_cache=True)
     return [out.logits, chunk.logits, step.logits], cache
 
 
@@ -220,7 +225,7 @@ def test_cache_bytes_equal_the_budgets(arch, dtype, policy_name):
     policy = _policies(len(layers))[policy_name]
     ids = _ids(n=120)
     with compress(model, policy) as session, torch.no_grad():
-        cache = model(ids, use_cache=True).cache
+        cache = output_cache(model(ids, use_cache=True))
     budgets = session.compressor.budgets(120)
     batch, h_kv, head_dim = 2, model.config.num_key_value_heads, model.config.head_dim
     per_token = 2 * batch * h_kv * head_dim * torch.finfo(dtype).bits // 8  # keys + values
@@ -231,6 +236,28 @@ def test_cache_bytes_equal_the_budgets(arch, dtype, policy_name):
         if i not in layers:  # sliding-window layers are left to the model
             assert isinstance(cache.layers[i], DynamicSlidingWindowLayer)
             assert cache.layers[i].keys.shape[2] == model.config.sliding_window - 1
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+def test_on_compress_sees_every_compressed_layer_once_per_prefill(arch):
+    model = tiny_model(arch)
+    layers = compressible_layers(model)
+    policy = _policies(len(layers))["ripplekv"]
+    steps = []
+    with compress(model, policy, on_compress=steps.append) as session, torch.no_grad():
+        cache = output_cache(model(_ids(n=120), use_cache=True))
+        assert [s.layer_idx for s in steps] == layers  # the prefill, each compressible layer once, in order
+        kept = {i: cache.layers[i].keys.shape[2] for i in layers}
+        model(_ids(n=1, seed=1), **{CACHE: cache}, use_cache=True)  # decoding compresses nothing more
+        model(_ids(n=100, seed=2), use_cache=True)  # a second prefill is observed again
+    budgets = session.compressor.budgets(120)
+    assert [s.layer_idx for s in steps] == layers * 2
+    for step in steps[:len(layers)]:
+        assert step.budget == budgets[step.layer_idx] and step.n_tokens == 120 and step.seconds >= 0
+        assert step.kept_keys.shape[2] == step.budget == kept[step.layer_idx]
+        assert step.indices.shape == (2, model.config.num_key_value_heads, step.budget)
+        assert step.queries.shape[2] == WINDOW  # SnapKV is handed the window's queries only
+    assert [s.budget for s in steps[len(layers):]] == [session.compressor.budgets(100)[i] for i in layers]
 
 
 # --- Batches, padding, short prompts --------------------------------------------------------------------------
@@ -271,7 +298,7 @@ def test_decoder_called_directly_is_compressed():
     # Engines often call the decoder stack (model.model) rather than the LM head model.
     model = tiny_model("llama")
     with compress(model, Policy.snapkv(0.5, window=WINDOW)), torch.no_grad():
-        cache = model.get_decoder()(_ids(), use_cache=True).cache
+        cache = output_cache(model.get_decoder()(_ids(), use_cache=True))
     assert [type(layer) for layer in cache.layers] == [CompressedLayer] * 4
     assert [layer.keys.shape[2] for layer in cache.layers] == [48] * 4
 
@@ -312,7 +339,7 @@ def test_context_manager_restores_the_model():
         _assert_same(before, _snapshot(model))
         out = model(ids, use_cache=True)
     assert torch.equal(out.logits, stock)
-    assert all(type(layer) in (DynamicLayer, DynamicSlidingWindowLayer) for layer in out.cache.layers)
+    assert all(type(layer) in (DynamicLayer, DynamicSlidingWindowLayer) for layer in output_cache(out).layers)
 
 
 def test_rejects_bad_arguments():
@@ -339,7 +366,7 @@ def _kjv_text(n_verses):
 
 @pytest.fixture(scope="module")
 def smollm2():
-    from ripplekv_ext.models import load_smollm2
+    from ripplekv_ext.eval.models import load_smollm2
 
     model, tokenizer = load_smollm2(torch.float32)
     question = _kjv_text(12) + "\n\nIn one sentence, what happened on the first day?"

@@ -1,7 +1,8 @@
 import pytest
 import torch
 
-from ripplekv_ext.models import TINY_ARCHS, compressible_layers, layer_types, load_smollm2, tiny_config, tiny_model
+from ripplekv_ext.eval.models import TINY_ARCHS, load_smollm2, tiny_config, tiny_model
+from ripplekv_ext.model_info import compressible_layers, layer_types
 
 
 @pytest.mark.parametrize("arch", TINY_ARCHS)

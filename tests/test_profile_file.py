@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from ripplekv_ext.allocation import RippleKVAllocator, ripplekv_budgets
-from ripplekv_ext.models import tiny_model
+from ripplekv_ext.eval.models import tiny_model
 from ripplekv_ext.profile_file import (FORMAT_NAME, FORMAT_VERSION, Profile, ProfileError, describe_model,
                                        load_profile, save_profile)
 from ripplekv_ext.profiler import profile_model

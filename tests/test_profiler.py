@@ -6,10 +6,11 @@ import pytest
 import torch
 
 import ripplekv_ext.profiler as profiler
-from ripplekv_ext.models import TINY_ARCHS, compressible_layers, load_smollm2, tiny_model
+from ripplekv_ext.eval.models import TINY_ARCHS, load_smollm2, tiny_model
+from ripplekv_ext.model_info import compressible_layers
 from ripplekv_ext.profile_file import ProfileError, load_profile
-from ripplekv_ext.profiler import (ContinuationRunner, perturb, profile_model, spearman, split_half_spearman,
-                                   standard_errors)
+from ripplekv_ext.profiler import ContinuationRunner, perturb, profile_model
+from ripplekv_ext.stats import spearman, split_half_spearman, standard_errors
 
 P, T = 24, 8
 

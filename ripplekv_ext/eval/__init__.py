@@ -4,6 +4,10 @@ A task turns data into :class:`Example` objects (token ids, references, a metric
 :func:`evaluate` runs any ``generate_fn(input_ids, max_new_tokens) -> text`` over them. Fidelity compares two
 ``logits_fn(prefix_ids, continuation_ids) -> logits`` callables (full vs compressed). Compression is plugged in as
 a context-manager factory (``lambda: ripplekv_ext.compress(model, policy)``) or as any callable.
+
+Built on the core library (which never imports this package), beside the tasks: ``grid`` (methods x retentions),
+``diagnostics`` (isolated compression damage vs the profile), ``plots``, ``corpus`` (the bundled KJV text),
+``models`` (model loading and profile paths, for the CLI and the benchmarks).
 """
 
 from ripplekv_ext.eval.example import Example, render_prompt, truncate_middle

@@ -11,11 +11,12 @@ from __future__ import annotations
 
 import functools
 import importlib.util
-import json
 import re
 import sqlite3
 from pathlib import Path
 from typing import Iterable
+
+from ripplekv_ext._jsonio import read_jsonl
 
 SPLITS = ("calibration", "evaluation")
 # Passages carry inline references ("1:3 And Judas begat ..."): strip them so the model reads prose.
@@ -84,17 +85,10 @@ def load_jsonl(path, field: str = "text") -> list[str]:
     """One document per line of a JSONL file, read from `field`."""
     path = Path(path)
     docs = []
-    with path.open(encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{path}:{lineno}: not valid JSON ({e.msg})") from e
-            if not isinstance(record, dict) or not isinstance(record.get(field), str):
-                raise ValueError(f"{path}:{lineno}: expected an object with a string field {field!r}")
-            docs.append(record[field])
+    for lineno, record in read_jsonl(path):
+        if not isinstance(record.get(field), str):
+            raise ValueError(f"{path}:{lineno}: expected an object with a string field {field!r}")
+        docs.append(record[field])
     if not docs:
         raise ValueError(f"{path} holds no documents")
     return docs

@@ -8,25 +8,25 @@ the sensitivity profile and with layer index: the article's diagnostic (0.799 vs
 Compression is applied by masking the evicted prefix positions out of layer `l`'s attention, which is
 exactly attention over the compacted cache, and keeps every layer's cache the same length (so positions
 and masks need no special handling). As in the profiler, layers before `l` replay their recorded outputs.
+The masking attention enters transformers the way ``ripplekv_ext.compress`` does (``hook.registered_attention``:
+a uniquely named registration for this model only), never by replacing the global "sdpa" entry.
 """
 
 from __future__ import annotations
 
-import contextlib
 import time
 from typing import Sequence
 
 import numpy as np
 import torch
 
+from ripplekv_ext._jsonio import write_json_atomic
 from ripplekv_ext.allocation import average_budget
-from ripplekv_ext.profile_file import Profile, write_json_atomic
-from ripplekv_ext.profiler import ContinuationRunner, spearman
-
-try:  # the extension op once it exists, the reference otherwise: same semantics (DESIGN.md §4)
-    from ripplekv_ext import snapkv_compress as _snapkv_compress
-except ImportError:  # pragma: no cover - depends on what the extension exports
-    from ripplekv_ref import snapkv_compress as _snapkv_compress
+from ripplekv_ext.hook import registered_attention, unique_attention_name
+from ripplekv_ext.policies import SnapKVSelector
+from ripplekv_ext.profile_file import Profile
+from ripplekv_ext.profiler import ContinuationRunner
+from ripplekv_ext.stats import spearman
 
 
 class _AttentionTap:
@@ -69,26 +69,20 @@ class _AttentionTap:
         return mask.masked_fill(~keep, float("-inf"))
 
 
-@contextlib.contextmanager
-def _tapped_sdpa(tap: _AttentionTap):
-    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+def _tapped(model, tap: _AttentionTap):
+    """``model`` runs its attention through ``tap`` (with SDPA's mask) inside the block."""
+    from transformers.masking_utils import sdpa_mask
 
-    had_local = "sdpa" in ALL_ATTENTION_FUNCTIONS._local_mapping
-    previous = ALL_ATTENTION_FUNCTIONS._local_mapping.get("sdpa")
-    ALL_ATTENTION_FUNCTIONS["sdpa"] = tap
-    try:
-        yield tap
-    finally:
-        if had_local:
-            ALL_ATTENTION_FUNCTIONS["sdpa"] = previous
-        else:
-            del ALL_ATTENTION_FUNCTIONS["sdpa"]
+    return registered_attention(model, unique_attention_name("ripplekv_diagnostic"), tap, sdpa_mask)
 
 
-def snapkv_keep_mask(q_window: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, budget: int,
+def snapkv_keep_mask(q_window: torch.Tensor, keys: torch.Tensor, budget: int,
                      scale: float | None = None) -> torch.Tensor:
-    """bool `[B, H_kv, N]`: True for the positions SnapKV keeps under `budget` (window included)."""
-    _, _, idx = _snapkv_compress(q_window, keys, values, budget, scale=scale)
+    """bool `[B, H_kv, N]`: True for the positions SnapKV keeps under `budget` (window included).
+
+    The selection of ``Policy.snapkv`` (default SnapKV settings, window = the queries given), without the gather:
+    the diagnostic masks instead of compacting."""
+    idx = SnapKVSelector().select(q_window, keys, budget, q_window.shape[2], scale)
     keep = torch.zeros(keys.shape[:3], dtype=torch.bool, device=keys.device)
     keep.scatter_(-1, idx, True)
     return keep
@@ -113,7 +107,7 @@ def compression_damage(model, examples: torch.Tensor, prefix_len: int, layers: S
         bar = tqdm(total=len(examples) * len(layers) * len(retentions), desc="compression damage", unit="run")
     per_example = {r: [] for r in retentions}
     tap = _AttentionTap(window)
-    with torch.inference_mode(), _tapped_sdpa(tap):
+    with torch.inference_mode(), _tapped(model, tap):
         for ids in examples:
             tap.capture, tap.evict_layer = True, None
             runner = ContinuationRunner(model, ids, prefix_len, reuse=reuse)
@@ -122,7 +116,7 @@ def compression_damage(model, examples: torch.Tensor, prefix_len: int, layers: S
                 row = []
                 for l in layers:
                     cache_layer = runner._pristine[l]
-                    tap.keep = snapkv_keep_mask(tap.q_window[l], cache_layer.keys, cache_layer.values, budgets[r],
+                    tap.keep = snapkv_keep_mask(tap.q_window[l], cache_layer.keys, budgets[r],
                                                 scale=tap.scaling[l])
                     tap.evict_layer = l
                     try:

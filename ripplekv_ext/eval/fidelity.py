@@ -92,7 +92,7 @@ class FidelityReport:
 def evaluate_fidelity(examples: Tensor, prefix_len: int, full_fn: LogitsFn, compressed_fn: LogitsFn,
                       progress: bool = True) -> FidelityReport:
     """Compare ``full_fn`` and ``compressed_fn`` on ``examples`` ``[E, prefix_len + T]`` (token ids, e.g. from
-    ``ripplekv_ext.corpus.token_examples``)."""
+    ``ripplekv_ext.eval.corpus.token_examples``)."""
     if examples.dim() != 2 or examples.dtype != torch.long:
         raise ValueError(f"examples must be an int64 [E, P + T] tensor, got {examples.dtype} "
                          f"{tuple(examples.shape)}")
@@ -123,7 +123,7 @@ def fidelity_examples(tokenizer, prefix_len: int, cont_len: int, num_examples: i
                       source="kjv:evaluation") -> Tensor:
     """Token windows ``[num_examples, prefix_len + cont_len]`` from ``source`` (default: the evaluation split of
     the bundled King James Bible, which never overlaps the calibration split the profiler uses)."""
-    from ripplekv_ext.corpus import load_texts, token_examples
+    from ripplekv_ext.eval.corpus import load_texts, token_examples
 
     texts, _ = load_texts(source)
     return token_examples(tokenizer, texts, prefix_len, cont_len, num_examples)

@@ -15,17 +15,18 @@ from typing import Optional, Sequence
 
 import torch
 
-from ripplekv_ext.eval import (continuation_logits_fn, evaluate, evaluate_fidelity, greedy_generate_fn)
+from ripplekv_ext._jsonio import write_json_atomic
+from ripplekv_ext.eval.fidelity import continuation_logits_fn, evaluate_fidelity
+from ripplekv_ext.eval.runner import evaluate, greedy_generate_fn
 from ripplekv_ext.hook import compress
-from ripplekv_ext.methods import make_policy, split_method
-from ripplekv_ext.profile_file import write_json_atomic
+from ripplekv_ext.methods import is_full, make_policy
 
 FORMAT = "ripplekv-eval"
 FORMAT_VERSION = 1
 
 
 def cell_key(method: str, retention: Optional[float]) -> str:
-    return "full" if split_method(method) is None else f"{method}@{retention:g}"
+    return "full" if is_full(method) else f"{method}@{retention:g}"
 
 
 def _memoized(logits_fn):
@@ -74,7 +75,7 @@ def run_grid(model, tokenizer, methods: Sequence[str], retentions: Sequence[floa
 
     plan = []
     for method in methods:
-        for retention in ([None] if split_method(method) is None else retentions):
+        for retention in ([None] if is_full(method) else retentions):
             plan.append((method, retention))
     for i, (method, retention) in enumerate(plan, 1):
         key = cell_key(method, retention)

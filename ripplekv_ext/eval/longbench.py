@@ -14,6 +14,7 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Iterable, Optional
 
+from ripplekv_ext._jsonio import read_jsonl
 from ripplekv_ext.eval.example import Example, encode, has_chat_template, render_prompt, truncate_middle
 from ripplekv_ext.eval.runner import EvalReport
 
@@ -39,21 +40,7 @@ def longbench_datasets() -> list[str]:
 
 
 def _read_jsonl(path: Path) -> list[dict]:
-    records = []
-    with open(path, encoding="utf-8") as f:
-        for line_number, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as error:
-                raise ValueError(f"{path}:{line_number}: not valid JSON ({error.msg})") from None
-            for key in ("context", "input", "answers"):
-                if key not in record:
-                    raise ValueError(f"{path}:{line_number}: record has no {key!r} field "
-                                     f"(fields: {sorted(record)})")
-            records.append(record)
-    return records
+    return [record for _, record in read_jsonl(path, required=("context", "input", "answers"))]
 
 
 def load_longbench(folder, tokenizer, max_prompt_tokens: int, datasets: Optional[Iterable[str]] = None,

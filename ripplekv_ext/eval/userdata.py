@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Optional
 
+from ripplekv_ext._jsonio import read_jsonl
 from ripplekv_ext.eval.example import Example, encode, has_chat_template, render_prompt, truncate_middle
 
 # LongBench's multifieldqa_en template, with the field names of this format.
@@ -31,38 +31,25 @@ def load_user_jsonl(path, tokenizer, max_prompt_tokens: Optional[int] = None, te
         chat = has_chat_template(tokenizer)
     task = task or path.stem
     examples = []
-    with open(path, encoding="utf-8") as f:
-        for line_number, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            where = f"{path}:{line_number}"
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as error:
-                raise ValueError(f"{where}: not valid JSON ({error.msg})") from None
-            if not isinstance(record, dict):
-                raise ValueError(f"{where}: expected a JSON object, got {type(record).__name__}")
-            missing = [key for key in ("context", "question", "answers") if key not in record]
-            if missing:
-                raise ValueError(f"{where}: missing field(s) {missing} (expected context, question, answers; "
-                                 f"got {sorted(record)})")
-            answers = record["answers"]
-            if isinstance(answers, str):
-                answers = [answers]
-            if (not isinstance(answers, list) or not answers
-                    or not all(isinstance(a, str) for a in answers)):
-                raise ValueError(f"{where}: answers must be a string or a non-empty list of strings, "
-                                 f"got {record['answers']!r}")
-            raw = template.format(context=record["context"], question=record["question"])
-            if max_prompt_tokens is not None:
-                raw = tokenizer.decode(truncate_middle(encode(tokenizer, raw), max_prompt_tokens),
-                                       skip_special_tokens=True)
-            text = render_prompt(tokenizer, raw, chat=chat)
-            examples.append(Example(task=task, id=str(record.get("id", line_number)), prompt=text,
-                                    input_ids=encode(tokenizer, text), answers=answers,
-                                    max_new_tokens=max_new_tokens, metric=metric))
-            if limit is not None and len(examples) >= limit:
-                break
+    for line_number, record in read_jsonl(path, required=("context", "question", "answers")):
+        where = f"{path}:{line_number}"
+        answers = record["answers"]
+        if isinstance(answers, str):
+            answers = [answers]
+        if (not isinstance(answers, list) or not answers
+                or not all(isinstance(a, str) for a in answers)):
+            raise ValueError(f"{where}: answers must be a string or a non-empty list of strings, "
+                             f"got {record['answers']!r}")
+        raw = template.format(context=record["context"], question=record["question"])
+        if max_prompt_tokens is not None:
+            raw = tokenizer.decode(truncate_middle(encode(tokenizer, raw), max_prompt_tokens),
+                                   skip_special_tokens=True)
+        text = render_prompt(tokenizer, raw, chat=chat)
+        examples.append(Example(task=task, id=str(record.get("id", line_number)), prompt=text,
+                                input_ids=encode(tokenizer, text), answers=answers,
+                                max_new_tokens=max_new_tokens, metric=metric))
+        if limit is not None and len(examples) >= limit:
+            break
     if not examples:
         raise ValueError(f"{path}: no records")
     return examples

@@ -1,0 +1,194 @@
+"""`ripplekv eval` and `ripplekv demo`: methods x retentions on the chosen tasks, and the whole tour on SmolLM2."""
+
+from __future__ import annotations
+
+import math
+import time
+from pathlib import Path
+
+from ripplekv_ext.cli.common import CliError, load_profile_for, make_console
+from ripplekv_ext.cli.profiling import budgets_table
+from ripplekv_ext.eval.models import default_profile_path, load_model, shipped_profile_path
+
+# ---- eval --------------------------------------------------------------------------------------------
+
+GENERATION_TASKS = ("passkey", "multikey", "kv_retrieval", "variable_tracking")
+TASKS = ("fidelity",) + GENERATION_TASKS + ("longbench", "user")
+FILLER_MARGIN = 64  # tokens; more than any synthetic task's filler unit
+
+
+def shortest_prompt(args) -> int:
+    """The lowest retention must leave more than the window: shorter prompts cannot be compressed to it."""
+    return math.ceil((args.window + 1) / min(args.retentions))
+
+
+def check_eval_args(args) -> None:
+    """Everything about an eval request that can be wrong, checked before minutes go into loading a model."""
+    from ripplekv_ext.methods import check_method
+
+    for method in args.methods:
+        try:
+            check_method(method)
+        except ValueError as err:
+            raise CliError(str(err))
+    unknown = [t for t in args.tasks if t not in TASKS]
+    if unknown:
+        raise CliError(f"unknown task(s) {', '.join(unknown)}: expected some of {', '.join(TASKS)}")
+    shortest = shortest_prompt(args)
+    for option, value in (("--prefix-len", args.prefix_len if "fidelity" in args.tasks else None),
+                          ("--length", args.length)):
+        if value is not None and value < shortest:
+            raise CliError(f"{option} {value} is too short: retention {min(args.retentions):g} with window "
+                           f"{args.window} needs prompts of at least {shortest} tokens")
+
+
+def build_tasks(args, tokenizer):
+    """(fidelity ids or None, generation examples, settings that define them)."""
+    from ripplekv_ext.eval import fidelity_examples, load_longbench, load_user_jsonl, make_synthetic
+    from ripplekv_ext.eval.synthetic import DEFAULT_LENGTHS
+
+    settings = {"tasks": args.tasks, "examples": args.examples}
+    shortest = shortest_prompt(args)
+    fidelity_ids = None
+    if "fidelity" in args.tasks:
+        fidelity_ids = fidelity_examples(tokenizer, args.prefix_len, args.cont_len, args.examples, source=args.text)
+        settings.update(prefix_len=args.prefix_len, cont_len=args.cont_len, text=args.text)
+    examples = []
+    for task in GENERATION_TASKS:
+        if task in args.tasks:
+            preferred = getattr(args, "task_lengths", {}).get(task, DEFAULT_LENGTHS[task])
+            # Prompts come out up to one filler unit shorter than asked: leave room above the minimum.
+            length = args.length or max(preferred, shortest + FILLER_MARGIN)
+            made = make_synthetic(task, tokenizer, length=length, num_examples=args.examples, seed=args.seed)
+            too_short = min(len(e.input_ids) for e in made)
+            if too_short < shortest:
+                raise CliError(f"{task} prompts of {too_short} tokens are too short for retention "
+                               f"{min(args.retentions):g} with window {args.window}; pass --length above {length}")
+            examples += made
+            settings[f"{task}_length"] = length
+    if "longbench" in args.tasks:
+        if not args.longbench_dir or not Path(args.longbench_dir).is_dir():
+            raise CliError(f"--longbench-dir must be a folder of LongBench *.jsonl files, got {args.longbench_dir!r}")
+        examples += load_longbench(args.longbench_dir, tokenizer, args.max_prompt_tokens, limit=args.examples)
+        settings["longbench_dir"] = str(Path(args.longbench_dir).resolve())
+    if "user" in args.tasks:
+        if not args.user_jsonl or not Path(args.user_jsonl).is_file():
+            raise CliError(f"--user-jsonl must be a JSONL file of {{context, question, answers}}, got {args.user_jsonl!r}")
+        examples += load_user_jsonl(args.user_jsonl, tokenizer, args.max_prompt_tokens, limit=args.examples)
+        settings["user_jsonl"] = str(Path(args.user_jsonl).resolve())
+    return fidelity_ids, examples, settings
+
+
+def results_table(results: dict):
+    from rich.table import Table
+
+    cells = list(results["cells"].values())
+    tasks = sorted({t for c in cells for t in c.get("tasks", {})})
+    has_fidelity = any("fidelity" in c for c in cells)
+    table = Table(title="methods x retention (fidelity: lower KL is better; tasks: exact match x100)")
+    table.add_column("method")
+    table.add_column("retention", justify="right")
+    if has_fidelity:
+        table.add_column("KL", justify="right")
+        table.add_column("NLL", justify="right")
+    for task in tasks:
+        table.add_column(task, justify="right")
+    if tasks:
+        table.add_column("task mean", justify="right")
+    table.add_column("s", justify="right")
+    order = {m: i for i, m in enumerate(results["settings"]["methods"])}
+    for c in sorted(cells, key=lambda c: (c["retention"] or 0, order.get(c["method"], 99))):
+        row = [c["method"], "-" if c["retention"] is None else f"{c['retention']:.0%}"]
+        if has_fidelity:
+            f = c.get("fidelity", {})
+            row += [f"{f['kl']:.4f}" if f else "", f"{f['nll_compressed']:.3f}" if f else ""]
+        row += [f"{c['tasks'][t]:.0f}" if t in c.get("tasks", {}) else "" for t in tasks]
+        if tasks:
+            row.append(f"{c['task_mean']:.1f}" if "task_mean" in c else "")
+        row.append(f"{c['seconds']:.0f}")
+        table.add_row(*row)
+    return table
+
+
+def run_eval(args, model, tokenizer, name, profile) -> dict:
+    from ripplekv_ext.eval.grid import run_grid
+    from ripplekv_ext.eval.plots import plot_eval
+
+    fidelity_ids, examples, settings = build_tasks(args, tokenizer)
+    settings["model"] = name
+    if profile is not None:
+        settings["profile_sensitivity"] = profile.sensitivity
+    out_dir = Path(args.out_dir)
+    out = out_dir / "eval.json"
+    results = run_grid(model, tokenizer, args.methods, args.retentions, profile=profile, fidelity_ids=fidelity_ids,
+                       prefix_len=args.prefix_len, task_examples=examples, window=args.window, settings=settings,
+                       out_path=out)
+    console = make_console()
+    console.print(results_table(results))
+    png = plot_eval(results, out_dir / "eval.png")
+    console.print(f"results: {out}\nplot:    {png}")
+    return results
+
+
+def cmd_eval(args) -> int:
+    from ripplekv_ext.methods import needs_profile
+
+    check_eval_args(args)
+    model, tokenizer, name = load_model(args.model)
+    profile = None
+    if any(needs_profile(m) for m in args.methods):
+        profile = load_profile_for(model, args.profile or default_profile_path(args.model), args.force)
+    run_eval(args, model, tokenizer, name, profile)
+    return 0
+
+
+# ---- demo --------------------------------------------------------------------------------------------
+
+# Sized to finish in about 10 minutes on a 2-core CPU (see README): a short profile, then the six methods
+# at three retentions on fidelity and the four synthetic tasks.
+DEMO_PROFILE = dict(prefix_len=512, cont_len=32, num_examples=4)
+
+
+def cmd_demo(args) -> int:
+    from ripplekv_ext.eval.plots import plot_profile
+    from ripplekv_ext.profile_file import ProfileError, load_profile
+    from ripplekv_ext.profiler import format_profile, profile_model
+
+    check_eval_args(args)
+    start = time.perf_counter()
+    console = make_console()
+    console.rule("1/3 model")
+    model, tokenizer, name = load_model(args.model)
+    console.print(f"{name}: {model.config.num_hidden_layers} layers, loaded in {time.perf_counter() - start:.0f} s")
+
+    console.rule("2/3 sensitivity profile")
+    path = default_profile_path(args.model)
+    # A profile measured earlier on this very model (checked by fingerprint) saves the demo the profiling
+    # run: the user's cached one first, then the one that ships with the package (the bundled SmolLM2's).
+    shipped = shipped_profile_path(args.model)
+    candidates = [path] + ([shipped] if shipped is not None else [])
+    profile = None
+    for candidate in candidates if not args.reprofile else []:
+        if not candidate.is_file():
+            continue
+        try:
+            profile = load_profile(candidate, model=model)
+            console.print(f"reusing the profile {candidate} (pass --reprofile to measure again)")
+            break
+        except ProfileError as err:
+            console.print(f"profile {candidate} unusable ({err})")
+    if profile is None:
+        profile = profile_model(model, tokenizer, None, seed=args.seed, out_path=path, model_name=name,
+                                **DEMO_PROFILE)
+    print(format_profile(profile))
+    plot_profile(profile, Path(args.out_dir) / "profile.png")
+
+    console.rule("3/3 methods x retentions")
+    table, layers = budgets_table(model, args.prefix_len, 0.2, ["uniform", "pyramidkv", "ripplekv"], profile,
+                                  args.window)
+    console.print(f"budgets at 20% of {args.prefix_len} tokens, layers {layers[0]}..{layers[-1]}:")
+    for allocator, values in table.items():
+        console.print(f"  {allocator:>9}: {values}")
+    run_eval(args, model, tokenizer, name, profile)
+    console.print(f"demo finished in {time.perf_counter() - start:.0f} s")
+    return 0

@@ -1,0 +1,156 @@
+"""The `ripplekv` argument parser: one subcommand per `cmd_*` function of the command modules."""
+
+from __future__ import annotations
+
+import argparse
+
+from ripplekv_ext.cli.common import RESULTS_DIR
+from ripplekv_ext.cli.evaluation import GENERATION_TASKS, TASKS, cmd_demo, cmd_eval
+from ripplekv_ext.cli.profiling import cmd_allocate, cmd_diagnose, cmd_profile
+from ripplekv_ext.eval.models import DEFAULT_MODEL
+from ripplekv_ext.methods import DEFAULT_METHODS
+
+DESCRIPTION = """The `ripplekv` command line (also `python -m ripplekv_ext`).
+
+    ripplekv profile   measure a model's per-layer sensitivity profile (JSON + PNG)
+    ripplekv allocate  per-layer budgets for a prompt length and retention, for every allocator (table + PNG)
+    ripplekv diagnose  isolated compression damage per layer vs the profile and vs layer index
+    ripplekv eval      methods x retentions on fidelity, synthetic, LongBench and your own JSONL tasks
+    ripplekv demo      all of the above on the bundled SmolLM2-135M-Instruct and King James Bible
+
+Everything defaults to the bundled model and text, so each command runs with no arguments but the required ones.
+The end-to-end benchmarks (profiling cost, compression overhead, memory, decode speed) are in a source checkout:
+`python bench/e2e_bench.py --help`.
+"""
+
+# ---- argument types ----------------------------------------------------------------------------------
+
+def retention_list(text: str) -> list[float]:
+    try:
+        values = [float(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"retentions must be comma-separated numbers, got {text!r}")
+    bad = [v for v in values if not 0.0 < v <= 1.0]
+    if not values or bad:
+        raise argparse.ArgumentTypeError(f"every retention must be in (0, 1], got {text!r}")
+    return values
+
+
+def name_list(text: str) -> list[str]:
+    return [v.strip().lower() for v in text.split(",") if v.strip()]
+
+
+def positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    return value
+
+
+# ---- parser ------------------------------------------------------------------------------------------
+
+def _add_model(p):
+    p.add_argument("--model", default=DEFAULT_MODEL,
+                   help=f"'{DEFAULT_MODEL}' (bundled SmolLM2-135M-Instruct) or a local transformers model folder")
+
+
+def _add_profile(p):
+    p.add_argument("--profile", default=None, help="profile JSON (default: the cached profile of --model)")
+    p.add_argument("--force", action="store_true", help="use a profile whose model fingerprint does not match")
+
+
+def _add_eval_options(p, *, examples: int, prefix_len: int):
+    p.add_argument("--methods", type=name_list, default=list(DEFAULT_METHODS),
+                   help="comma-separated: full, streamingllm, h2o, snapkv, pyramidkv, ripplekv or ALLOCATOR+SELECTOR")
+    p.add_argument("--retentions", type=retention_list, default=[0.1, 0.2, 0.3], help="comma-separated, in (0, 1]")
+    p.add_argument("--tasks", type=name_list, default=["fidelity", *GENERATION_TASKS],
+                   help=f"comma-separated, of: {', '.join(TASKS)}")
+    p.add_argument("--examples", type=positive_int, default=examples, help="examples per task")
+    p.add_argument("--prefix-len", type=positive_int, default=prefix_len, help="fidelity prompt length (tokens)")
+    p.add_argument("--cont-len", type=positive_int, default=64, help="fidelity continuation length (tokens)")
+    p.add_argument("--length", type=positive_int, default=None,
+                   help="synthetic prompt length in tokens (default: per task, where the full model solves it)")
+    p.add_argument("--text", default="kjv:evaluation", help="fidelity text: kjv:evaluation, a .txt or a .jsonl file")
+    p.add_argument("--longbench-dir", default=None, help="folder of LongBench *.jsonl files (task 'longbench')")
+    p.add_argument("--user-jsonl", default=None, help="JSONL of {context, question, answers} (task 'user')")
+    p.add_argument("--max-prompt-tokens", type=positive_int, default=7500,
+                   help="LongBench/user prompts are cut in the middle to this many tokens")
+    p.add_argument("--window", type=positive_int, default=32, help="observation window W")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out-dir", default=str(RESULTS_DIR), help="where JSON results and PNG plots go")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="ripplekv", description=DESCRIPTION,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("profile", help="measure the per-layer sensitivity profile")
+    _add_model(p)
+    p.add_argument("--text", default=None, help="calibration text: kjv (default), a .txt or .jsonl file")
+    p.add_argument("--prefix-len", type=positive_int, default=1024)
+    p.add_argument("--cont-len", type=positive_int, default=64)
+    p.add_argument("--examples", type=positive_int, default=8)
+    p.add_argument("--sigma", type=float, default=0.1)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--draws", type=positive_int, default=1)
+    p.add_argument("--layers", type=int, nargs="*", default=None, help="layer subset (default: compressible layers)")
+    p.add_argument("--target", choices=("values", "keys", "both"), default="values")
+    p.add_argument("--until-stable", action="store_true", help="add examples until split-half Spearman >= threshold")
+    p.add_argument("--stability-threshold", type=float, default=0.9)
+    p.add_argument("--max-examples", type=positive_int, default=64)
+    p.add_argument("--out", default=None, help="profile JSON (default: the model's cached profile)")
+    p.add_argument("--no-resume", action="store_true", help="ignore a partial file of an interrupted run")
+    p.add_argument("--no-reuse", action="store_true",
+                   help="recompute every layer for every run (the naive way; same profile, slower)")
+    p.add_argument("--threads", type=positive_int, default=None, help="torch CPU threads")
+    p.set_defaults(func=cmd_profile)
+
+    p = sub.add_parser("allocate", help="per-layer budgets for a prompt length and retention")
+    _add_model(p)
+    _add_profile(p)
+    p.add_argument("--prompt-len", type=positive_int, required=True)
+    p.add_argument("--retention", type=lambda t: retention_list(t)[0], required=True)
+    p.add_argument("--allocators", type=name_list, default=["uniform", "pyramidkv", "ripplekv"])
+    p.add_argument("--window", type=positive_int, default=32)
+    p.add_argument("--out-dir", default=str(RESULTS_DIR))
+    p.set_defaults(func=cmd_allocate)
+
+    p = sub.add_parser("diagnose", help="isolated compression damage per layer vs the profile")
+    _add_model(p)
+    _add_profile(p)
+    p.add_argument("--examples", type=positive_int, default=None, help="default: the profile's example count")
+    p.add_argument("--prefix-len", type=positive_int, default=None, help="default: the profile's P")
+    p.add_argument("--cont-len", type=positive_int, default=None, help="default: the profile's T")
+    p.add_argument("--retentions", type=retention_list, default=[0.1, 0.2, 0.3])
+    p.add_argument("--text", default="kjv:evaluation",
+                   help="damage is measured on held-out text by default, not on the profile's calibration text")
+    p.add_argument("--window", type=positive_int, default=32)
+    p.add_argument("--out", default=None, help="report JSON (default: OUT_DIR/diagnostic.json)")
+    p.add_argument("--out-dir", default=str(RESULTS_DIR))
+    p.set_defaults(func=cmd_diagnose)
+
+    p = sub.add_parser("eval", help="methods x retentions on the chosen tasks")
+    _add_model(p)
+    _add_profile(p)
+    _add_eval_options(p, examples=10, prefix_len=1024)
+    p.set_defaults(func=cmd_eval)
+
+    p = sub.add_parser("demo", help="profile, allocate and evaluate the six methods on the bundled model")
+    _add_model(p)
+    _add_eval_options(p, examples=2, prefix_len=512)
+    # The bundled 135M model solves neither kv_retrieval nor variable_tracking even with the full cache
+    # (see ripplekv_ext/eval/synthetic.py), so the demo leaves them out; `ripplekv eval` runs all four.
+    # Passkey is solved up to 2048 tokens too; 512-token prompts keep the 16 cells within the time budget.
+    p.set_defaults(tasks=["fidelity", "passkey", "multikey"], task_lengths={"passkey": 512}, cont_len=32)
+    p.add_argument("--reprofile", action="store_true", help="measure the profile again even if one is cached")
+    p.set_defaults(func=cmd_demo)
+
+    # The end-to-end benchmarks are a harness of the source checkout (bench/e2e_bench.py), not installed; the
+    # subcommand only says where they went.
+    p = sub.add_parser("bench", help="moved: run bench/e2e_bench.py from a source checkout", add_help=False)
+    p.set_defaults(func=None)
+    return parser

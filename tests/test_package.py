@@ -1,0 +1,39 @@
+"""The package's shape: `import ripplekv_ext` is the core library only, and exports what its docstrings use."""
+
+import subprocess
+import sys
+
+HEAVY = ("transformers", "matplotlib", "rich", "scipy", "ripplekv_ref", "ripplekv_ext.eval", "ripplekv_ext.cli")
+
+
+def test_import_loads_no_evaluation_plotting_table_or_reference_module():
+    # A fresh interpreter: this test process has imported all of them already.
+    code = ("import sys, ripplekv_ext; "
+            f"print(' '.join(m for m in {HEAVY!r} if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == ""
+
+
+def test_core_exports():
+    import ripplekv_ext
+    from ripplekv_ext.allocation import PyramidKVAllocator, RippleKVAllocator, UniformAllocator
+
+    assert ripplekv_ext.UniformAllocator is UniformAllocator
+    assert ripplekv_ext.PyramidKVAllocator is PyramidKVAllocator
+    assert ripplekv_ext.RippleKVAllocator is RippleKVAllocator
+    for name in ripplekv_ext.__all__:
+        assert hasattr(ripplekv_ext, name), name
+
+
+def test_named_methods_are_the_policy_constructors():
+    from ripplekv_ext import Policy
+    from ripplekv_ext.methods import DEFAULT_METHODS, make_policy
+
+    assert DEFAULT_METHODS == ("full", "streamingllm", "h2o", "snapkv", "pyramidkv", "ripplekv")
+    profile = [1.0, 2.0, 3.0]
+    assert make_policy("full", 0.2) == Policy.full()
+    for name in DEFAULT_METHODS[1:]:
+        expected = getattr(Policy, name)(*([profile] if name == "ripplekv" else []), 0.2)
+        got = make_policy(name, 0.2, profile)
+        assert got.name == expected.name and type(got.selector) is type(expected.selector)
+    assert make_policy("ripplekv+h2o", 0.3, profile).name == "ripplekv+h2o@0.3"
