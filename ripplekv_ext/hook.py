@@ -88,11 +88,11 @@ def _compressed_layer_class():
             return self.physical_length + _compat.query_length(query_length), 0
 
         def crop(self, tokens_to_remove: int) -> None:
-            remove = _compat.tokens_to_remove(tokens_to_remove, self.seen_tokens)
-            if remove:
-                before = self.physical_length
-                super().crop(-remove)
-                self.seen_tokens -= before - self.physical_length
+            # Sliced here, not by DynamicLayer.crop: older releases measure the layer with get_seq_length (seen).
+            remove = min(_compat.tokens_to_remove(tokens_to_remove, self.seen_tokens), self.seen_tokens)
+            keep = max(self.physical_length - remove, 0)
+            self.keys, self.values = self.keys[..., :keep, :], self.values[..., :keep, :]
+            self.seen_tokens -= remove
 
         def reset(self) -> None:
             super().reset()
