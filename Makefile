@@ -7,7 +7,7 @@ DEPS_STAMP := $(VENV)/.ripplekv-deps
 EDITABLE_STAMP := $(VENV)/.ripplekv-editable
 export MAX_JOBS ?= 2
 
-.PHONY: build test demo bench cpp-test gpu-check peer-env clean
+.PHONY: build test test-min demo bench cpp-test gpu-check peer-env clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -35,6 +35,37 @@ test: build cpp-test
 	$(PY) -m pytest tests/
 	RIPPLEKV_DISABLE_AVX2=1 RIPPLEKV_SNAPKV_STORE_MIB=0 $(PY) -m pytest -q tests/test_snapkv.py tests/test_h2o.py
 	$(PY) -m pytest bench/ --benchmark-disable -q
+	$(MAKE) --no-print-directory test-min
+
+# The oldest supported stack (pyproject.toml's lower bounds: requirements/min.txt, the torch and transformers a
+# kvpress user has) in its own environment, .venv-min, running the tests of what that stack must serve (the hook,
+# policies, compressor). The extension is built there CPU-only from a copy of the working tree (tracked and
+# untracked files, not ignored ones) in .venv-min/src, so neither the in-place ripplekv_ext/_C*.so nor build/ of
+# .venv is touched. It is installed the way a user installs it (`pip install --no-build-isolation .`, not
+# editable), and the tests import that installed package: pytest runs in the copy, whose root is not on sys.path.
+# The copy's build/ survives between runs, so ninja recompiles only what changed.
+MIN_VENV := .venv-min
+MIN_PY := $(MIN_VENV)/bin/python
+MIN_DEPS_STAMP := $(MIN_VENV)/.ripplekv-deps
+MIN_SRC := $(MIN_VENV)/src
+MIN_TESTS := tests/test_compat.py tests/test_hook.py tests/test_policies.py tests/test_compressor.py
+
+$(MIN_PY):
+	$(PYTHON) -m venv $(MIN_VENV)
+
+$(MIN_DEPS_STAMP): requirements/min.txt requirements/no-deps.txt | $(MIN_PY)
+	$(MIN_PY) -m pip install -q -r requirements/min.txt
+	$(MIN_PY) -m pip install -q --no-deps -r requirements/no-deps.txt
+	touch $@
+
+# `git ls-files -d` lists tracked files deleted from the work tree: uniq -u drops them from the copy.
+test-min: $(MIN_DEPS_STAMP)
+	mkdir -p $(MIN_SRC) && find $(MIN_SRC) -mindepth 1 -maxdepth 1 ! -name build -exec rm -rf {} +
+	{ git ls-files -co --exclude-standard; git ls-files -d; } | sort | uniq -u | tar -cf - -T - | tar -xf - -C $(MIN_SRC)
+	cd $(MIN_SRC) && FORCE_ONLY_CPU=1 ../bin/python -m pip install -q --no-build-isolation --no-deps .
+	cd $(MIN_VENV) && bin/python -c "import ripplekv_ext, torch, transformers; \
+		print('testing', ripplekv_ext.__file__, 'with torch', torch.__version__, 'transformers', transformers.__version__)"
+	cd $(MIN_SRC) && ../bin/pytest -q -p no:cacheprovider $(MIN_TESTS)
 
 demo: build
 	$(PY) -m ripplekv_ext demo
