@@ -149,6 +149,11 @@ def ripplekv_weights(sensitivity: Sequence[float], ratio: float = 1.5, normalize
     if not (isinstance(ratio, (int, float)) and math.isfinite(ratio) and ratio >= 1.0):
         raise ValueError(f"ratio must be a finite number >= 1, got {ratio!r}")
     n = len(s)
+    # Both normalisations are scale-invariant; dividing by the largest magnitude first keeps sums of squares of
+    # huge finite scores (1e308) from overflowing to inf.
+    top = max(abs(x) for x in s)
+    if top > 0:
+        s = [x / top for x in s]
     if normalize == "zscore":
         mean = sum(s) / n
         std = math.sqrt(sum((x - mean) ** 2 for x in s) / n)
@@ -215,23 +220,66 @@ class PyramidKVAllocator:
 
 
 class RippleKVAllocator:
-    """Budgets from a sensitivity profile: a list of per-layer scores (one per compressible layer), or a
-    loaded profile (anything with a `sensitivity` list, e.g. `ripplekv_ext.profile_file.Profile`)."""
+    """Budgets from a sensitivity profile.
+
+    `profile_or_sensitivity` is a loaded profile (anything with `sensitivity` and `layers` lists, e.g.
+    `ripplekv_ext.profile_file.Profile`: each sensitivity belongs to the layer listed at the same position, in
+    whatever order the file lists them) or a plain list of scores, one per compressible layer in ascending layer
+    order.
+
+    A profile may cover only some of the compressible layers: the profiled layers share their RippleKV weights
+    (mean 1 among themselves) and every compressible layer the profile does not cover gets weight 1, i.e. the
+    average budget, so the total stays `L_c * B_avg`. A profiled layer that is not compressible is an error.
+    """
 
     name = "ripplekv"
 
     def __init__(self, profile_or_sensitivity, ratio: float = 1.5, normalize: str = "zscore", clip=None):
         sensitivity = getattr(profile_or_sensitivity, "sensitivity", profile_or_sensitivity)
         self.profile = profile_or_sensitivity if sensitivity is not profile_or_sensitivity else None
-        self.sensitivity = _check_finite_list("sensitivity", sensitivity)
+        values = _check_finite_list("sensitivity", sensitivity)
+        negative = [(i, v) for i, v in enumerate(values) if v < 0]
+        if negative:
+            raise ValueError(f"sensitivity must be >= 0 (a KL divergence is never negative), got {negative[0][1]} "
+                             f"at index {negative[0][0]}")
+        layers = getattr(self.profile, "layers", None)
+        if layers is not None:
+            layers = [int(x) for x in layers]
+            if len(layers) != len(values) or len(set(layers)) != len(layers):
+                raise ValueError(f"profile layers must be {len(values)} distinct indices (one per sensitivity), "
+                                 f"got {layers}")
+            order = sorted(range(len(layers)), key=layers.__getitem__)
+            layers = [layers[i] for i in order]
+            values = [values[i] for i in order]
+        # Ascending layer order from here on; `layers` None means "the compressible layers, in order".
+        self.layers = layers
+        self.sensitivity = values
         self.ratio, self.normalize, self.clip = ratio, normalize, clip
         self.weights = ripplekv_weights(self.sensitivity, ratio, normalize, clip)  # validates the options now
 
-    def budgets(self, num_layers: int, n_tokens: int, avg_budget: int, window: int) -> list[int]:
-        if num_layers != len(self.sensitivity):
-            raise ValueError(f"num_layers must match the profile's {len(self.sensitivity)} compressible layers, "
-                             f"got {num_layers}")
-        return integer_budgets(self.weights, n_tokens, avg_budget, window, priority=self.sensitivity)
+    def budgets(self, num_layers: int, n_tokens: int, avg_budget: int, window: int,
+                layers: Sequence[int] | None = None) -> list[int]:
+        """Budgets of `num_layers` compressible layers; `layers` names them (ascending layer indices), so that a
+        profile's sensitivities land on the layers they were measured on."""
+        if layers is None and self.layers is not None:
+            layers = self.layers
+        if layers is None or self.layers is None:
+            if num_layers != len(self.sensitivity):
+                raise ValueError(f"num_layers must match the profile's {len(self.sensitivity)} compressible layers, "
+                                 f"got {num_layers}")
+            return integer_budgets(self.weights, n_tokens, avg_budget, window, priority=self.sensitivity)
+        layers = [int(x) for x in layers]
+        if len(layers) != num_layers:
+            raise ValueError(f"layers must name {num_layers} layers, got {layers}")
+        extra = sorted(set(self.layers) - set(layers))
+        if extra:
+            raise ValueError(f"the profile covers layers {extra} that are not compressible here (compressible: "
+                             f"{layers}): a profile of another model or layer layout")
+        weight = dict(zip(self.layers, self.weights))
+        priority = dict(zip(self.layers, self.sensitivity))
+        mean_priority = sum(x / len(self.sensitivity) for x in self.sensitivity)
+        return integer_budgets([weight.get(layer, 1.0) for layer in layers], n_tokens, avg_budget, window,
+                               priority=[priority.get(layer, mean_priority) for layer in layers])
 
     def __repr__(self):
         return (f"RippleKVAllocator({len(self.sensitivity)} layers, ratio={self.ratio}, "

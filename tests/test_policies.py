@@ -128,9 +128,12 @@ def test_bad_policies_are_rejected(kwargs, message):
         Policy(**kwargs)
 
 
-def test_budget_below_window_is_a_clear_error():
-    with pytest.raises(ValueError, match=r"average budget of 20 tokens, which must be > window = 32"):
-        Policy.snapkv(0.1).layer_budgets(4, 200)
+def test_budget_below_window_leaves_the_prompt_uncompressed_with_a_warning():
+    # A prompt too short for the policy must not fail in the middle of a generation (issue 13, item 8).
+    from ripplekv_ext.policies import PromptTooShortWarning
+
+    with pytest.warns(PromptTooShortWarning, match=r"average budget of 20 tokens, not more than the window \(32\)"):
+        assert Policy.snapkv(0.1).layer_budgets(4, 200) == [200] * 4
 
 
 def test_h2o_needs_every_query():
