@@ -7,6 +7,11 @@ An engine asks ``budgets(n_tokens)`` to plan memory before prefill, then after e
     plan = comp.budgets(n_prompt)                       # [C_0, ..., C_29] tokens per KV head
     k_c, v_c = comp.compress(layer, q_post_rope, k, v)  # [B, H_kv, C_layer, D]
 
+A left-padded batch of prompts of different lengths (row ``b``'s ``n_b`` real tokens are positions ``[N - n_b, N)``)
+goes through ``compress_rows(layer_idx, queries, keys, values, lengths)``: each row is compressed as if it were
+alone, with the budgets of its own length (``row_budgets(lengths)``), and the layer's rows come back padded on the
+left to its longest row, with a key mask ``[B, C_max]`` marking the real slots (DESIGN.md §4, "Batches").
+
 ``on_compress`` observes every ``compress`` call (benchmarks time the step with it, tests check the budgets) with a
 ``CompressionStep``: the layer, the step's inputs and outputs, the budget and the seconds it took.
 """
@@ -39,11 +44,15 @@ class CompressionStep:
     keys: Tensor  # [B, H_kv, N, D] the layer's full cache
     values: Tensor
     scale: Optional[float]  # softmax scale passed through (None: 1/sqrt(D))
-    budget: Optional[int]  # tokens kept per KV head; None when the policy does not manage the layer
-    indices: Optional[Tensor]  # int64 [B, H_kv, C] kept positions, None when the layer stayed whole
+    budget: Optional[int]  # tokens kept per KV head (the longest row's, for a batch); None: layer not managed
+    indices: Optional[Tensor]  # int64 [B, H_kv, C] kept positions (-1: a row's padding slot); None: stayed whole
     kept_keys: Tensor  # [B, H_kv, C, D] (the inputs themselves when the layer stayed whole)
     kept_values: Tensor
     seconds: float  # selection + gather; on a GPU the device is synchronized around the step first
+    # Per-row batches (``compress_rows``); for ``compress`` every row is the whole N, ``lengths`` is None.
+    lengths: Optional[tuple[int, ...]] = None  # real tokens n_b of each row (left-padded layout)
+    row_budgets: Optional[tuple[int, ...]] = None  # the policy's budget for each row's n_b (>= n_b: row kept whole)
+    key_mask: Optional[Tensor] = None  # bool [B, C_max]: the kept slots holding a real token
 
     @property
     def n_tokens(self) -> int:
@@ -147,6 +156,92 @@ class KVCompressor:
                                              values_c, seconds))
         return keys_c, values_c
 
+    # -- left-padded batches: every row compressed as if it were alone ----------------------------------------
+
+    def row_budgets(self, lengths) -> list[list[Optional[int]]]:
+        """``budgets(n_b)`` for each row ``b``: ``[row][layer]``. A row with no real token keeps nothing (0)."""
+        nothing = [0 if layer in self._slot else None for layer in range(self.num_layers)]
+        return [self.budgets(n) if n > 0 else nothing for n in _as_lengths(lengths)]
+
+    def layer_row_budgets(self, layer_idx: int, lengths) -> Optional[list[int]]:
+        """The policy's budget of one layer for each row's length (``None`` if the layer is not compressible)."""
+        self._check_layer(layer_idx)
+        if layer_idx not in self._slot:
+            return None
+        return [self.layer_budget(layer_idx, n) if n > 0 else 0 for n in _as_lengths(lengths)]
+
+    def select_rows(self, layer_idx: int, queries: Tensor, keys: Tensor, lengths,
+                    scale: Optional[float] = None) -> Optional[Tensor]:
+        """int64 ``[B, H_kv, C_max]`` positions to keep per row of a left-padded batch, or ``None`` when every row
+        keeps all its real tokens.
+
+        Row ``b`` holds ``n_b = lengths[b]`` real tokens at positions ``[N - n_b, N)``; it keeps
+        ``C_b = min(budget_b, n_b)`` of them, ``budget_b`` being this layer's budget for ``n_b``, chosen exactly as
+        ``select`` would choose them for that row alone. Its positions (in the padded layout, ascending) fill the
+        *last* ``C_b`` slots; the first ``C_max - C_b`` are ``-1``. ``queries`` are the padded batch's queries
+        (``[B, H_q, W', D]``, its last ``W'`` positions), as ``select`` takes them.
+        """
+        if keys.dim() != 4:
+            raise ValueError(f"keys must be 4-D [B, H_kv, N, D], got {keys.dim()}-D")
+        n = keys.shape[2]
+        lengths = _check_lengths(lengths, keys.shape[0], n)
+        budgets = self.layer_row_budgets(layer_idx, lengths)
+        if budgets is None or all(budget >= length for budget, length in zip(budgets, lengths)):
+            return None
+        if all(length == n for length in lengths):  # no padding: one batched call
+            return self.select(layer_idx, queries, keys, scale)
+        return self._select_rows(queries, keys, lengths, budgets, scale)
+
+    def _select_rows(self, queries: Tensor, keys: Tensor, lengths: tuple[int, ...], budgets: list[int],
+                     scale: Optional[float]) -> Tensor:
+        # Each row alone through the batched ops, assembled into the left-padded layout.
+        b, h_kv, n, _ = keys.shape
+        window, selector = self.policy.window, self.policy.selector
+        kept = [min(budget, length) for budget, length in zip(budgets, lengths)]
+        indices = torch.full((b, h_kv, max(kept)), -1, dtype=torch.int64, device=keys.device)
+        for row, (length, budget, c) in enumerate(zip(lengths, budgets, kept)):
+            start = n - length
+            if c == 0:
+                continue
+            if budget >= length:
+                positions = torch.arange(start, n, device=keys.device).expand(1, h_kv, length)
+            else:
+                row_queries = queries[row:row + 1, :, max(queries.shape[2] - length, 0):]
+                positions = selector.select(row_queries, keys[row:row + 1, :, start:], budget, window, scale) + start
+            indices[row, :, indices.shape[2] - c:] = positions[0]
+        return indices
+
+    def compress_rows(self, layer_idx: int, queries: Tensor, keys: Tensor, values: Tensor, lengths,
+                      scale: Optional[float] = None) -> tuple[Tensor, Tensor, Tensor]:
+        """``(keys_c, values_c, key_mask)`` for a left-padded batch (see ``select_rows``).
+
+        ``keys_c``/``values_c`` ``[B, H_kv, C_max, D]`` hold each row's kept tokens in its last ``C_b`` slots and
+        zeros before them; ``key_mask`` (bool ``[B, C_max]``) is True on the real slots, and attention must apply
+        it. When no row is cut, the inputs themselves come back (``C_max = N``) with the padding as the mask.
+        ``lengths``: int64 ``[B]`` tensor or sequence of ints, each in ``[0, N]``.
+        """
+        if values.shape != keys.shape:
+            raise ValueError(f"values must have the shape of keys {list(keys.shape)}, got {list(values.shape)}")
+        observed = self.on_compress is not None
+        if observed:
+            start = _clock(keys)
+        lengths = _check_lengths(lengths, keys.shape[0], keys.shape[2] if keys.dim() == 4 else 0)
+        indices = self.select_rows(layer_idx, queries, keys, lengths, scale)
+        if indices is None:
+            keys_c, values_c = keys, values
+            n = keys.shape[2]
+            key_mask = torch.arange(n, device=keys.device) >= (n - torch.tensor(lengths, device=keys.device))[:, None]
+        else:
+            keys_c, values_c, key_mask = _gather_rows(keys, values, indices)
+        if observed:
+            seconds = _clock(keys) - start
+            budgets = self.layer_row_budgets(layer_idx, lengths)
+            budget = None if budgets is None else self.layer_budget(layer_idx, max(max(lengths), 1))
+            self.on_compress(CompressionStep(layer_idx, queries, keys, values, scale, budget, indices, keys_c,
+                                             values_c, seconds, lengths, None if budgets is None else tuple(budgets),
+                                             key_mask))
+        return keys_c, values_c, key_mask
+
     def _check_layer(self, layer_idx: int) -> None:
         if isinstance(layer_idx, bool) or not isinstance(layer_idx, int) or not 0 <= layer_idx < self.num_layers:
             raise ValueError(f"layer_idx must be an integer in [0, {self.num_layers}), got {layer_idx!r}")
@@ -154,6 +249,37 @@ class KVCompressor:
     def __repr__(self):
         return (f"KVCompressor({self.policy.name}, num_layers={self.num_layers}, "
                 f"compressible_layers={self.compressible_layers})")
+
+
+def _as_lengths(lengths) -> tuple[int, ...]:
+    if isinstance(lengths, Tensor):
+        if lengths.dim() != 1 or lengths.dtype.is_floating_point or lengths.dtype == torch.bool:
+            raise ValueError(f"lengths must be an integer tensor [B], got {lengths.dtype} of shape "
+                             f"{list(lengths.shape)}")
+        return tuple(int(x) for x in lengths.tolist())
+    values = tuple(lengths)
+    if any(isinstance(x, bool) or not isinstance(x, int) for x in values):
+        raise ValueError(f"lengths must be integers, got {list(values)}")
+    return values
+
+
+def _check_lengths(lengths, batch: int, n_tokens: int) -> tuple[int, ...]:
+    lengths = _as_lengths(lengths)
+    if len(lengths) != batch:
+        raise ValueError(f"lengths must hold one length per row ({batch}), got {len(lengths)}")
+    bad = [row for row, n in enumerate(lengths) if not 0 <= n <= n_tokens]
+    if bad:
+        raise ValueError(f"lengths must be in [0, N = {n_tokens}], got {[lengths[r] for r in bad]} in rows {bad}")
+    return lengths
+
+
+def _gather_rows(keys: Tensor, values: Tensor, indices: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    # A -1 slot is a row's padding: gathered from position 0, then zeroed, so nothing of a pad is held.
+    real = indices >= 0
+    keys_c, values_c = gather_kv(keys, values, indices.clamp(min=0))
+    keys_c.masked_fill_(~real[..., None], 0)
+    values_c.masked_fill_(~real[..., None], 0)
+    return keys_c, values_c, real[:, 0, :].clone()  # every head of a row keeps the same count
 
 
 def _clock(like: Tensor) -> float:

@@ -9,14 +9,19 @@ registry works, with no per-model patching). That function
   was just given, and replaces that cache layer by a ``CompressedLayer`` holding only the kept tokens (the full
   tensors are released: memory is really freed, not masked);
 * afterwards (decoding, multi-token continuation) ignores the model-wide mask, which is sized for one layer, and
-  builds the causal mask for each layer's own key length: query ``i`` of a ``q``-token chunk sees every cached
-  key plus the new keys up to itself.
+  builds the mask for each layer's own key length: query ``i`` of a ``q``-token chunk sees every cached key plus
+  the new keys up to itself, except the padding slots of its row (the layer's key mask).
 
 A ``CompressedLayer`` still reports the number of tokens *seen* as its sequence length, so position ids and
 ``generate``'s input slicing stay those of the uncompressed sequence.
 
-Padding is not supported under compression: a 2-D ``attention_mask`` with zeros raises (see ``_check_mask``),
-because a per-row padding mask would have to follow each row's kept tokens through decoding.
+Batches (DESIGN.md §4): a left-padded batch (2-D ``attention_mask``, zeros only on the left of each row) is
+compressed row by row, each row with the budgets of its own real length ``n_b`` and its own last ``W`` real
+positions as the window (``KVCompressor.compress_rows``), so each row generates what that prompt generates alone.
+A compressed layer holds its rows left-padded to its longest row plus a bool key mask ``[B, C_max]`` that it
+extends on every ``update`` (new tokens are real). Layers the policy does not manage (sliding-window layers) keep
+the model's own mask handling. Right padding and masks with holes raise ``ValueError`` naming the rows (see
+``row_lengths``), as do rows with no real token and a batch of zero rows.
 """
 
 from __future__ import annotations
@@ -63,13 +68,20 @@ def _compressed_layer_class():
 
         ``get_seq_length`` is the number of tokens the layer has *seen* (prompt + generated), which transformers
         uses for positions and for slicing new inputs; ``physical_length`` is what the tensors hold.
+
+        ``key_mask`` (bool ``[B, physical_length]`` or None: every slot real) marks the slots that hold a real
+        token of their row; a left-padded batch's rows have padding slots in front of their kept tokens.
         """
 
-        def __init__(self, keys: Tensor, values: Tensor, seen_tokens: int):
+        def __init__(self, keys: Tensor, values: Tensor, seen_tokens: int, key_mask: Optional[Tensor] = None):
             super().__init__()
             self.lazy_initialization(keys, values)
             self.keys, self.values = keys, values
             self.seen_tokens = int(seen_tokens)
+            if key_mask is not None and tuple(key_mask.shape) != (keys.shape[0], keys.shape[2]):
+                raise ValueError(f"key_mask must be [B, C] = {[keys.shape[0], keys.shape[2]]}, got "
+                                 f"{list(key_mask.shape)}")
+            self.key_mask = key_mask
 
         @property
         def physical_length(self) -> int:
@@ -77,6 +89,9 @@ def _compressed_layer_class():
 
         def update(self, key_states, value_states, *args, **kwargs):
             self.seen_tokens += key_states.shape[-2]
+            if self.key_mask is not None:  # new tokens are real
+                new = self.key_mask.new_ones(self.key_mask.shape[0], key_states.shape[-2])
+                self.key_mask = torch.cat([self.key_mask, new], dim=1)
             return super().update(key_states, value_states, *args, **kwargs)
 
         def get_seq_length(self) -> int:
@@ -92,11 +107,42 @@ def _compressed_layer_class():
             remove = min(_compat.tokens_to_remove(tokens_to_remove, self.seen_tokens), self.seen_tokens)
             keep = max(self.physical_length - remove, 0)
             self.keys, self.values = self.keys[..., :keep, :], self.values[..., :keep, :]
+            if self.key_mask is not None:
+                self.key_mask = self.key_mask[:, :keep]
             self.seen_tokens -= remove
 
         def reset(self) -> None:
             super().reset()
             self.seen_tokens = 0
+            self.key_mask = None
+
+        # Batch reshuffles (beam search, contrastive search) move the key mask with its rows.
+        def batch_repeat_interleave(self, repeats: int) -> None:
+            super().batch_repeat_interleave(repeats)
+            if self.key_mask is not None:
+                self.key_mask = self.key_mask.repeat_interleave(repeats, dim=0)
+
+        def batch_select_indices(self, indices: Tensor) -> None:
+            super().batch_select_indices(indices)
+            if self.key_mask is not None:
+                self.key_mask = self.key_mask[indices]
+
+        def reorder_cache(self, beam_idx: Tensor) -> None:
+            super().reorder_cache(beam_idx)
+            if self.key_mask is not None:
+                self.key_mask = self.key_mask.index_select(0, beam_idx.to(self.key_mask.device))
+
+        def attention_mask(self, q_len: int, dtype: torch.dtype) -> Optional[Tensor]:
+            """Additive mask for ``q_len`` new queries over this layer's keys: end-aligned causality and the key
+            mask; ``None`` when it would mask nothing (one query, no padding)."""
+            kv_len, device = self.physical_length, self.keys.device
+            if self.key_mask is None:
+                return None if q_len == 1 else end_aligned_causal_mask(q_len, kv_len, dtype, device)
+            allowed = self.key_mask[:, None, None, :]
+            if q_len > 1:
+                allowed = allowed & _end_aligned_causal(q_len, kv_len, device)
+            mask = torch.zeros(allowed.shape, dtype=dtype, device=device)
+            return mask.masked_fill_(~allowed, torch.finfo(dtype).min)
 
     return CompressedLayer
 
@@ -108,10 +154,15 @@ def __getattr__(name):
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
+def _end_aligned_causal(q_len: int, kv_len: int, device) -> Tensor:
+    # bool [q_len, kv_len]: query i sits at key position kv_len - q_len + i.
+    query_pos = torch.arange(kv_len - q_len, kv_len, device=device)[:, None]
+    return torch.arange(kv_len, device=device)[None, :] <= query_pos
+
+
 def end_aligned_causal_mask(q_len: int, kv_len: int, dtype: torch.dtype, device) -> Tensor:
     """Additive mask ``[1, 1, q_len, kv_len]``: query ``i`` sits at key position ``kv_len - q_len + i``."""
-    query_pos = torch.arange(kv_len - q_len, kv_len, device=device)[:, None]
-    allowed = torch.arange(kv_len, device=device)[None, :] <= query_pos
+    allowed = _end_aligned_causal(q_len, kv_len, device)
     mask = torch.zeros(q_len, kv_len, dtype=dtype, device=device)
     return mask.masked_fill_(~allowed, torch.finfo(dtype).min)[None, None]
 
@@ -146,7 +197,9 @@ class CompressionSession:
         self._compressible = set(self.compressor.compressible_layers)
         self.name = unique_attention_name(f"ripplekv_{attention}")
         self.cache = None
-        self.last_budgets: dict[int, int] = {}  # layer -> tokens kept by the last prefill
+        self.lengths: Optional[Tensor] = None  # real tokens per row of the forward in flight (None: no padding)
+        self.last_budgets: dict[int, int] = {}  # layer -> tokens kept by the last prefill (its longest row's)
+        self.last_row_kept: dict[int, list[int]] = {}  # layer -> tokens kept by each row in the last prefill
         _, masking_utils, _, sdpa_attention = _transformers()
         if attention == "sdpa":
             self.base, self.mask_function = sdpa_attention.sdpa_attention_forward, masking_utils.sdpa_mask
@@ -157,7 +210,8 @@ class CompressionSession:
     def before_forward(self, module, args, kwargs):
         if self.policy.is_full:
             return None
-        _check_mask(kwargs.get("attention_mask"))
+        _check_batch(args, kwargs)
+        self.lengths = row_lengths(kwargs.get("attention_mask"))
         cache = kwargs.get("cache", kwargs.get("past_key_values"))
         use_cache = kwargs.get("use_cache")
         if use_cache is None:
@@ -179,9 +233,8 @@ class CompressionSession:
         if cache is not None and layer_idx is not None and layer_idx < len(getattr(cache, "layers", ())):
             layer = cache.layers[layer_idx]
         if isinstance(layer, _compressed_layer_class()) and layer.keys is key:
-            # The model-wide mask is sized for one layer; this layer's key length is its own.
-            q_len, kv_len = query.shape[2], key.shape[2]
-            mask = None if q_len == 1 else end_aligned_causal_mask(q_len, kv_len, query.dtype, query.device)
+            # The model-wide mask is sized for one layer; this layer's key length and padding slots are its own.
+            mask = layer.attention_mask(query.shape[2], query.dtype)
             return self.base(module, query, key, value, mask, **kwargs)
 
         output = self.base(module, query, key, value, attention_mask, **kwargs)
@@ -198,23 +251,64 @@ class CompressionSession:
         n = key.shape[2]
         selector = self.policy.selector
         queries = query if selector.needs_all_queries else query[:, :, -self.policy.window:].contiguous()
-        keys_c, values_c = self.compressor.compress(layer_idx, queries, key, value, scale=scaling)
-        cache.layers[layer_idx] = _compressed_layer_class()(keys_c, values_c, seen_tokens=n)
+        if self.lengths is None:
+            keys_c, values_c = self.compressor.compress(layer_idx, queries, key, value, scale=scaling)
+            key_mask, row_kept = None, [keys_c.shape[2]] * key.shape[0]
+        else:
+            # A prefill's mask covers exactly its n tokens (the layer was empty before it).
+            keys_c, values_c, key_mask = self.compressor.compress_rows(layer_idx, queries, key, value,
+                                                                       self.lengths, scale=scaling)
+            row_kept = key_mask.sum(dim=1).tolist()
+            if bool(key_mask.all()):  # no padding slot left: the plain causal path
+                key_mask = None
+        cache.layers[layer_idx] = _compressed_layer_class()(keys_c, values_c, seen_tokens=n, key_mask=key_mask)
         self.last_budgets[layer_idx] = keys_c.shape[2]
+        self.last_row_kept[layer_idx] = row_kept
 
 
-def _check_mask(attention_mask) -> None:
+def row_lengths(attention_mask) -> Optional[Tensor]:
+    """Real tokens per row (int64 ``[B]``) of a left-padded 2-D ``attention_mask``; ``None`` when nothing is padded.
+
+    Raises ``ValueError`` naming the rows for what cannot be compressed row by row: right padding (zeros after the
+    ones; decoder-only generation wants ``tokenizer.padding_side = "left"``), holes (zeros between ones), rows with
+    no real token, and masks that are not 2-D ``[batch, tokens]``.
+    """
     if attention_mask is None or not isinstance(attention_mask, Tensor):
-        return
+        return None
     if attention_mask.dim() != 2:
         raise ValueError(f"attention_mask must be a 2-D [batch, tokens] mask (or None) under ripplekv_ext.compress, "
                          f"got a {attention_mask.dim()}-D mask: custom masks cannot follow per-layer compressed "
                          f"caches")
-    if not bool(attention_mask.bool().all()):
-        raise ValueError("attention_mask has padding (zeros), got padded rows "
-                         f"{torch.nonzero(~attention_mask.bool().all(dim=1)).flatten().tolist()}: padded batches are "
-                         "not supported under ripplekv_ext.compress (padding would be kept and attended after "
-                         "compression). Batch prompts of equal length, or run them one at a time.")
+    real = attention_mask.bool()
+    if bool(real.all()):
+        return None
+    n = real.shape[1]
+    lengths = real.sum(dim=1)
+    left_padded = torch.arange(n, device=real.device)[None, :] >= (n - lengths)[:, None]
+    bad = (real != left_padded).any(dim=1)
+    if bool(bad.any()):
+        right_padded = torch.arange(n, device=real.device)[None, :] < lengths[:, None]
+        right = (bad & (real == right_padded).all(dim=1)).nonzero().flatten().tolist()
+        holes = (bad & (real != right_padded).any(dim=1)).nonzero().flatten().tolist()
+        found = "; ".join(part for part in (f"right-padded rows {right}" if right else "",
+                                            f"rows with holes (zeros between ones) {holes}" if holes else "") if part)
+        raise ValueError(f"attention_mask must be left-padded under ripplekv_ext.compress (each row: zeros, then "
+                         f"ones), got {found}. Pad on the left (tokenizer.padding_side = 'left'), as decoder-only "
+                         "generation expects.")
+    empty = (lengths == 0).nonzero().flatten().tolist()
+    if empty:
+        raise ValueError(f"attention_mask rows {empty} have no real token (all zeros): nothing to attend to or "
+                         "compress; drop those rows from the batch")
+    return lengths
+
+
+def _check_batch(args, kwargs) -> None:
+    inputs = kwargs.get("input_ids", args[0] if args else None)
+    if inputs is None:
+        inputs = kwargs.get("inputs_embeds")
+    if isinstance(inputs, Tensor) and inputs.dim() >= 2 and inputs.shape[0] == 0:
+        raise ValueError("a batch of zero rows was given to a model under ripplekv_ext.compress: nothing to "
+                         "compress or generate; skip the call")
 
 
 def _configs(model) -> list:

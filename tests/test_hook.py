@@ -262,17 +262,18 @@ def test_on_compress_sees_every_compressed_layer_once_per_prefill(arch):
 
 # --- Batches, padding, short prompts --------------------------------------------------------------------------
 
-def test_left_padding_is_a_clear_error():
+def test_right_padding_is_a_clear_error():
+    # Left-padded batches are compressed row by row (tests/test_batches.py); right padding is refused.
     model = tiny_model("llama")
     ids = _ids()
     mask = torch.ones_like(ids)
-    mask[1, :10] = 0
+    mask[1, -10:] = 0
     with compress(model, Policy.snapkv(0.3, window=WINDOW)), torch.no_grad():
-        with pytest.raises(ValueError, match=r"attention_mask has padding \(zeros\), got padded rows \[1\]"):
+        with pytest.raises(ValueError, match=r"must be left-padded .* got right-padded rows \[1\]"):
             model(ids, attention_mask=mask)
-        with pytest.raises(ValueError, match="padded batches are not supported"):
+        with pytest.raises(ValueError, match="tokenizer.padding_side = 'left'"):
             model.generate(ids, attention_mask=mask, max_new_tokens=2)
-        model(ids, attention_mask=torch.ones_like(ids))  # equal-length batches are fine
+        model(ids, attention_mask=mask.flip(1))  # the same row left-padded is fine
 
 
 def test_prompt_within_the_window_is_left_uncompressed():
