@@ -33,6 +33,8 @@ from e2e_measure import (COMPRESSED_METHODS, measure_decode, measure_memory, mea
                          measure_profile_cost)
 from e2e_peer import measure_peer
 from ripplekv_ext._jsonio import write_json_atomic
+from ripplekv_ext.cli.common import CliError, check_model_arg, check_output_file
+from ripplekv_ext.cli.parser import OneLineErrorParser, one_retention, positive_int
 from ripplekv_ext.eval.models import DEFAULT_MODEL, default_profile_path, load_model, shipped_profile_path
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"  # this harness lives in bench/ of a source checkout
@@ -74,8 +76,33 @@ def machine_description() -> dict:
     return info
 
 
+def method_name(text: str) -> str:
+    from ripplekv_ext.methods import check_method
+
+    try:
+        return check_method(text)
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
+
+
+def at_least_two(text: str) -> int:
+    value = positive_int(text)
+    if value < 2:  # the first token comes out of the prefill: one more is the least that times a decode step
+        raise argparse.ArgumentTypeError(f"expected an integer >= 2, got {text!r}")
+    return value
+
+
+def check_args(args) -> None:
+    """What can be wrong with the request, checked before the model loads (a minute for SmolLM2)."""
+    check_model_arg(args.model)
+    if args.profile and not Path(args.profile).expanduser().is_file():
+        raise CliError(f"--profile {args.profile} is not a file; omit it to use the default profile")
+    check_output_file("--out", args.out)
+
+
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="bench/e2e_bench.py", description=__doc__.split("\n\n")[0])
+    # Types validate every value as it is parsed: a bad one is one line and exit 2, before the model loads.
+    p = OneLineErrorParser(prog="bench/e2e_bench.py", description=__doc__.split("\n\n")[0])
     p.add_argument("--figures", nargs="+", choices=FIGURES, default=list(FIGURES[:4]),
                    help="which figures to measure (default: all but the optional peer)")
     p.add_argument("--quick", action="store_true",
@@ -83,24 +110,26 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", default="smollm2", help="'smollm2' (bundled) or a local transformers folder")
     p.add_argument("--profile", default=None, help="RippleKV profile JSON (default: the CLI's default location, "
                    "then bench/results; without one, the profile figure's measurement or a small fresh one)")
-    p.add_argument("--lengths", type=int, nargs="+", default=None, help="prompt lengths for overhead (2048 8192)")
-    p.add_argument("--tokens", type=int, default=None, help="prompt length for memory, decode, peer (8192)")
-    p.add_argument("--retention", type=float, default=0.2, help="retention for overhead, decode and peer")
-    p.add_argument("--retentions", type=float, nargs="+", default=[0.1, 0.2, 0.5], help="retentions for memory")
-    p.add_argument("--methods", nargs="+", default=list(COMPRESSED_METHODS))
-    p.add_argument("--repeats", type=int, default=3, help="rounds of the overhead measurement")
-    p.add_argument("--new-tokens", type=int, default=64, help="generated tokens for decode")
-    p.add_argument("--prefix-len", type=int, default=None, help="profile figure: P (1024)")
-    p.add_argument("--cont-len", type=int, default=None, help="profile figure: T (64)")
-    p.add_argument("--max-examples", type=int, default=None, help="profile figure: examples (16)")
-    p.add_argument("--peer-examples", type=int, default=2, help="peer figure: examples for the KL")
+    p.add_argument("--lengths", type=positive_int, nargs="+", default=None,
+                   help="prompt lengths for overhead (2048 8192)")
+    p.add_argument("--tokens", type=positive_int, default=None, help="prompt length for memory, decode, peer (8192)")
+    p.add_argument("--retention", type=one_retention, default=0.2, help="retention for overhead, decode and peer")
+    p.add_argument("--retentions", type=one_retention, nargs="+", default=[0.1, 0.2, 0.5],
+                   help="retentions for memory")
+    p.add_argument("--methods", type=method_name, nargs="+", default=list(COMPRESSED_METHODS))
+    p.add_argument("--repeats", type=positive_int, default=3, help="rounds of the overhead measurement")
+    p.add_argument("--new-tokens", type=at_least_two, default=64, help="generated tokens for decode")
+    p.add_argument("--prefix-len", type=positive_int, default=None, help="profile figure: P (1024)")
+    p.add_argument("--cont-len", type=positive_int, default=None, help="profile figure: T (64)")
+    p.add_argument("--max-examples", type=positive_int, default=None, help="profile figure: examples (16)")
+    p.add_argument("--peer-examples", type=positive_int, default=2, help="peer figure: examples for the KL")
     p.add_argument("--peer-pooling", choices=("avg", "max"), default="avg",
                    help="peer figure: our SnapKV pooling (avg, kvpress's setting; max, our default)")
-    p.add_argument("--peer-step-rounds", type=int, default=7,
+    p.add_argument("--peer-step-rounds", type=positive_int, default=7,
                    help="peer figure: rounds of alternately replayed compression steps for the speed ratio")
     p.add_argument("--peer-python", default=None, help="peer figure: a Python that imports kvpress (default: "
                    ".venv-peer/bin/python from `make peer-env`)")
-    p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
+    p.add_argument("--threads", type=positive_int, default=None, help="torch threads (default: torch's choice)")
     p.add_argument("--out", default="bench/results/e2e.json", help="JSON output (written atomically)")
     return p
 
@@ -116,6 +145,11 @@ def _sizes(args):
 
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
+    try:
+        check_args(args)
+    except CliError as err:
+        print(f"bench/e2e_bench.py: error: {err}", file=sys.stderr)
+        return 2
     if args.threads:
         torch.set_num_threads(args.threads)
     sizes = _sizes(args)

@@ -357,16 +357,44 @@ def _tokens_processed(n, prefix_len, cont_len, layers, draws, num_layers, reused
     return int(round(total))
 
 
+# How to start over, in both spellings: the CLI's flag and profile_model's argument.
+_START_OVER = "delete it or pass --no-resume (resume=False) to start over"
+
+
 def _load_partial(path: Path, run_key: dict):
+    """(per-example KLs, reuse flags, seconds) saved by an interrupted run with the same settings.
+
+    Everything in the file is checked before it is trusted: a file edited or damaged by hand would otherwise
+    resume, and fail only when the finished profile is saved (or worse, be averaged into it).
+    """
     import json
+
+    def refuse(problem: str):
+        raise ProfileError(f"partial profile {path} {problem}; {_START_OVER}")
+
     try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, json.JSONDecodeError) as e:
-        raise ProfileError(f"partial profile {path} is unreadable ({e}); delete it to start over") from None
+        # NaN / Infinity are not JSON (Python would accept them): a KL is a finite number.
+        data = json.loads(path.read_text(encoding="utf-8"),
+                          parse_constant=lambda c: refuse(f"holds {c}, not a finite number"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        refuse(f"is unreadable ({e})")
+    if not isinstance(data, dict):
+        refuse("is not a JSON object")
     if data.get("run_key") != json.loads(json.dumps(run_key)):
-        raise ProfileError(f"partial profile {path} was made with other settings or another model; "
-                           "delete it or pass resume=False")
-    return data["per_example"], data["reused"], float(data.get("seconds", 0.0))
+        refuse("was made with other settings or another model")
+    per_example, reused, seconds = data.get("per_example"), data.get("reused"), data.get("seconds", 0.0)
+    n_layers = len(run_key["layers"])
+    if not isinstance(per_example, list) or not all(
+            isinstance(row, list) and len(row) == n_layers and
+            all(isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v >= 0 for v in row)
+            for row in per_example):
+        refuse(f"per_example must be rows of {n_layers} finite KLs >= 0")
+    if not isinstance(reused, list) or len(reused) != len(per_example) or \
+            not all(isinstance(r, bool) for r in reused):
+        refuse("reused must hold one true/false per example")
+    if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not math.isfinite(seconds) or seconds < 0:
+        refuse("seconds must be a finite number >= 0")
+    return per_example, reused, float(seconds)
 
 
 def _progress_bar(enabled: bool, total: int, done: int):

@@ -15,6 +15,11 @@ BENCH_MOVED = ("ripplekv bench: the end-to-end benchmarks are not installed with
                "`python bench/e2e_bench.py --help` from a source checkout of ripplekv_ext")
 
 
+def _one_line(err: BaseException) -> str:
+    lines = [line.strip() for line in str(err).splitlines() if line.strip()]
+    return " ".join(lines) if len(lines) <= 3 else lines[0]
+
+
 def main(argv=None) -> int:
     from ripplekv_ext.cli.common import CliError
     from ripplekv_ext.cli.parser import build_parser
@@ -24,13 +29,18 @@ def main(argv=None) -> int:
     if argv[:1] == ["bench"]:
         print(BENCH_MOVED, file=sys.stderr)
         return 2
-    args = build_parser().parse_args(argv)
+    try:
+        args = build_parser().parse_args(argv)
+    except SystemExit as exit_:  # a bad argument (2, reported in one line) or --help (0)
+        return exit_.code if isinstance(exit_.code, int) else 2
     try:
         return args.func(args)
-    except (CliError, ProfileError, FileNotFoundError, ValueError) as err:
+    except (CliError, ProfileError, OSError, ValueError) as err:
+        # OSError: a file that vanished or a disk that filled up mid-run; the checks before the model loads
+        # catch what can be known in advance. RIPPLEKV_DEBUG=1 shows the traceback.
         if os.environ.get("RIPPLEKV_DEBUG"):
             raise
-        print(f"ripplekv {args.command}: error: {err}", file=sys.stderr)
+        print(f"ripplekv {args.command}: error: {_one_line(err)}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print(f"\nripplekv {args.command}: interrupted; finished results are saved and a rerun resumes",

@@ -1,8 +1,12 @@
-"""What every `ripplekv` command shares: the error it reports in one line, the console, the results folder."""
+"""What every `ripplekv` command shares: the error it reports in one line, the console, the results folder, and
+the checks that run before a model loads (so a typo costs a second, not a model load and a profiling run)."""
 
 from __future__ import annotations
 
+import json
+import os
 import sys
+import tempfile
 from pathlib import Path
 
 RESULTS_DIR = Path("ripplekv-results")
@@ -12,10 +16,86 @@ class CliError(Exception):
     """A problem with what the user asked for: reported as one line, no traceback."""
 
 
+# ---- checks before a model loads ---------------------------------------------------------------------
+
+def check_output_folder(option: str, folder, way_out: str | None = None) -> Path:
+    """Create ``folder`` if needed and prove it can be written (a probe file), or raise naming ``option``.
+
+    Run before any work, so a run never finishes only to fail at saving its results.
+    """
+    folder = Path(folder).expanduser()
+    way_out = way_out or f"pass another {option}"
+    for parent in [folder, *folder.parents]:
+        if parent.exists():
+            if not parent.is_dir():
+                raise CliError(f"{option} {folder}: {parent} is a file, not a folder; {way_out}")
+            break
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        fd, probe = tempfile.mkstemp(prefix=".ripplekv-write-test.", dir=folder)
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as err:
+        raise CliError(f"{option} {folder} cannot be written ({err.strerror or err}); {way_out}") from None
+    return folder
+
+
+def check_output_file(option: str, path, way_out: str | None = None) -> Path:
+    """``path`` must name a file (not a folder) in a writable folder, or raise naming ``option``."""
+    path = Path(path).expanduser()
+    if path.is_dir():
+        raise CliError(f"{option} {path} is a folder; give a file path (such as {path / 'NAME.json'})")
+    check_output_folder(option, path.parent, way_out)
+    return path
+
+
+def check_text_source(option: str, source) -> None:
+    """A text source (``kjv``, ``kjv:calibration``, ``kjv:evaluation`` or a file) must exist."""
+    if source is None or source in ("kjv", "kjv:calibration", "kjv:evaluation"):
+        return
+    if source.startswith("kjv:"):
+        raise CliError(f"{option} {source!r}: the bundled text's splits are kjv:calibration and kjv:evaluation")
+    if not Path(source).expanduser().is_file():
+        raise CliError(f"{option} {source!r} is not a file: pass kjv, kjv:evaluation or a .txt / .jsonl file")
+
+
+def check_model_arg(model_arg: str) -> None:
+    """``--model`` must be the bundled model or a folder whose config.json is a JSON object naming a model type."""
+    from ripplekv_ext.eval.models import DEFAULT_MODEL
+
+    if model_arg == DEFAULT_MODEL:
+        return
+    usage = f"--model must be '{DEFAULT_MODEL}' or a local transformers model folder with a config.json"
+    config = Path(model_arg).expanduser() / "config.json"
+    if not config.is_file():
+        raise CliError(f"{usage}, got {model_arg!r}")
+    try:
+        data = json.loads(config.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise CliError(f"--model {model_arg}: {config} is not valid JSON ({err}); fix or replace the file") from None
+    if not isinstance(data, dict) or not isinstance(data.get("model_type"), str):
+        raise CliError(f"--model {model_arg}: {config} names no model_type; it is not a transformers model config")
+
+
+def load_model_checked(model_arg: str):
+    """``eval.models.load_model`` with transformers' loading errors (unknown architecture, missing weights or
+    tokenizer) reported as one line naming ``--model``."""
+    from ripplekv_ext.eval.models import load_model
+
+    check_model_arg(model_arg)
+    try:
+        return load_model(model_arg)
+    except (OSError, ValueError, KeyError) as err:
+        first_line = next((line for line in str(err).splitlines() if line.strip()), type(err).__name__)
+        raise CliError(f"--model {model_arg} cannot be loaded: {first_line}") from None
+
+
+# ---- after the model loads ---------------------------------------------------------------------------
+
 def load_profile_for(model, path, force: bool = False):
     from ripplekv_ext.profile_file import load_profile
 
-    if not Path(path).is_file():
+    if not Path(path).expanduser().is_file():
         raise CliError(f"no profile at {path}: run `ripplekv profile` first (or pass --profile)")
     return load_profile(path, model=model, force=force)
 

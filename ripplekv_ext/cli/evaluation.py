@@ -6,9 +6,10 @@ import math
 import time
 from pathlib import Path
 
-from ripplekv_ext.cli.common import CliError, load_profile_for, make_console
-from ripplekv_ext.cli.profiling import budgets_table
-from ripplekv_ext.eval.models import default_profile_path, load_model, shipped_profile_path
+from ripplekv_ext.cli.common import (CliError, check_model_arg, check_output_file, check_output_folder,
+                                     check_text_source, load_model_checked, load_profile_for, make_console)
+from ripplekv_ext.cli.profiling import budgets_table, profile_path_checked
+from ripplekv_ext.eval.models import default_profile_path, shipped_profile_path
 
 # ---- eval --------------------------------------------------------------------------------------------
 
@@ -34,6 +35,14 @@ def check_eval_args(args) -> None:
     unknown = [t for t in args.tasks if t not in TASKS]
     if unknown:
         raise CliError(f"unknown task(s) {', '.join(unknown)}: expected some of {', '.join(TASKS)}")
+    check_model_arg(args.model)
+    if "fidelity" in args.tasks:
+        check_text_source("--text", args.text)
+    if "longbench" in args.tasks and not (args.longbench_dir and Path(args.longbench_dir).expanduser().is_dir()):
+        raise CliError(f"--longbench-dir must be a folder of LongBench *.jsonl files, got {args.longbench_dir!r}")
+    if "user" in args.tasks and not (args.user_jsonl and Path(args.user_jsonl).expanduser().is_file()):
+        raise CliError(f"--user-jsonl must be a JSONL file of {{context, question, answers}}, got {args.user_jsonl!r}")
+    check_output_folder("--out-dir", args.out_dir)
     shortest = shortest_prompt(args)
     for option, value in (("--prefix-len", args.prefix_len if "fidelity" in args.tasks else None),
                           ("--length", args.length)):
@@ -134,10 +143,9 @@ def cmd_eval(args) -> int:
     from ripplekv_ext.methods import needs_profile
 
     check_eval_args(args)
-    model, tokenizer, name = load_model(args.model)
-    profile = None
-    if any(needs_profile(m) for m in args.methods):
-        profile = load_profile_for(model, args.profile or default_profile_path(args.model), args.force)
+    profile_path = profile_path_checked(args) if any(needs_profile(m) for m in args.methods) else None
+    model, tokenizer, name = load_model_checked(args.model)
+    profile = load_profile_for(model, profile_path, args.force) if profile_path else None
     run_eval(args, model, tokenizer, name, profile)
     return 0
 
@@ -155,10 +163,13 @@ def cmd_demo(args) -> int:
     from ripplekv_ext.profiler import format_profile, profile_model
 
     check_eval_args(args)
+    # A profile measured here is cached: its folder must take it (RIPPLEKV_CACHE_DIR moves it).
+    check_output_file("the profile cache", default_profile_path(args.model),
+                      "set RIPPLEKV_CACHE_DIR to a writable folder")
     start = time.perf_counter()
     console = make_console()
     console.rule("1/3 model")
-    model, tokenizer, name = load_model(args.model)
+    model, tokenizer, name = load_model_checked(args.model)
     console.print(f"{name}: {model.config.num_hidden_layers} layers, loaded in {time.perf_counter() - start:.0f} s")
 
     console.rule("2/3 sensitivity profile")

@@ -24,20 +24,71 @@ The end-to-end benchmarks (profiling cost, compression overhead, memory, decode 
 """
 
 # ---- argument types ----------------------------------------------------------------------------------
+# argparse reports an ArgumentTypeError as "argument --option: message" and exits 2, before any model loads.
+
+def _number(text: str) -> float:
+    try:
+        return float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+
 
 def retention_list(text: str) -> list[float]:
     try:
         values = [float(v) for v in text.split(",") if v.strip()]
     except ValueError:
-        raise argparse.ArgumentTypeError(f"retentions must be comma-separated numbers, got {text!r}")
-    bad = [v for v in values if not 0.0 < v <= 1.0]
+        raise argparse.ArgumentTypeError(f"retentions must be comma-separated numbers in (0, 1], got {text!r}")
+    bad = [v for v in values if not 0.0 < v <= 1.0]  # NaN fails the comparison too
     if not values or bad:
         raise argparse.ArgumentTypeError(f"every retention must be in (0, 1], got {text!r}")
     return values
 
 
+def one_retention(text: str) -> float:
+    """Exactly one retention: a list would silently use its first value."""
+    values = retention_list(text)
+    if len(values) != 1:
+        raise argparse.ArgumentTypeError(f"expected one retention in (0, 1], got {text!r}; run once per retention "
+                                         "(`ripplekv eval --retentions` takes a list)")
+    return values[0]
+
+
 def name_list(text: str) -> list[str]:
-    return [v.strip().lower() for v in text.split(",") if v.strip()]
+    names = [v.strip().lower() for v in text.split(",") if v.strip()]
+    if not names:
+        raise argparse.ArgumentTypeError(f"expected comma-separated names, got {text!r}")
+    return names
+
+
+def method_list(text: str) -> list[str]:
+    from ripplekv_ext.methods import check_method
+
+    names = name_list(text)
+    for name in names:
+        try:
+            check_method(name)
+        except ValueError as err:
+            raise argparse.ArgumentTypeError(str(err)) from None
+    return names
+
+
+def allocator_list(text: str) -> list[str]:
+    from ripplekv_ext.methods import ALLOCATORS
+
+    names = name_list(text)
+    unknown = [n for n in names if n not in ALLOCATORS]
+    if unknown:
+        raise argparse.ArgumentTypeError(f"unknown allocator(s) {', '.join(unknown)}: expected some of "
+                                         f"{', '.join(ALLOCATORS)}")
+    return names
+
+
+def task_list(text: str) -> list[str]:
+    names = name_list(text)
+    unknown = [n for n in names if n not in TASKS]
+    if unknown:
+        raise argparse.ArgumentTypeError(f"unknown task(s) {', '.join(unknown)}: expected some of {', '.join(TASKS)}")
+    return names
 
 
 def positive_int(text: str) -> int:
@@ -50,7 +101,40 @@ def positive_int(text: str) -> int:
     return value
 
 
+def non_negative_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}")
+    return value
+
+
+def positive_float(text: str) -> float:
+    value = _number(text)
+    if not (value > 0 and value != float("inf")):
+        raise argparse.ArgumentTypeError(f"expected a finite number > 0, got {text!r}")
+    return value
+
+
+def correlation(text: str) -> float:
+    value = _number(text)
+    if not -1.0 <= value <= 1.0:
+        raise argparse.ArgumentTypeError(f"expected a number in [-1, 1], got {text!r}")
+    return value
+
+
 # ---- parser ------------------------------------------------------------------------------------------
+
+class OneLineErrorParser(argparse.ArgumentParser):
+    """Reports a bad argument in one line, as every other `ripplekv` error is, pointing at --help instead of
+    printing the whole usage."""
+
+    def error(self, message):
+        self.exit(2, f"{self.prog}: error: {message} (see `{self.prog} --help`)\n")
+
+
 
 def _add_model(p):
     p.add_argument("--model", default=DEFAULT_MODEL,
@@ -63,10 +147,10 @@ def _add_profile(p):
 
 
 def _add_eval_options(p, *, examples: int, prefix_len: int):
-    p.add_argument("--methods", type=name_list, default=list(DEFAULT_METHODS),
+    p.add_argument("--methods", type=method_list, default=list(DEFAULT_METHODS),
                    help="comma-separated: full, streamingllm, h2o, snapkv, pyramidkv, ripplekv or ALLOCATOR+SELECTOR")
     p.add_argument("--retentions", type=retention_list, default=[0.1, 0.2, 0.3], help="comma-separated, in (0, 1]")
-    p.add_argument("--tasks", type=name_list, default=["fidelity", *GENERATION_TASKS],
+    p.add_argument("--tasks", type=task_list, default=["fidelity", *GENERATION_TASKS],
                    help=f"comma-separated, of: {', '.join(TASKS)}")
     p.add_argument("--examples", type=positive_int, default=examples, help="examples per task")
     p.add_argument("--prefix-len", type=positive_int, default=prefix_len, help="fidelity prompt length (tokens)")
@@ -79,14 +163,14 @@ def _add_eval_options(p, *, examples: int, prefix_len: int):
     p.add_argument("--max-prompt-tokens", type=positive_int, default=7500,
                    help="LongBench/user prompts are cut in the middle to this many tokens")
     p.add_argument("--window", type=positive_int, default=32, help="observation window W")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=non_negative_int, default=0)
     p.add_argument("--out-dir", default=str(RESULTS_DIR), help="where JSON results and PNG plots go")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="ripplekv", description=DESCRIPTION,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    sub = parser.add_subparsers(dest="command", required=True)
+    parser = OneLineErrorParser(prog="ripplekv", description=DESCRIPTION,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=OneLineErrorParser)
 
     p = sub.add_parser("profile", help="measure the per-layer sensitivity profile")
     _add_model(p)
@@ -94,13 +178,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prefix-len", type=positive_int, default=1024)
     p.add_argument("--cont-len", type=positive_int, default=64)
     p.add_argument("--examples", type=positive_int, default=8)
-    p.add_argument("--sigma", type=float, default=0.1)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--sigma", type=positive_float, default=0.1, help="noise scale, relative to each vector's norm")
+    p.add_argument("--seed", type=non_negative_int, default=0)
     p.add_argument("--draws", type=positive_int, default=1)
-    p.add_argument("--layers", type=int, nargs="*", default=None, help="layer subset (default: compressible layers)")
+    p.add_argument("--layers", type=non_negative_int, nargs="+", default=None,
+                   help="layer indices to profile (default: the compressible layers)")
     p.add_argument("--target", choices=("values", "keys", "both"), default="values")
     p.add_argument("--until-stable", action="store_true", help="add examples until split-half Spearman >= threshold")
-    p.add_argument("--stability-threshold", type=float, default=0.9)
+    p.add_argument("--stability-threshold", type=correlation, default=0.9)
     p.add_argument("--max-examples", type=positive_int, default=64)
     p.add_argument("--out", default=None, help="profile JSON (default: the model's cached profile)")
     p.add_argument("--no-resume", action="store_true", help="ignore a partial file of an interrupted run")
@@ -113,8 +198,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model(p)
     _add_profile(p)
     p.add_argument("--prompt-len", type=positive_int, required=True)
-    p.add_argument("--retention", type=lambda t: retention_list(t)[0], required=True)
-    p.add_argument("--allocators", type=name_list, default=["uniform", "pyramidkv", "ripplekv"])
+    p.add_argument("--retention", type=one_retention, required=True, help="one value in (0, 1]")
+    p.add_argument("--allocators", type=allocator_list, default=["uniform", "pyramidkv", "ripplekv"])
     p.add_argument("--window", type=positive_int, default=32)
     p.add_argument("--out-dir", default=str(RESULTS_DIR))
     p.set_defaults(func=cmd_allocate)

@@ -5,8 +5,20 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from ripplekv_ext.cli.common import CliError, load_profile_for, make_console
-from ripplekv_ext.eval.models import default_profile_path, load_model
+from ripplekv_ext.cli.common import (CliError, check_model_arg, check_output_file, check_output_folder,
+                                     check_text_source, load_model_checked, load_profile_for, make_console)
+from ripplekv_ext.eval.models import default_profile_path
+
+
+def profile_path_checked(args) -> Path:
+    """The profile a command will read (--profile, else the model's cached one), which must exist: checked before
+    the model loads."""
+    path = Path(args.profile).expanduser() if args.profile else default_profile_path(args.model)
+    if not path.is_file():
+        raise CliError(f"no profile at {path}: run `ripplekv profile --model {args.model}"
+                       f"{f' --out {path}' if args.profile else ''}` first, or pass --profile FILE")
+    return path
+
 
 # ---- profile -----------------------------------------------------------------------------------------
 
@@ -14,12 +26,28 @@ def cmd_profile(args) -> int:
     from ripplekv_ext.eval.plots import plot_profile
     from ripplekv_ext.profiler import format_profile, profile_model
 
+    check_model_arg(args.model)
+    check_text_source("--text", args.text)
+    if args.until_stable and args.max_examples < args.examples:
+        raise CliError(f"--max-examples {args.max_examples} is below --examples {args.examples}: "
+                       "--until-stable adds examples up to --max-examples")
+    # The profile, its partial file and its plot go next to --out: refuse a folder or an unwritable place now,
+    # not after the whole profiling run.
+    out = check_output_file("--out", args.out if args.out else default_profile_path(args.model),
+                            None if args.out else "pass --out FILE or set RIPPLEKV_CACHE_DIR to a writable folder")
     if args.threads:
         import torch
 
         torch.set_num_threads(args.threads)
-    model, tokenizer, name = load_model(args.model)
-    out = Path(args.out) if args.out else default_profile_path(args.model)
+    model, tokenizer, name = load_model_checked(args.model)
+    if args.layers is not None:
+        from ripplekv_ext.model_info import text_config
+
+        num_layers = text_config(model).num_hidden_layers
+        bad = sorted({l for l in args.layers if l >= num_layers})
+        if bad or len(set(args.layers)) != len(args.layers):
+            raise CliError(f"--layers {' '.join(map(str, args.layers))}: expected distinct layer indices in "
+                           f"[0, {num_layers}) ({name} has {num_layers} layers)")
     profile = profile_model(model, tokenizer, args.text, reuse=not args.no_reuse, prefix_len=args.prefix_len,
                             cont_len=args.cont_len,
                             num_examples=args.examples, sigma=args.sigma, seed=args.seed, draws=args.draws,
@@ -44,8 +72,32 @@ def budgets_table(model, prompt_len: int, retention: float, allocators: list[str
     table = {}
     for name in allocators:
         policy = Policy(make_allocator(name, profile), SnapKVSelector(), retention, window)
-        table[name] = policy.layer_budgets(len(layers), prompt_len)
+        # The layer indices let a profile of some layers (in any order) give each its own budget.
+        table[name] = policy.layer_budgets(len(layers), prompt_len, layers)
     return table, layers
+
+
+def shortest_compressible_prompt(retention: float, window: int) -> int:
+    """The shortest prompt whose average budget round(retention * N) exceeds the window."""
+    import math
+
+    from ripplekv_ext.allocation import average_budget
+
+    n = math.ceil((window + 1) / retention)
+    while n > 1 and average_budget(retention, n - 1) > window:  # rounding up can admit a slightly shorter one
+        n -= 1
+    return n
+
+
+def check_compressible(prompt_len: int, retention: float, window: int) -> None:
+    """Budgets of a prompt whose average budget does not exceed the window are just "keep everything"."""
+    from ripplekv_ext.allocation import average_budget
+
+    if retention < 1.0 and average_budget(retention, prompt_len) <= window:
+        shortest = shortest_compressible_prompt(retention, window)
+        raise CliError(f"--prompt-len {prompt_len} is too short to compress: retention {retention:g} with window "
+                       f"{window} needs prompts of at least {shortest} tokens (shorter ones stay uncompressed); "
+                       "pass a longer --prompt-len, a higher --retention or a smaller --window")
 
 
 def cmd_allocate(args) -> int:
@@ -54,12 +106,12 @@ def cmd_allocate(args) -> int:
     from ripplekv_ext.allocation import average_budget, pyramidkv_schedule
     from ripplekv_ext.eval.plots import plot_budgets
 
-    if args.prompt_len < 1:
-        raise CliError(f"--prompt-len must be >= 1, got {args.prompt_len}")
-    model, _, name = load_model(args.model)
-    profile = None
-    if "ripplekv" in args.allocators:
-        profile = load_profile_for(model, args.profile or default_profile_path(args.model), args.force)
+    check_model_arg(args.model)
+    check_compressible(args.prompt_len, args.retention, args.window)
+    profile_path = profile_path_checked(args) if "ripplekv" in args.allocators else None
+    out_dir = check_output_folder("--out-dir", args.out_dir)
+    model, _, name = load_model_checked(args.model)
+    profile = load_profile_for(model, profile_path, args.force) if profile_path else None
     table, layers = budgets_table(model, args.prompt_len, args.retention, args.allocators, profile, args.window)
     avg = average_budget(args.retention, args.prompt_len)
 
@@ -77,7 +129,6 @@ def cmd_allocate(args) -> int:
         raw = pyramidkv_schedule(len(layers), args.prompt_len, avg, args.window)
         console.print(f"PyramidKV's published (floored) schedule totals {sum(raw)} tokens; every allocator here is "
                       f"held to {len(layers) * avg}.")
-    out_dir = Path(args.out_dir)
     png = plot_budgets(table, layers, args.prompt_len, out_dir / "budgets.png")
     (out_dir / "budgets.json").write_text(json.dumps({"model": name, "prompt_len": args.prompt_len,
                                                       "retention": args.retention, "layers": layers,
@@ -92,15 +143,19 @@ def cmd_diagnose(args) -> int:
     from ripplekv_ext.eval.diagnostics import format_report, run_diagnostic
     from ripplekv_ext.eval.fidelity import fidelity_examples
 
-    model, tokenizer, _ = load_model(args.model)
-    profile = load_profile_for(model, args.profile or default_profile_path(args.model), args.force)
+    check_model_arg(args.model)
+    check_text_source("--text", args.text)
+    profile_path = profile_path_checked(args)
+    out = check_output_file("--out", args.out) if args.out else check_output_folder("--out-dir", args.out_dir) / \
+        "diagnostic.json"
+    model, tokenizer, _ = load_model_checked(args.model)
+    profile = load_profile_for(model, profile_path, args.force)
     # Unless told otherwise, damage is measured at the profile's own sizes, on held-out text.
     calibration = profile.calibration
     prefix_len = args.prefix_len or calibration["prefix_len"]
     cont_len = args.cont_len or calibration["cont_len"]
     examples = args.examples or calibration["num_examples"]
     ids = fidelity_examples(tokenizer, prefix_len, cont_len, examples, source=args.text)
-    out = Path(args.out) if args.out else Path(args.out_dir) / "diagnostic.json"
     report = run_diagnostic(model, profile, ids, prefix_len, retentions=args.retentions, window=args.window,
                             out_path=out)
     print(format_report(report))
