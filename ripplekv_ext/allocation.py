@@ -26,7 +26,7 @@ def _check_int(name: str, value, minimum: int) -> int:
 def _check_finite_list(name: str, values) -> list[float]:
     try:
         out = [float(v) for v in values]
-    except TypeError as e:
+    except (TypeError, ValueError) as e:  # ValueError: a string (a profile's path?) iterates into characters
         raise ValueError(f"{name} must be a sequence of numbers, got {type(values).__name__}") from e
     if not out:
         raise ValueError(f"{name} must not be empty")

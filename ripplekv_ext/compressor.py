@@ -18,6 +18,7 @@ left to its longest row, with a key mask ``[B, C_max]`` marking the real slots (
 
 from __future__ import annotations
 
+import numbers
 import time
 from dataclasses import dataclass
 from typing import Callable, Optional, Sequence
@@ -79,10 +80,12 @@ class KVCompressor:
             raise TypeError(f"policy must be a ripplekv_ext.Policy, got {type(policy).__name__}")
         if isinstance(num_layers, bool) or not isinstance(num_layers, int) or num_layers < 1:
             raise ValueError(f"num_layers must be an integer >= 1, got {num_layers!r}")
-        layers = list(range(num_layers)) if compressible_layers is None else [int(i) for i in compressible_layers]
-        bad = [i for i in layers if not 0 <= i < num_layers]
+        layers = list(range(num_layers)) if compressible_layers is None else list(compressible_layers)
+        # int() would quietly turn 1.5 or True into layer 1.
+        bad = [i for i in layers if isinstance(i, bool) or not isinstance(i, numbers.Integral) or not 0 <= i < num_layers]
         if bad or len(set(layers)) != len(layers):
             raise ValueError(f"compressible_layers must be distinct indices in [0, {num_layers}), got {layers}")
+        layers = [int(i) for i in layers]
         if on_compress is not None and not callable(on_compress):
             raise TypeError(f"on_compress must be callable or None, got {type(on_compress).__name__}")
         self.on_compress = on_compress

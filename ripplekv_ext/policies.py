@@ -139,7 +139,8 @@ class Policy:
         if (self.allocator is None) != (self.selector is None):
             raise ValueError("a Policy needs both an allocator and a selector (or neither, for Full), got "
                              f"allocator={self.allocator!r}, selector={self.selector!r}")
-        if not (isinstance(self.retention, (int, float)) and 0.0 < float(self.retention) <= 1.0):
+        if isinstance(self.retention, bool) or not (isinstance(self.retention, (int, float))
+                                                    and 0.0 < float(self.retention) <= 1.0):
             raise ValueError(f"retention must be in (0, 1], got {self.retention!r}")
         if isinstance(self.window, bool) or not isinstance(self.window, int) or self.window < 1:
             raise ValueError(f"window must be an integer >= 1, got {self.window!r}")

@@ -220,9 +220,18 @@ def validate_profile_dict(data) -> None:
 # ---- files ---------------------------------------------------------------------------------------
 
 def save_profile(profile: Profile, path) -> None:
+    """Write ``profile`` atomically to ``path`` (``~`` is expanded, as ``load_profile`` does)."""
+    if not isinstance(profile, Profile):
+        raise TypeError(f"profile must be a ripplekv_ext.profile_file.Profile, got {type(profile).__name__}")
+    path = Path(os.path.expanduser(os.fspath(path)))
+    if path.is_dir():
+        raise ProfileError(f"profile file {path} is a folder; give a file path (such as {path / 'profile.json'})")
     data = profile.to_dict()
     validate_profile_dict(data)  # never write a file that would not load
-    write_json_atomic(path, data)
+    try:
+        write_json_atomic(path, data)
+    except OSError as e:  # a parent that is a file, a read-only folder, a full disk
+        raise ProfileError(f"profile file {path} cannot be written: {e.strerror or e}") from None
 
 
 def load_profile(path, model=None, force: bool = False) -> Profile:

@@ -233,7 +233,8 @@ def profile_model(model, tokenizer=None, texts=None, *, examples: torch.Tensor |
     compressible = model_compressible_layers(model)
     layers = list(compressible if layers is None else layers)
     if not layers:
-        raise ValueError("no layers to profile (the model has no full-attention layers; pass layers=...)")
+        raise ValueError("no layers to profile: " + ("layers is empty; pass at least one layer index" if compressible
+                         else "the model has no full-attention layers; pass layers=..."))
     bad = [l for l in layers if not (isinstance(l, int) and 0 <= l < num_layers)]
     if bad or len(set(layers)) != len(layers):
         raise ValueError(f"layers must be distinct indices in [0, {num_layers}), got {layers}")
