@@ -4,7 +4,8 @@ Environment variables:
   FORCE_ONLY_CPU=1         never build CUDA sources.
   FORCE_CUDA=1             build CUDA sources even if torch's CUDA version differs from nvcc's.
   CUDA_HOME / CUDA_PATH    the CUDA toolkit root (default: asked of the nvcc on PATH, then /usr/local/cuda).
-  TORCH_CUDA_ARCH_LIST     GPU architectures (default "8.0;9.0", i.e. sm_80 and sm_90).
+  TORCH_CUDA_ARCH_LIST     GPU architectures (default "8.0;9.0+PTX": sm_80 and sm_90 code, plus compute_90 PTX
+                           that newer GPUs (sm_100, sm_120) compile at load time, as CMake's "80;90" does).
   MAX_JOBS                 parallel compile jobs (ninja).
 The decision never depends on a GPU being present, so CI machines without one compile the CUDA code.
 """
@@ -18,7 +19,7 @@ from setuptools import setup
 ROOT = Path(__file__).resolve().parent
 sys.path.insert(0, str(ROOT / "tools"))
 from cuda_env import find_cuda_toolkit, nvidia_wheel_dirs  # noqa: E402  (shared with tools/cmake_build.py)
-DEFAULT_ARCH_LIST = "8.0;9.0"
+DEFAULT_ARCH_LIST = "8.0;9.0+PTX"
 
 
 def _env_flag(name):

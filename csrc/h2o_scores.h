@@ -1,4 +1,5 @@
-// h2o_scores: validation and parameter packing shared by the CPU and CUDA bindings.
+// h2o_scores: everything but the scoring, shared by the CPU and CUDA bindings. Each backend passes the op
+// run(params, dtype), which scores a validated, non-empty call.
 #pragma once
 
 #include <ATen/ATen.h>
@@ -6,6 +7,8 @@
 #include <cmath>
 #include <optional>
 #include <string_view>
+
+#include <c10/core/DeviceGuard.h>
 
 #include "checks.h"
 #include "ripplekv/h2o_scores.h"
@@ -18,10 +21,11 @@ inline void check_h2o_inputs(const at::Tensor& queries, const at::Tensor& keys, 
   check_rank(keys, op, "keys", 4, "[B, H_kv, N, D]");
   check_float_dtype(queries, op, "queries");
   check_same_dtype(keys, queries, op, "keys", "queries");
-  check_same_device(keys, queries, op, "keys", "queries");
+  check_one_device({{"queries", &queries}, {"keys", &keys}}, op);
   check_size(keys, 0, queries.size(0), op, "keys", "B");
   check_size(keys, 2, queries.size(2), op, "keys", "N");
   check_size(keys, 3, queries.size(3), op, "keys", "D");
+  check_head_dim(keys.size(3), op, "keys");
   check_group(queries.size(1), keys.size(1), op, "queries");
   TORCH_CHECK(chunk_size >= 1, op, ": chunk_size must be >= 1, got ", chunk_size);
 }
@@ -48,6 +52,18 @@ inline ripplekv::H2OScoresParams make_h2o_scores_params(const at::Tensor& querie
   p.scale = static_cast<float>(scale.has_value() ? *scale : 1.0 / std::sqrt(static_cast<double>(D)));
   p.group_reduce = parse_group_reduce(group_reduce, op);
   return p;
+}
+
+template <auto run>
+at::Tensor h2o_scores_op(const at::Tensor& queries, const at::Tensor& keys, int64_t chunk_size,
+                         std::optional<double> scale, c10::string_view group_reduce) {
+  constexpr const char* op = "h2o_scores";
+  check_h2o_inputs(queries, keys, chunk_size, op);
+  const c10::OptionalDeviceGuard guard(keys.device());
+  auto scores = at::empty({keys.size(0), keys.size(1), keys.size(2)}, keys.options().dtype(at::kFloat));
+  const auto p = make_h2o_scores_params(queries, keys, scores, chunk_size, scale, group_reduce, op);
+  if (scores.numel() > 0) run(p, keys.scalar_type());
+  return scores;
 }
 
 }  // namespace ripplekv_ext

@@ -1,4 +1,5 @@
-// snapkv_scores and snapkv_compress: validation and parameter packing shared by the CPU and CUDA bindings.
+// snapkv_scores and snapkv_compress: everything but the scoring (and selection and gather), shared by the
+// CPU and CUDA bindings. Each backend passes the op a runner that computes validated, non-empty calls.
 #pragma once
 
 #include <ATen/ATen.h>
@@ -6,6 +7,9 @@
 #include <cmath>
 #include <optional>
 #include <string_view>
+#include <tuple>
+
+#include <c10/core/DeviceGuard.h>
 
 #include "checks.h"
 #include "select_topk.h"
@@ -20,9 +24,10 @@ inline void check_window_inputs(const at::Tensor& q_window, const at::Tensor& ke
   check_rank(keys, op, "keys", 4, "[B, H_kv, N, D]");
   check_float_dtype(q_window, op, "q_window");
   check_same_dtype(keys, q_window, op, "keys", "q_window");
-  check_same_device(keys, q_window, op, "keys", "q_window");
+  check_one_device({{"q_window", &q_window}, {"keys", &keys}}, op);
   check_size(keys, 0, q_window.size(0), op, "keys", "B");
   check_size(keys, 3, q_window.size(3), op, "keys", "D");
+  check_head_dim(keys.size(3), op, "keys");
   check_group(q_window.size(1), keys.size(1), op, "q_window");
 }
 
@@ -43,7 +48,7 @@ inline void check_snapkv_compress_inputs(const at::Tensor& q_window, const at::T
   check_window_inputs(q_window, keys, op);
   check_rank(values, op, "values", 4, "[B, H_kv, N, D]");
   check_same_dtype(values, keys, op, "values", "keys");
-  check_same_device(values, keys, op, "values", "keys");
+  check_one_device({{"q_window", &q_window}, {"keys", &keys}, {"values", &values}}, op);
   TORCH_CHECK(values.sizes() == keys.sizes(), op, ": values must have the shape of keys ", keys.sizes(), ", got ",
               values.sizes());
   check_kernel_size(kernel_size, op);
@@ -78,6 +83,48 @@ inline ripplekv::SnapKVScoresParams make_snapkv_scores_params(const at::Tensor& 
   p.pooling = parse_pooling(pooling, op);
   p.group_reduce = parse_group_reduce(group_reduce, op);
   return p;
+}
+
+// run(params, dtype): the pooled scores of params.scores (non-empty).
+template <auto run>
+at::Tensor snapkv_scores_op(const at::Tensor& q_window, const at::Tensor& keys, int64_t kernel_size,
+                            c10::string_view pooling, c10::string_view group_reduce, std::optional<double> scale) {
+  constexpr const char* op = "snapkv_scores";
+  check_window_inputs(q_window, keys, op);
+  check_window_below_n(q_window, keys, op);
+  check_kernel_size(kernel_size, op);
+  const c10::OptionalDeviceGuard guard(keys.device());
+  auto scores = at::empty({keys.size(0), keys.size(1), keys.size(2) - q_window.size(2)},
+                          keys.options().dtype(at::kFloat));
+  const auto p = make_snapkv_scores_params(q_window, keys, scores.data_ptr<float>(), strides3(scores), kernel_size,
+                                           pooling, group_reduce, scale, op);
+  if (scores.numel() > 0) run(p, keys.scalar_type());
+  return scores;
+}
+
+// run(score params, keys, values, budget, indices, keys_out, values_out): fills the three outputs of a
+// non-empty call with N > budget.
+template <auto run>
+std::tuple<at::Tensor, at::Tensor, at::Tensor> snapkv_compress_op(
+    const at::Tensor& q_window, const at::Tensor& keys, const at::Tensor& values, int64_t budget, int64_t kernel_size,
+    c10::string_view pooling, c10::string_view group_reduce, std::optional<double> scale) {
+  constexpr const char* op = "snapkv_compress";
+  check_snapkv_compress_inputs(q_window, keys, values, budget, kernel_size, pooling, group_reduce, op);
+  const int64_t B = keys.size(0), H = keys.size(1), N = keys.size(2);
+  const c10::OptionalDeviceGuard guard(keys.device());
+  if (N <= budget) {  // nothing to compress: the whole cache, as fresh contiguous buffers
+    return {keys.contiguous().clone(), values.contiguous().clone(),
+            at::arange(N, keys.options().dtype(at::kLong)).expand({B, H, N}).contiguous()};
+  }
+  auto indices = at::empty({B, H, budget}, keys.options().dtype(at::kLong));
+  const std::vector<int64_t> shape{B, H, budget, keys.size(3)};
+  at::Tensor keys_out = at::empty(shape, keys.options()), values_out = at::empty(shape, keys.options());
+  if (indices.numel() > 0) {
+    const auto p = make_snapkv_scores_params(q_window, keys, nullptr, {0, 0, 0}, kernel_size, pooling, group_reduce,
+                                             scale, op);
+    run(p, keys, values, budget, indices, keys_out, values_out);
+  }
+  return {keys_out, values_out, indices};
 }
 
 }  // namespace ripplekv_ext

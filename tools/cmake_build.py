@@ -43,7 +43,7 @@ def main():
             cmake_args.append(f"-DCUDA_nvrtc_LIBRARY={nvrtc}")
         # Without an arch list, torch's CMake config compiles a probe to detect local GPUs, which
         # fails on machines without one (and with CMake versions that lack CUDA 20 dialect flags).
-        env.setdefault("TORCH_CUDA_ARCH_LIST", "8.0;9.0")
+        env.setdefault("TORCH_CUDA_ARCH_LIST", "8.0;9.0+PTX")
         flags = " ".join(f"-isystem {d}" for d in include_dirs)
         env["CXXFLAGS"] = f"{env.get('CXXFLAGS', '')} {flags}".strip()
         env["CUDAFLAGS"] = f"{env.get('CUDAFLAGS', '')} {flags}".strip()

@@ -3,21 +3,15 @@
 
 #include "../gather_kv.h"
 #include "../packed.h"
-#include "ripplekv/gather_kv.h"
 
 namespace ripplekv_ext {
 namespace {
 
-std::tuple<at::Tensor, at::Tensor> gather_kv_packed_cpu(at::TensorList keys, at::TensorList values,
-                                                        const at::Tensor& indices_flat, const at::Tensor& offsets) {
-  constexpr const char* op = "gather_kv_packed";
-  check_gather_kv_packed_inputs(keys, values, indices_flat, offsets, op);
-  const auto off_cpu = offsets.contiguous();
-  const std::vector<int64_t> off(off_cpu.data_ptr<int64_t>(), off_cpu.data_ptr<int64_t>() + off_cpu.numel());
-  check_offsets_values(off, indices_flat.size(2), op);
-  auto [keys_out, values_out] = empty_packed_outputs(keys[0], indices_flat);
+// Each layer is an ordinary gather whose index and output pointers start at its segment.
+void run_gather_kv_packed_cpu(at::TensorList keys, at::TensorList values, const at::Tensor& indices_flat,
+                              const std::vector<int64_t>& off, const at::Tensor&, at::Tensor& keys_out,
+                              at::Tensor& values_out) {
   const int64_t L = keys.size(), BH = keys[0].size(0) * keys[0].size(1);
-  // Each layer is an ordinary gather whose index and output pointers start at its segment.
   std::vector<ripplekv::GatherKVParams> layers;
   for (int64_t l = 0; l < L; ++l) {
     auto p = make_gather_kv_params(keys[l], values[l], indices_flat, keys_out, values_out);
@@ -27,27 +21,19 @@ std::tuple<at::Tensor, at::Tensor> gather_kv_packed_cpu(at::TensorList keys, at:
     p.C = off[l + 1] - off[l];
     layers.push_back(p);
   }
-  auto run = [&](auto element) {
-    using T = decltype(element);
-    at::parallel_for(0, L * BH, 1, [&](int64_t begin, int64_t end) {
-      for (int64_t r = begin; r < end; ++r) {
-        const int64_t l = r / BH;
-        check_status(ripplekv::gather_kv_rows<T>(layers[l], r % BH, r % BH + 1), op, "indices_flat",
-                     "must lie in [0, N) = [0, " + std::to_string(keys[0].size(2)) + ") (layer " + std::to_string(l) +
-                         ")");
-      }
-    });
-  };
-  if (keys_out.element_size() == 4) {
-    run(uint32_t{});
-  } else {
-    run(uint16_t{});
-  }
-  return {keys_out, values_out};
+  const bool wide = keys_out.element_size() == 4;
+  at::parallel_for(0, L * BH, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const auto& p = layers[r / BH];
+      const ripplekv::Status s = wide ? ripplekv::gather_kv_rows<uint32_t>(p, r % BH, r % BH + 1)
+                                      : ripplekv::gather_kv_rows<uint16_t>(p, r % BH, r % BH + 1);
+      check_status(s, "gather_kv_packed", "indices_flat", "must lie in [0, N) = [0, " + std::to_string(p.N) + ")");
+    }
+  });
 }
 
 }  // namespace
 
-TORCH_LIBRARY_IMPL(ripplekv, CPU, m) { m.impl("gather_kv_packed", &gather_kv_packed_cpu); }
+TORCH_LIBRARY_IMPL(ripplekv, CPU, m) { m.impl("gather_kv_packed", &gather_kv_packed_op<run_gather_kv_packed_cpu>); }
 
 }  // namespace ripplekv_ext

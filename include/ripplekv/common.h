@@ -57,4 +57,7 @@ struct Strides3 {
   int64_t b, h, c;
 };
 
+// Whether a pointer allows 16-byte vector loads and stores.
+inline bool aligned16(const void* ptr) { return reinterpret_cast<uintptr_t>(ptr) % 16 == 0; }
+
 }  // namespace ripplekv

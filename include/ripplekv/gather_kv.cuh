@@ -3,17 +3,21 @@
 // The gather is pure data movement, so the kernel copies in 16-byte units (uint4) whenever every
 // row is contiguous and 16-byte aligned, which is the common case (D * sizeof(T) = 128 or 256 bytes);
 // otherwise it falls back to element-wise copies that honour arbitrary strides.
+//
+// Indices are the caller's to validate (the torch binding checks them before launching). The kernel
+// never reads out of bounds: an out-of-range index leaves its slot unwritten and sets *bad_index when
+// the caller passes one. (No __trap: that would poison the CUDA context for the rest of the process.)
 #pragma once
 
 #include <cuda_runtime.h>
 
 #include <algorithm>
 #include <cstdint>
-#include <cstdio>
 
 #include "ripplekv/gather_kv.h"
 
 namespace ripplekv {
+namespace cuda {
 namespace detail {
 
 // Same layout as GatherKVParams, but strides and D are counted in copy units of type Unit.
@@ -26,6 +30,7 @@ struct GatherKVUnits {
   int64_t B, H, N, C, D_units;
   Strides4 k, v, ko, vo;
   Strides3 idx;
+  int* bad_index;  // device flag set to 1 on an out-of-range index, or nullptr
 };
 
 template <typename Unit>
@@ -45,12 +50,8 @@ __global__ void gather_kv_kernel(GatherKVUnits p) {
     const int64_t h = row % p.H;
     const int64_t j = __ldg(p.indices + b * p.idx.b + h * p.idx.h + t * p.idx.c);
     if (j < 0 || j >= p.N) {
-      // Validating indices on the host would cost a device sync per call; a bad index is a
-      // caller bug, so stop loudly rather than read out of bounds.
-      printf("ripplekv gather_kv: index %lld out of range [0, %lld) at row %lld, slot %lld\n",
-             static_cast<long long>(j), static_cast<long long>(p.N), static_cast<long long>(row),
-             static_cast<long long>(t));
-      __trap();
+      if (p.bad_index != nullptr) *p.bad_index = 1;
+      continue;
     }
     keys_out[b * p.ko.b + h * p.ko.h + t * p.ko.n + u * p.ko.d] =
         keys[b * p.k.b + h * p.k.h + j * p.k.n + u * p.k.d];
@@ -59,7 +60,6 @@ __global__ void gather_kv_kernel(GatherKVUnits p) {
   }
 }
 
-inline bool aligned16(const void* ptr) { return reinterpret_cast<uintptr_t>(ptr) % 16 == 0; }
 
 template <typename Unit>
 cudaError_t launch_gather_kv_units(const GatherKVUnits& u, cudaStream_t stream) {
@@ -76,15 +76,15 @@ cudaError_t launch_gather_kv_units(const GatherKVUnits& u, cudaStream_t stream) 
 
 // Launches the gather for element type T (only its size matters). Returns the launch status.
 template <typename T>
-cudaError_t launch_gather_kv(const GatherKVParams& p, cudaStream_t stream) {
+cudaError_t launch_gather_kv(const GatherKVParams& p, cudaStream_t stream, int* bad_index = nullptr) {
   detail::GatherKVUnits u{p.keys, p.values, p.indices, p.keys_out, p.values_out,
-                          p.B, p.H, p.N, p.C, p.D, p.k, p.v, p.ko, p.vo, p.idx};
+                          p.B, p.H, p.N, p.C, p.D, p.k, p.v, p.ko, p.vo, p.idx, bad_index};
   constexpr int64_t kVec = 16 / sizeof(T);  // elements per uint4
   const bool rows_contiguous = p.k.d == 1 && p.v.d == 1 && p.ko.d == 1 && p.vo.d == 1;
   const bool vectorizable =
-      rows_contiguous && p.D % kVec == 0 && detail::aligned16(p.keys) &&
-      detail::aligned16(p.values) && detail::aligned16(p.keys_out) &&
-      detail::aligned16(p.values_out) && p.k.b % kVec == 0 && p.k.h % kVec == 0 &&
+      rows_contiguous && p.D % kVec == 0 && aligned16(p.keys) &&
+      aligned16(p.values) && aligned16(p.keys_out) &&
+      aligned16(p.values_out) && p.k.b % kVec == 0 && p.k.h % kVec == 0 &&
       p.k.n % kVec == 0 && p.v.b % kVec == 0 && p.v.h % kVec == 0 && p.v.n % kVec == 0 &&
       p.ko.b % kVec == 0 && p.ko.h % kVec == 0 && p.ko.n % kVec == 0 && p.vo.b % kVec == 0 &&
       p.vo.h % kVec == 0 && p.vo.n % kVec == 0;
@@ -100,4 +100,5 @@ cudaError_t launch_gather_kv(const GatherKVParams& p, cudaStream_t stream) {
   return detail::launch_gather_kv_units<uint4>(u, stream);
 }
 
+}  // namespace cuda
 }  // namespace ripplekv

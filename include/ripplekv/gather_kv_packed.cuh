@@ -1,12 +1,14 @@
 // Packed multi-layer KV gather, CUDA: every layer's kept rows into one [B, H, total, D] buffer in a
 // single launch. Each output slot finds its layer by binary search over the L + 1 offsets.
+//
+// Indices and offsets are the caller's to validate (the torch binding checks both before launching); an
+// out-of-range index leaves its slot unwritten and sets *bad_index when given (never __trap).
 #pragma once
 
 #include <cuda_runtime.h>
 
 #include <algorithm>
 #include <cstdint>
-#include <cstdio>
 
 #include "ripplekv/common.h"
 
@@ -16,6 +18,8 @@ namespace cuda {
 struct GatherKVPackedParams {
   const void* const* keys;    // device [L] pointers, each [B, H, N, D_units] with strides k (shared by all layers)
   const void* const* values;  // device [L] pointers, strides v
+  const void* const* keys_host;    // host [L]: the same pointers, for the launcher's alignment test
+  const void* const* values_host;  // host [L]
   const int64_t* indices;     // [B, H, total], strides idx
   const int64_t* offsets;     // device [L + 1]
   void* keys_out;             // [B, H, total, D_units], strides ko
@@ -23,6 +27,7 @@ struct GatherKVPackedParams {
   int64_t L, B, H, N, total, D_units;
   Strides4 k, v, ko, vo;
   Strides3 idx;
+  int* bad_index;  // device flag set to 1 on an out-of-range index, or nullptr
 };
 
 template <typename Unit>
@@ -39,10 +44,8 @@ __global__ void gather_kv_packed_kernel(GatherKVPackedParams p) {
     }
     const int64_t j = __ldg(p.indices + b * p.idx.b + h * p.idx.h + t * p.idx.c);
     if (j < 0 || j >= p.N) {
-      printf("ripplekv gather_kv_packed: index %lld out of range [0, %lld) at row %lld, slot %lld\n",
-             static_cast<long long>(j), static_cast<long long>(p.N), static_cast<long long>(row),
-             static_cast<long long>(t));
-      __trap();
+      if (p.bad_index != nullptr) *p.bad_index = 1;
+      continue;
     }
     const Unit* keys = static_cast<const Unit*>(p.keys[lo]);
     const Unit* values = static_cast<const Unit*>(p.values[lo]);
@@ -53,9 +56,11 @@ __global__ void gather_kv_packed_kernel(GatherKVPackedParams p) {
   }
 }
 
-// elem_size: bytes per element (2 or 4). all_aligned16: every layer pointer and output is 16-byte aligned.
-inline cudaError_t launch_gather_kv_packed(GatherKVPackedParams p, int64_t elem_size, bool all_aligned16,
-                                           cudaStream_t stream) {
+// elem_size: bytes per element (2 or 4). Copies 16 bytes at a time when every pointer, stride and D allow.
+inline cudaError_t launch_gather_kv_packed(GatherKVPackedParams p, int64_t elem_size, cudaStream_t stream) {
+  bool all_aligned16 = aligned16(p.keys_out) && aligned16(p.values_out);
+  for (int64_t l = 0; l < p.L; ++l)
+    all_aligned16 = all_aligned16 && aligned16(p.keys_host[l]) && aligned16(p.values_host[l]);
   const int64_t vec = 16 / elem_size;
   const bool vectorizable = all_aligned16 && p.k.d == 1 && p.v.d == 1 && p.ko.d == 1 && p.vo.d == 1 &&
                             p.D_units % vec == 0 && p.k.b % vec == 0 && p.k.h % vec == 0 && p.k.n % vec == 0 &&

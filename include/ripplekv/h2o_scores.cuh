@@ -35,7 +35,7 @@ cudaError_t launch_h2o_scores(const H2OScoresParams& p, float* workspace, cudaSt
   w.o = p.s;
   w.scale = p.scale;
   w.group_max = p.group_reduce == GroupReduce::kMax;
-  if (p.N == 0) return cudaSuccess;
+  if (p.N == 0 || p.B * p.H_kv == 0) return cudaSuccess;  // empty: launch nothing
   return launch_window_attention<T>(w, stream);
 }
 

@@ -22,6 +22,18 @@ struct SelectTopKParams {
   Strides3 s, idx;
 };
 
+// Several layers' selections in one call (packed layout: layer l's kept tokens occupy
+// [offsets[l], offsets[l] + C_l) of each index row, C_l = min(budgets[l], N)). Shared with the CUDA
+// launcher (select_topk.cuh), which reads budgets and offsets from device memory.
+struct SelectTopKPackedParams {
+  const float* scores;     // [L, B, H, N - W], strides s_l and s
+  int64_t* indices;        // [B, H, total], strides idx
+  const int64_t* budgets;  // [L]; budget >= W where N > budget (checked by select_topk_packed_rows on CPU)
+  const int64_t* offsets;  // [L + 1]
+  int64_t L, B, H, N, W, s_l;
+  Strides3 s, idx;
+};
+
 namespace detail {
 
 // One row. scratch holds at least N - W floats. Returns kNaN with the NaN's position.
@@ -67,6 +79,21 @@ inline Status select_topk_rows(const SelectTopKParams& p, int64_t row_begin, int
     const int64_t b = row / p.H, h = row % p.H;
     const Status s = detail::select_topk_row(p.scores + b * p.s.b + h * p.s.h, p.s.c, p.N, p.W, p.budget,
                                              p.indices + b * p.idx.b + h * p.idx.h, p.idx.c, row, scratch);
+    if (!s.ok()) return s;
+  }
+  return Status::Ok();
+}
+
+// Rows [row_begin, row_end) of the flattened (L * B * H) grid (row = (l * B + b) * H + h); a NaN is
+// reported with that flattened row.
+inline Status select_topk_packed_rows(const SelectTopKPackedParams& p, int64_t row_begin, int64_t row_end) {
+  std::vector<float> scratch;
+  for (int64_t r = row_begin; r < row_end; ++r) {
+    const int64_t l = r / (p.B * p.H), b = r / p.H % p.B, h = r % p.H, budget = p.budgets[l];
+    if (p.N > budget && budget < p.W) return Status::Error(StatusCode::kInvalidArgument, r, budget);
+    const Status s = detail::select_topk_row(p.scores + l * p.s_l + b * p.s.b + h * p.s.h, p.s.c, p.N, p.W, budget,
+                                             p.indices + b * p.idx.b + h * p.idx.h + p.offsets[l] * p.idx.c, p.idx.c,
+                                             r, scratch);
     if (!s.ok()) return s;
   }
   return Status::Ok();

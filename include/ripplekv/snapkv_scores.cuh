@@ -29,8 +29,9 @@ inline int64_t snapkv_scores_workspace(const SnapKVScoresParams& p) {
 }
 
 // raw: [rows, n] contiguous -> out[row * s.h-style strides] (rows = b * H + h).
+template <bool pooling_max>
 __global__ void pool_kernel(const float* __restrict__ raw, float* __restrict__ out, int64_t rows, int64_t H,
-                            int64_t n, Strides3 s, int64_t kernel_size, int pooling_max) {
+                            int64_t n, Strides3 s, int64_t kernel_size) {
   const int64_t total = rows * n;
   for (int64_t e = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; e < total;
        e += static_cast<int64_t>(gridDim.x) * blockDim.x) {
@@ -67,11 +68,15 @@ cudaError_t launch_snapkv_scores(const SnapKVScoresParams& p, float* workspace, 
   w.o = Strides3{p.H_kv * n_prefix, n_prefix, 1};
   w.scale = p.scale;
   w.group_max = p.group_reduce == GroupReduce::kMax;
+  if (rows * n_prefix <= 0) return cudaSuccess;  // empty batch: nothing to launch
   cudaError_t err = launch_window_attention<T>(w, stream);
-  if (err != cudaSuccess || rows * n_prefix == 0) return err;
-  const int64_t blocks = std::min<int64_t>((rows * n_prefix + 255) / 256, 65536);
-  pool_kernel<<<static_cast<unsigned>(blocks), 256, 0, stream>>>(w.out, p.scores, rows, p.H_kv, n_prefix, p.s,
-                                                                 p.kernel_size, p.pooling == Pooling::kMax);
+  if (err != cudaSuccess) return err;
+  const unsigned blocks = static_cast<unsigned>(std::min<int64_t>((rows * n_prefix + 255) / 256, 65536));
+  if (p.pooling == Pooling::kMax) {
+    pool_kernel<true><<<blocks, 256, 0, stream>>>(w.out, p.scores, rows, p.H_kv, n_prefix, p.s, p.kernel_size);
+  } else {
+    pool_kernel<false><<<blocks, 256, 0, stream>>>(w.out, p.scores, rows, p.H_kv, n_prefix, p.s, p.kernel_size);
+  }
   return cudaGetLastError();
 }
 

@@ -142,6 +142,15 @@ void snapkv_raw_scores_row(const SnapKVScoresParams& p, int64_t row, float* raw)
 
 }  // namespace detail
 
+// Pools rows [row_begin, row_end) of the (B * H_kv) grid's unpooled scores raw[row * (N - W) + j] into
+// p.scores (what snapkv_raw_scores_parallel computes).
+inline void pool_scores_rows(const SnapKVScoresParams& p, const float* raw, int64_t row_begin, int64_t row_end) {
+  const int64_t n_prefix = p.N - p.W;
+  for (int64_t row = row_begin; row < row_end; ++row)
+    detail::pool_row(raw + row * n_prefix, n_prefix, p.kernel_size, p.pooling,
+                     p.scores + (row / p.H_kv) * p.s.b + (row % p.H_kv) * p.s.h, p.s.c);
+}
+
 // Scores of rows [row_begin, row_end) of the flattened (B * H_kv) grid.
 template <typename T>
 Status snapkv_scores_rows(const SnapKVScoresParams& p, int64_t row_begin, int64_t row_end) {

@@ -71,8 +71,12 @@ __device__ __forceinline__ float tile_logit(const float* q_s, const float* k_s, 
   return acc;
 }
 
+// max that keeps a NaN (fmaxf drops it): a NaN or +inf logit must give NaN scores, as on the CPU and in
+// the reference, not a silently finite softmax.
+__device__ __forceinline__ float nan_max(float a, float b) { return (isnan(a) || a > b) ? a : b; }
+
 __device__ __forceinline__ float warp_max(float v) {
-  for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+  for (int o = 16; o > 0; o >>= 1) v = nan_max(v, __shfl_xor_sync(0xffffffffu, v, o));
   return v;
 }
 __device__ __forceinline__ float warp_sum(float v) {
@@ -80,20 +84,24 @@ __device__ __forceinline__ float warp_sum(float v) {
   return v;
 }
 
-// grid: (query blocks, B * H_q, splits). Each warp owns query rows warp, warp + 8, ... of the block
-// and keeps their running (max, sum) in registers; lanes are keys of the tile.
+inline int64_t query_blocks(int64_t Q) { return (Q + kQueryBlock - 1) / kQueryBlock; }
+
+// grid: (B * H_q * query blocks, splits): B * H_q on x, whose limit is 2^31 - 1 (y allows 65,535 only).
+// Each warp owns query rows warp, warp + 8, ... of the block and keeps their running (max, sum) in
+// registers; lanes are keys of the tile.
 template <typename T>
 __global__ void window_stats_kernel(WindowAttentionParams p) {
   extern __shared__ float smem[];
   float* q_s = smem;
   float* k_s = q_s + kQueryBlock * p.D;
-  const int64_t bh = blockIdx.y, b = bh / (p.H_kv * p.G), h = bh % (p.H_kv * p.G), g = h / p.G;
-  const int64_t i0 = blockIdx.x * static_cast<int64_t>(kQueryBlock);
+  const int64_t n_blocks = (p.Q + kQueryBlock - 1) / kQueryBlock;
+  const int64_t bh = blockIdx.x / n_blocks, b = bh / (p.H_kv * p.G), h = bh % (p.H_kv * p.G), g = h / p.G;
+  const int64_t i0 = (blockIdx.x % n_blocks) * static_cast<int64_t>(kQueryBlock);
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const T* q_head = static_cast<const T*>(p.queries) + b * p.q.b + h * p.q.h;
   const T* k_row = static_cast<const T*>(p.keys) + b * p.k.b + g * p.k.h;
   const int64_t last_query = min(i0 + kQueryBlock, p.Q) - 1;
-  const int64_t j_begin = blockIdx.z * p.split_len;
+  const int64_t j_begin = blockIdx.y * p.split_len;
   const int64_t j_end = min(j_begin + p.split_len, p.pos0 + last_query + 1);  // nothing later is visible
   load_query_block<T>(p, q_head, i0, q_s);
   constexpr int kRows = kQueryBlock / (kThreads / 32);
@@ -106,8 +114,8 @@ __global__ void window_stats_kernel(WindowAttentionParams p) {
     for (int r = 0; r < kRows; ++r) {
       const int row = warp + r * (kThreads / 32);
       const float l = tile_logit(q_s, k_s, p.D, row, lane, p.pos0 + i0 + row, j0 + lane, j_end);
-      const float new_max = fmaxf(m[r], warp_max(l));
-      if (new_max == -INFINITY) continue;  // everything so far masked
+      const float new_max = nan_max(m[r], warp_max(l));
+      if (new_max == -INFINITY) continue;  // everything so far masked (a NaN goes on, and stays)
       const float tile_sum = warp_sum(__expf(l - new_max));
       s[r] = s[r] * __expf(m[r] - new_max) + tile_sum;
       m[r] = new_max;
@@ -117,14 +125,14 @@ __global__ void window_stats_kernel(WindowAttentionParams p) {
     for (int r = 0; r < kRows; ++r) {
       const int64_t i = i0 + warp + r * (kThreads / 32);
       if (i >= p.Q) continue;
-      float* st = p.stats + ((bh * p.Q + i) * p.splits + blockIdx.z) * 2;
+      float* st = p.stats + ((bh * p.Q + i) * p.splits + blockIdx.y) * 2;
       st[0] = m[r];
       st[1] = s[r];
     }
   }
 }
 
-// grid: (key tiles of [0, n_out), B * H_kv). Lane = key of the tile; warps split the query rows.
+// grid: (B * H_kv * key tiles of [0, n_out)). Lane = key of the tile; warps split the query rows.
 template <typename T>
 __global__ void window_accumulate_kernel(WindowAttentionParams p) {
   extern __shared__ float smem[];
@@ -133,8 +141,9 @@ __global__ void window_accumulate_kernel(WindowAttentionParams p) {
   float* part = k_s + kKeyTile * (p.D + 1);  // [8 warps][32 keys], then [32] max and [32] 1/sum
   float* m_s = part + (kThreads / 32) * kKeyTile;
   float* inv_s = m_s + kQueryBlock;
-  const int64_t row = blockIdx.y, b = row / p.H_kv, g = row % p.H_kv;
-  const int64_t j0 = blockIdx.x * static_cast<int64_t>(kKeyTile);
+  const int64_t n_tiles = (p.n_out + kKeyTile - 1) / kKeyTile;
+  const int64_t row = blockIdx.x / n_tiles, b = row / p.H_kv, g = row % p.H_kv;
+  const int64_t j0 = (blockIdx.x % n_tiles) * static_cast<int64_t>(kKeyTile);
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const T* k_row = static_cast<const T*>(p.keys) + b * p.k.b + g * p.k.h;
   load_key_tile<T>(p, k_row, j0, p.n_out, k_s);
@@ -153,12 +162,12 @@ __global__ void window_accumulate_kernel(WindowAttentionParams p) {
         float m = -INFINITY, s = 0.0f;
         if (i < p.Q) {
           const float* st = p.stats + (bh * p.Q + i) * p.splits * 2;
-          for (int64_t sp = 0; sp < p.splits; ++sp) m = fmaxf(m, st[2 * sp]);
+          for (int64_t sp = 0; sp < p.splits; ++sp) m = nan_max(m, st[2 * sp]);
           for (int64_t sp = 0; sp < p.splits; ++sp)
             if (st[2 * sp] != -INFINITY) s += st[2 * sp + 1] * __expf(st[2 * sp] - m);
         }
         m_s[threadIdx.x] = m;
-        inv_s[threadIdx.x] = s > 0.0f ? 1.0f / s : 0.0f;
+        inv_s[threadIdx.x] = (s > 0.0f || isnan(s)) ? 1.0f / s : 0.0f;  // NaN stays NaN
       }
       __syncthreads();
       for (int r = warp; r < kQueryBlock; r += kThreads / 32) {
@@ -183,9 +192,14 @@ __global__ void window_accumulate_kernel(WindowAttentionParams p) {
   }
 }
 
-// Runs both passes. stats must hold B * H_q * Q * splits * 2 floats.
+// Runs both passes. stats must hold B * H_q * Q * splits * 2 floats. Nothing to do (no query, key or
+// row) launches nothing: a zero grid dimension is an invalid configuration.
 template <typename T>
 cudaError_t launch_window_attention(const WindowAttentionParams& p, cudaStream_t stream) {
+  const int64_t stats_blocks = p.B * p.H_kv * p.G * query_blocks(p.Q);
+  const int64_t acc_blocks = p.B * p.H_kv * ((p.n_out + kKeyTile - 1) / kKeyTile);
+  if (stats_blocks == 0 || p.splits == 0) return cudaSuccess;
+  if (stats_blocks > 0x7fffffff || acc_blocks > 0x7fffffff || p.splits > 65535) return cudaErrorInvalidValue;
   const size_t smem = window_attention_smem(p.D);
   if (smem > 48 * 1024) {
     cudaError_t err = cudaFuncSetAttribute(window_stats_kernel<T>, cudaFuncAttributeMaxDynamicSharedMemorySize,
@@ -195,12 +209,11 @@ cudaError_t launch_window_attention(const WindowAttentionParams& p, cudaStream_t
                                static_cast<int>(smem));
     if (err != cudaSuccess) return err;
   }
-  const dim3 stats_grid(static_cast<unsigned>((p.Q + kQueryBlock - 1) / kQueryBlock),
-                        static_cast<unsigned>(p.B * p.H_kv * p.G), static_cast<unsigned>(p.splits));
+  const dim3 stats_grid(static_cast<unsigned>(stats_blocks), static_cast<unsigned>(p.splits));
   window_stats_kernel<T><<<stats_grid, kThreads, smem, stream>>>(p);
   cudaError_t err = cudaGetLastError();
   if (err != cudaSuccess || p.n_out == 0) return err;
-  const dim3 acc_grid(static_cast<unsigned>((p.n_out + kKeyTile - 1) / kKeyTile), static_cast<unsigned>(p.B * p.H_kv));
+  const dim3 acc_grid(static_cast<unsigned>(acc_blocks));
   window_accumulate_kernel<T><<<acc_grid, kThreads, smem, stream>>>(p);
   return cudaGetLastError();
 }

@@ -28,9 +28,15 @@ def check_float(name: str, t: Tensor) -> None:
 
 
 def check_group(q_name: str, h_q: int, h_kv: int) -> int:
-    if h_kv == 0 or h_q % h_kv != 0:
-        raise ValueError(f"{q_name} heads (H_q = {h_q}) must be a multiple of the key heads (H_kv = {h_kv})")
+    if h_kv == 0 or h_q == 0 or h_q % h_kv != 0:
+        raise ValueError(f"{q_name} heads (H_q = {h_q}) must be a positive multiple of the key heads (H_kv = {h_kv})")
     return h_q // h_kv
+
+
+def check_head_dim(name: str, t: Tensor) -> None:
+    # The default scale is 1/sqrt(D): D = 0 has none (and no logits to score).
+    if t.shape[-1] < 1:
+        raise ValueError(f"{name} head dimension D (dim 3) must be >= 1, got {t.shape[-1]}")
 
 
 def resolve_scale(scale, head_dim: int) -> float:

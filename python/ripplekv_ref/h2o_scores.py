@@ -3,7 +3,8 @@
 import torch
 from torch import Tensor
 
-from ripplekv_ref._checks import check_float, check_group, check_int, check_rank, reduce_group, resolve_scale
+from ripplekv_ref._checks import (check_float, check_group, check_head_dim, check_int, check_rank, reduce_group,
+                                 resolve_scale)
 
 
 def h2o_scores(queries: Tensor, keys: Tensor, chunk_size: int = 1024, scale=None,
@@ -29,6 +30,7 @@ def h2o_scores(queries: Tensor, keys: Tensor, chunk_size: int = 1024, scale=None
     b, h_q, n, d = queries.shape
     if keys.shape[0] != b or keys.shape[2] != n or keys.shape[3] != d:
         raise ValueError(f"keys must be [B={b}, H_kv, N={n}, D={d}] to match queries, got {list(keys.shape)}")
+    check_head_dim("keys", keys)
     h_kv = keys.shape[1]
     g = check_group("queries", h_q, h_kv)
     if group_reduce not in ("mean", "max"):

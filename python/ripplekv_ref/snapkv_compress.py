@@ -3,7 +3,7 @@
 import torch
 from torch import Tensor
 
-from ripplekv_ref._checks import check_int, check_rank
+from ripplekv_ref._checks import check_group, check_head_dim, check_int, check_rank
 from ripplekv_ref.gather_kv import gather_kv
 from ripplekv_ref.select_topk import select_topk
 from ripplekv_ref.snapkv_scores import snapkv_scores
@@ -20,6 +20,8 @@ def snapkv_compress(q_window: Tensor, keys: Tensor, values: Tensor, budget: int,
     check_rank("q_window", q_window, 4, "[B, H_q, W, D]")
     if values.shape != keys.shape:
         raise ValueError(f"values must have the shape of keys {list(keys.shape)}, got {list(values.shape)}")
+    check_head_dim("keys", keys)
+    check_group("q_window", q_window.shape[1], keys.shape[1])
     budget = check_int("budget", budget)
     b, h_kv, n, _ = keys.shape
     w = q_window.shape[2]

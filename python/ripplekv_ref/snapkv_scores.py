@@ -4,7 +4,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from ripplekv_ref._checks import check_float, check_group, check_int, check_rank, reduce_group, resolve_scale
+from ripplekv_ref._checks import (check_float, check_group, check_head_dim, check_int, check_rank, reduce_group,
+                                 resolve_scale)
 
 
 def snapkv_scores(q_window: Tensor, keys: Tensor, kernel_size: int = 7, pooling: str = "max",
@@ -29,6 +30,7 @@ def snapkv_scores(q_window: Tensor, keys: Tensor, kernel_size: int = 7, pooling:
     b, h_q, w, d = q_window.shape
     if keys.shape[0] != b or keys.shape[3] != d:
         raise ValueError(f"keys must be [B={b}, H_kv, N, D={d}] to match q_window, got {list(keys.shape)}")
+    check_head_dim("keys", keys)
     h_kv, n = keys.shape[1], keys.shape[2]
     g = check_group("q_window", h_q, h_kv)
     if w < 1 or w >= n:

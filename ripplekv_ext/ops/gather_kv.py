@@ -5,6 +5,8 @@ from typing import Optional, Tuple
 import torch
 from torch import Tensor
 
+from ripplekv_ext.ops._args import check_one_device
+
 
 def gather_kv(keys: Tensor, values: Tensor, indices: Tensor,
               out: Optional[Tuple[Tensor, Tensor]] = None) -> Tuple[Tensor, Tensor]:
@@ -17,8 +19,11 @@ def gather_kv(keys: Tensor, values: Tensor, indices: Tensor,
             ``keys``, written in place (for an engine's preallocated cache).
 
     Returns:
-        ``(keys_c, values_c)``, each ``[B, H_kv, C, D]``. On CUDA an out-of-range index stops the kernel
-        (device-side trap) instead of costing a host sync to check.
+        ``(keys_c, values_c)``, each ``[B, H_kv, C, D]``.
+
+    Every check (shapes, one device, index range, outputs that share memory with each other, with the inputs or
+    within themselves) runs before anything is written, so a bad call leaves ``out`` as it was. On CUDA the index
+    check costs one device synchronisation (so this op is not captured in CUDA graphs).
     """
     if out is None:
         return torch.ops.ripplekv.gather_kv(keys, values, indices)
@@ -29,6 +34,7 @@ def gather_kv(keys: Tensor, values: Tensor, indices: Tensor,
 
 @torch.library.register_fake("ripplekv::gather_kv")
 def _(keys, values, indices):
+    check_one_device("gather_kv", keys=keys, values=values, indices=indices)
     torch._check(keys.dim() == 4, lambda: f"gather_kv: keys must be 4-D, got {keys.dim()}-D")
     torch._check(indices.dim() == 3, lambda: f"gather_kv: indices must be 3-D, got {indices.dim()}-D")
     shape = (keys.shape[0], keys.shape[1], indices.shape[2], keys.shape[3])
@@ -37,4 +43,6 @@ def _(keys, values, indices):
 
 @torch.library.register_fake("ripplekv::gather_kv_into")
 def _(keys, values, indices, keys_out, values_out):
+    check_one_device("gather_kv_into", keys=keys, values=values, indices=indices, keys_out=keys_out,
+                     values_out=values_out)
     return None

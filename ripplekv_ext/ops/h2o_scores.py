@@ -5,7 +5,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from ripplekv_ext.ops._args import check_int
+from ripplekv_ext.ops._args import check_int, check_one_device
 
 
 def h2o_scores(queries: Tensor, keys: Tensor, chunk_size: int = 1024, scale: Optional[float] = None,
@@ -20,7 +20,8 @@ def h2o_scores(queries: Tensor, keys: Tensor, chunk_size: int = 1024, scale: Opt
         group_reduce: ``"mean"`` (H2O) or ``"max"``.
 
     Returns:
-        float32 ``[B, H_kv, N]``; slice ``[..., :N - W]`` and pass it to ``select_topk``.
+        float32 ``[B, H_kv, N]``; slice ``[..., :N - W]`` and pass it to ``select_topk``. NaN or inf in the inputs
+        gives NaN scores (as in the reference), which ``select_topk`` refuses.
     """
     chunk_size = check_int("h2o_scores", "chunk_size", chunk_size)
     return torch.ops.ripplekv.h2o_scores(queries, keys, chunk_size, scale, group_reduce)
@@ -28,5 +29,6 @@ def h2o_scores(queries: Tensor, keys: Tensor, chunk_size: int = 1024, scale: Opt
 
 @torch.library.register_fake("ripplekv::h2o_scores")
 def _(queries, keys, chunk_size=1024, scale=None, group_reduce="mean"):
+    check_one_device("h2o_scores", queries=queries, keys=keys)
     torch._check(keys.dim() == 4, lambda: f"h2o_scores: keys must be 4-D, got {keys.dim()}-D")
     return keys.new_empty((keys.shape[0], keys.shape[1], keys.shape[2]), dtype=torch.float32)

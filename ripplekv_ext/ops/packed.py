@@ -10,7 +10,7 @@ from typing import List, Sequence, Tuple, Union
 import torch
 from torch import Tensor
 
-from ripplekv_ext.ops._args import check_int
+from ripplekv_ext.ops._args import check_int, check_one_device
 
 
 def _budget_list(budgets) -> List[int]:
@@ -60,6 +60,8 @@ def _(scores, budgets, window):
 
 @torch.library.register_fake("ripplekv::gather_kv_packed")
 def _(keys, values, indices_flat, offsets):
+    check_one_device("gather_kv_packed", indices_flat=indices_flat, offsets=offsets,
+                     **{f"keys[{i}]": k for i, k in enumerate(keys)}, **{f"values[{i}]": v for i, v in enumerate(values)})
     torch._check(len(keys) > 0, lambda: "gather_kv_packed: keys must hold at least one layer")
     b, h, _, d = keys[0].shape
     shape = (b, h, indices_flat.shape[2], d)

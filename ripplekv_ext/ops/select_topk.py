@@ -10,7 +10,8 @@ def select_topk(scores: Tensor, budget: int, window: int) -> Tensor:
     """Indices of the ``budget - window`` best prefix scores plus the window, ascending.
 
     Args:
-        scores: float32 ``[B, H_kv, N - W]`` prefix scores (``N = scores.shape[-1] + window``); NaN is an error.
+        scores: float32 ``[B, H_kv, N - W]`` prefix scores (``N = scores.shape[-1] + window``); NaN is an error
+            naming the row, whatever the budget (``budget == window`` too), unless ``N <= budget``.
         budget: tokens kept per KV head, window included; must be ``>= window`` unless ``N <= budget``.
         window: ``W``, trailing positions always kept.
 

@@ -5,7 +5,7 @@ from typing import Optional, Tuple
 import torch
 from torch import Tensor
 
-from ripplekv_ext.ops._args import check_int
+from ripplekv_ext.ops._args import check_int, check_one_device
 
 
 def snapkv_compress(q_window: Tensor, keys: Tensor, values: Tensor, budget: int, kernel_size: int = 7,
@@ -26,6 +26,7 @@ def snapkv_compress(q_window: Tensor, keys: Tensor, values: Tensor, budget: int,
 
 @torch.library.register_fake("ripplekv::snapkv_compress")
 def _(q_window, keys, values, budget, kernel_size=7, pooling="max", group_reduce="mean", scale=None):
+    check_one_device("snapkv_compress", q_window=q_window, keys=keys, values=values)
     torch._check(keys.dim() == 4, lambda: f"snapkv_compress: keys must be 4-D, got {keys.dim()}-D")
     b, h, n, d = keys.shape
     c = torch.sym_min(n, budget)

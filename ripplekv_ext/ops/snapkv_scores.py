@@ -5,7 +5,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from ripplekv_ext.ops._args import check_int
+from ripplekv_ext.ops._args import check_int, check_one_device
 
 
 def snapkv_scores(q_window: Tensor, keys: Tensor, kernel_size: int = 7, pooling: str = "max",
@@ -21,7 +21,8 @@ def snapkv_scores(q_window: Tensor, keys: Tensor, kernel_size: int = 7, pooling:
         scale: logit scale, ``1/sqrt(D)`` when None.
 
     Returns:
-        float32 ``[B, H_kv, N - W]``. Computed in fp32 whatever the input dtype.
+        float32 ``[B, H_kv, N - W]``. Computed in fp32 whatever the input dtype. NaN or inf in the inputs gives NaN
+        scores (as in the reference); the selection ops then raise. An empty batch gives an empty result.
     """
     kernel_size = check_int("snapkv_scores", "kernel_size", kernel_size)
     return torch.ops.ripplekv.snapkv_scores(q_window, keys, kernel_size, pooling, group_reduce, scale)
@@ -29,6 +30,7 @@ def snapkv_scores(q_window: Tensor, keys: Tensor, kernel_size: int = 7, pooling:
 
 @torch.library.register_fake("ripplekv::snapkv_scores")
 def _(q_window, keys, kernel_size=7, pooling="max", group_reduce="mean", scale=None):
+    check_one_device("snapkv_scores", q_window=q_window, keys=keys)
     torch._check(q_window.dim() == 4, lambda: f"snapkv_scores: q_window must be 4-D, got {q_window.dim()}-D")
     torch._check(keys.dim() == 4, lambda: f"snapkv_scores: keys must be 4-D, got {keys.dim()}-D")
     return keys.new_empty((keys.shape[0], keys.shape[1], keys.shape[2] - q_window.shape[2]), dtype=torch.float32)
