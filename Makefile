@@ -33,7 +33,7 @@ build: $(EDITABLE_STAMP)
 # store budget get; the first line covers the store).
 test: build cpp-test
 	$(PY) -m pytest tests/
-	RIPPLEKV_DISABLE_AVX2=1 RIPPLEKV_SNAPKV_STORE_MIB=0 $(PY) -m pytest -q tests/test_snapkv.py tests/test_h2o.py
+	RIPPLEKV_DISABLE_AVX2=1 RIPPLEKV_SNAPKV_STORE_MIB=0 $(PY) -m pytest -q tests/test_snapkv_scores.py tests/test_snapkv_compress.py tests/test_h2o_scores.py
 	$(PY) -m pytest bench/ --benchmark-disable -q
 	$(MAKE) --no-print-directory test-min
 

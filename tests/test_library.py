@@ -51,3 +51,19 @@ def test_missing_library_says_how_to_rebuild():
     assert "ripplekv_ext._C could not be loaded (undefined symbol" in result.stderr
     assert "make build" in result.stderr
     assert "does not exist" not in result.stderr
+
+
+def test_cuda_build_carries_ptx_for_newer_gpus():
+    # Without PTX no kernel image exists for GPUs newer than the newest listed architecture (sm_100, sm_120):
+    # the default arch list ends in +PTX, as CMake's does (issue 13 item 16).
+    import shutil
+
+    import pytest
+
+    if not ripplekv_ext.cuda_built():
+        pytest.skip("CPU-only build: no CUDA kernels to carry PTX")
+    tool = shutil.which("cuobjdump")
+    if tool is None:
+        pytest.skip("cuobjdump not on PATH")
+    listing = subprocess.run([tool, "--list-ptx", _C.__file__], capture_output=True, text=True).stdout
+    assert "ptx" in listing.lower(), "the CUDA build embeds no PTX"

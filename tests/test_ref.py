@@ -3,6 +3,7 @@
 Every extension test compares against ripplekv_ref, so the reference must be right on its own terms first.
 """
 
+import re
 import math
 
 import pytest
@@ -94,6 +95,20 @@ def test_select_topk_by_hand():
 def test_select_topk_errors(args, error, message):
     with pytest.raises(error, match=message):
         ripplekv_ref.select_topk(*args)
+
+
+@pytest.mark.parametrize("call, message", [
+    (lambda: ripplekv_ref.snapkv_scores(torch.ones(1, 0, 2, 4), torch.ones(1, 2, 8, 4)), "positive multiple"),
+    (lambda: ripplekv_ref.h2o_scores(torch.ones(1, 0, 8, 4), torch.ones(1, 2, 8, 4)), "positive multiple"),
+    (lambda: ripplekv_ref.snapkv_scores(torch.ones(1, 2, 2, 0), torch.ones(1, 2, 8, 0)), "D (dim 3) must be >= 1"),
+    (lambda: ripplekv_ref.h2o_scores(torch.ones(1, 2, 8, 0), torch.ones(1, 2, 8, 0)), "D (dim 3) must be >= 1"),
+    (lambda: ripplekv_ref.snapkv_compress(torch.ones(1, 2, 2, 0), torch.ones(1, 2, 8, 0), torch.ones(1, 2, 8, 0), 20),
+     "D (dim 3) must be >= 1"),
+])
+def test_scoring_needs_query_heads_and_a_head_dim(call, message):
+    # No query head means no group to average over, D = 0 no 1/sqrt(D) scale: both are errors, not empty results.
+    with pytest.raises(ValueError, match=re.escape(message)):
+        call()
 
 
 def test_h2o_uniform_by_hand_and_chunking():

@@ -1,29 +1,74 @@
-// The op library as a C++ engine sees it: loaded at run time, ops found through the dispatcher by
-// name, no Python. (Linking alone is not enough: nothing references a symbol of the library, so
-// the linker may drop it and its static op registrations would never run.)
+// The op library as a C++ engine sees it: loaded at run time, every op called through the typed entry
+// points of csrc/ops.h (the dispatcher underneath), no Python. (Linking alone is not enough: nothing
+// references a symbol of the library, so the linker may drop it and its static op registrations would
+// never run.)
 #include <dlfcn.h>
 #include <torch/torch.h>
 
 #include <cstdio>
+
+#include "ops.h"
+
+namespace ops = ripplekv_ext::ops;
+
+#define CHECK(cond)                                                                \
+  do {                                                                             \
+    if (!(cond)) {                                                                 \
+      std::fprintf(stderr, "%s:%d: failed: %s\n", __FILE__, __LINE__, #cond);      \
+      return 1;                                                                    \
+    }                                                                              \
+  } while (0)
 
 int main() {
   if (dlopen(RIPPLEKV_OPS_LIBRARY, RTLD_NOW | RTLD_GLOBAL) == nullptr) {
     std::fprintf(stderr, "cannot load %s: %s\n", RIPPLEKV_OPS_LIBRARY, dlerror());
     return 1;
   }
-  auto op = c10::Dispatcher::singleton()
-                .findSchemaOrThrow("ripplekv::gather_kv", "")
-                .typed<std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const at::Tensor&,
-                                                          const at::Tensor&)>();
+  torch::manual_seed(0);
   const auto keys = torch::randn({2, 3, 17, 8});
   const auto values = torch::randn({2, 3, 17, 8});
   const auto indices = torch::randint(0, 17, {2, 3, 5}, torch::kLong);
-  const auto [k_c, v_c] = op.call(keys, values, indices);
   const auto index = indices.unsqueeze(-1).expand({-1, -1, -1, 8});
-  if (!torch::equal(k_c, keys.gather(2, index)) || !torch::equal(v_c, values.gather(2, index))) {
-    std::fprintf(stderr, "gather_kv through the dispatcher differs from torch::gather\n");
-    return 1;
+
+  // gather_kv and gather_kv_into against torch::gather.
+  const auto [k_c, v_c] = ops::gather_kv(keys, values, indices);
+  CHECK(torch::equal(k_c, keys.gather(2, index)) && torch::equal(v_c, values.gather(2, index)));
+  auto k_out = torch::empty({2, 3, 5, 8}), v_out = torch::empty({2, 3, 5, 8});
+  ops::gather_kv_into(keys, values, indices, k_out, v_out);
+  CHECK(torch::equal(k_out, k_c) && torch::equal(v_out, v_c));
+
+  // select_topk of distinct scores: the top budget - W prefix positions plus the window, ascending.
+  const auto scores = torch::randperm(12, torch::kFloat).reshape({1, 1, 12});
+  const auto kept = ops::select_topk(scores, 7, 5);
+  const auto top = std::get<0>(std::get<1>(scores.topk(2, -1)).sort(-1));
+  CHECK(torch::equal(kept, torch::cat({top, torch::arange(12, 17, torch::kLong).view({1, 1, 5})}, -1)));
+
+  // snapkv_compress = snapkv_scores -> select_topk -> gather_kv.
+  const auto q = torch::randn({2, 6, 4, 8});
+  const auto s = ops::snapkv_scores(q, keys);
+  CHECK(s.sizes() == torch::IntArrayRef({2, 3, 13}));
+  const auto [kc, vc, idx] = ops::snapkv_compress(q, keys, values, 9);
+  CHECK(torch::equal(idx, ops::select_topk(s, 9, 4)));
+  CHECK(torch::equal(kc, std::get<0>(ops::gather_kv(keys, values, idx))));
+
+  // h2o_scores: every query's attention sums to 1, so the scores of a row sum to N (mean over the group).
+  const auto h = ops::h2o_scores(torch::randn({2, 6, 17, 8}), keys);
+  CHECK(torch::allclose(h.sum(-1), torch::full({2, 3}, 17.0f), 1e-4, 1e-3));
+
+  // The packed pair equals the per-layer ops.
+  const auto [flat, offsets] = ops::select_topk_packed(torch::stack({s, s.flip(-1)}), {9, 6}, 4);
+  CHECK(torch::equal(offsets, torch::tensor({0, 9, 15}, torch::kLong)));
+  const auto [kp, vp] = ops::gather_kv_packed({keys, values}, {values, keys}, flat, offsets);
+  CHECK(torch::equal(kp.narrow(2, 0, 9), kc) && torch::equal(vp.narrow(2, 0, 9), vc));
+
+  // Errors surface as c10::Error with the op's message.
+  bool raised = false;
+  try {
+    ops::select_topk(scores, 3, 5);
+  } catch (const c10::Error& e) {
+    raised = std::string(e.what()).find("budget must be >= window") != std::string::npos;
   }
-  std::printf("ripplekv::gather_kv via dispatcher: ok\n");
+  CHECK(raised);
+  std::printf("ripplekv ops via csrc/ops.h: ok\n");
   return 0;
 }

@@ -115,3 +115,19 @@ def test_bad_input(device):
         ripplekv_ext.select_topk(bad, 6, 2)
     # Nothing to compress: NaN or a small budget do not matter when every token is kept.
     assert ripplekv_ext.select_topk(bad, 12, 2).shape == (1, 2, 12)
+
+
+@requires_cuda
+def test_cuda_rows_longer_than_2_31():
+    # 64-bit counters in the radix select (issue 13 item 15): a row of 2^31 + 64 scores.
+    n = (1 << 31) + 64
+    if torch.cuda.get_device_properties(0).total_memory < 4 * n * 2.5:
+        pytest.skip("needs about 22 GB of GPU memory")
+    scores = torch.zeros(1, 1, n, device="cuda")
+    picks = torch.tensor([5, (1 << 31) - 1, (1 << 31) + 7, n - 1], device="cuda")
+    scores[0, 0, picks] = torch.tensor([4.0, 3.0, 2.0, 1.0], device="cuda")
+    idx = ripplekv_ext.select_topk(scores, 4 + 2, 2)  # 4 prefix picks + a window of 2
+    assert idx[0, 0].tolist() == picks.tolist() + [n, n + 1]
+    # Two more: ties at 0, which go to the lowest positions, with the picks past 2^31 still in order.
+    idx = ripplekv_ext.select_topk(scores, 6 + 2, 2)
+    assert idx[0, 0, :6].tolist() == [0, 1, 5, (1 << 31) - 1, (1 << 31) + 7, n - 1]
