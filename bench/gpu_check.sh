@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # One-shot GPU check (target: under 5 minutes on one GPU): build the extension for the local GPU's
-# architecture only, run the CUDA tests and the GPU benchmarks, print a summary.
+# architecture only, run the CUDA tests (the bad-input table on CUDA tensors included), the same tests
+# under compute-sanitizer memcheck and racecheck, and the GPU benchmarks; print a summary.
 #
 #   bash bench/gpu_check.sh          (or: make gpu-check)
 set -uo pipefail
@@ -26,10 +27,29 @@ build_s=$(( $(date +%s) - start ))
 "$PY" -c "import ripplekv_ext, torch; assert ripplekv_ext.cuda_built() and torch.cuda.is_available(); print(ripplekv_ext.build_report())" || exit 1
 
 # CUDA halves of the op tests only (the parametrized device id is "cuda"), plus the CUDA-only tests.
-"$PY" -m pytest -q -p no:cacheprovider tests/test_gather_kv.py tests/test_snapkv.py tests/test_select.py \
-  tests/test_h2o.py tests/test_packed.py tests/test_streaming.py -k "cuda" >"$LOG/tests.log" 2>&1
+OP_TESTS="tests/test_gather_kv.py tests/test_gather_kv_packed.py tests/test_snapkv_scores.py tests/test_snapkv_compress.py
+  tests/test_select_topk.py tests/test_select_topk_packed.py tests/test_h2o_scores.py tests/test_streaming_indices.py
+  tests/test_ops_bad_inputs.py tests/test_opcheck.py"
+"$PY" -m pytest -q -p no:cacheprovider $OP_TESTS -k "cuda" >"$LOG/tests.log" 2>&1
 tests_rc=$?
 tests_summary=$(tail -n 1 "$LOG/tests.log")
+
+# The same CUDA tests under compute-sanitizer: out-of-bounds and misaligned accesses (memcheck) and shared-memory
+# races (racecheck). Property tests (hypothesis) and torch.compile are left out to keep this within minutes; a
+# finding makes the tool exit non-zero (--error-exitcode).
+sanitizer_summary="compute-sanitizer not found"
+sanitizer_rc=0
+if command -v compute-sanitizer >/dev/null; then
+  sanitizer_summary=""
+  for tool in memcheck racecheck; do
+    compute-sanitizer --tool "$tool" --error-exitcode 99 --target-processes all --print-limit 20 \
+      "$PY" -m pytest -q -p no:cacheprovider -x $OP_TESTS -k "cuda and not property and not compile and not opcheck" \
+      >"$LOG/sanitizer-$tool.log" 2>&1
+    rc=$?
+    [ $rc -ne 0 ] && sanitizer_rc=1
+    sanitizer_summary="$sanitizer_summary $tool: rc=$rc ($(grep -E "ERROR SUMMARY|RACECHECK SUMMARY" "$LOG/sanitizer-$tool.log" | tail -n 1));"
+  done
+fi
 
 "$PY" -m pytest -q -p no:cacheprovider bench/bench_gather_kv.py bench/bench_snapkv.py bench/bench_select.py \
   bench/bench_h2o.py -k "cuda" --benchmark-columns=min,median,rounds --benchmark-group-by=param:shape \
@@ -41,6 +61,7 @@ echo "================ gpu_check summary ================"
 echo "GPU: $gpu (sm_${arch/./}); build ${build_s}s; logs in $LOG"
 echo "CUDA tests: $tests_summary"
 [ $tests_rc -ne 0 ] && grep -E "^(FAILED|ERROR)" "$LOG/tests.log" | head -n 20
+echo "compute-sanitizer:$sanitizer_summary"
 "$PY" - "$LOG/bench.json" <<'PYEOF'
 import collections, json, sys
 try:
@@ -68,4 +89,4 @@ for (name, shape), impls in sorted(groups.items(), key=lambda x: (x[0][0], str(x
                   f"extension {info['extension_extra_MiB']:.1f} MiB (ratio {info['ratio']:.3f})")
 PYEOF
 echo "total: $(( $(date +%s) - start ))s; benchmarks rc=$bench_rc"
-exit $(( tests_rc != 0 || bench_rc != 0 ))
+exit $(( tests_rc != 0 || bench_rc != 0 || sanitizer_rc != 0 ))
