@@ -31,6 +31,7 @@ import torch
 
 from e2e_measure import (COMPRESSED_METHODS, measure_decode, measure_memory, measure_overhead,
                          measure_profile_cost)
+from e2e_batch import measure_batch, print_batch_table
 from e2e_peer import measure_peer
 from ripplekv_ext._jsonio import write_json_atomic
 from ripplekv_ext.cli.common import CliError, check_model_arg, check_output_file
@@ -38,7 +39,7 @@ from ripplekv_ext.cli.parser import OneLineErrorParser, one_retention, positive_
 from ripplekv_ext.eval.models import DEFAULT_MODEL, default_profile_path, load_model, shipped_profile_path
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"  # this harness lives in bench/ of a source checkout
-FIGURES = ("profile", "overhead", "memory", "decode", "peer")
+FIGURES = ("profile", "overhead", "memory", "decode", "peer", "batch")
 
 
 # ---- command line ------------------------------------------------------------------------------------------
@@ -129,6 +130,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="peer figure: rounds of alternately replayed compression steps for the speed ratio")
     p.add_argument("--peer-python", default=None, help="peer figure: a Python that imports kvpress (default: "
                    ".venv-peer/bin/python from `make peer-env`)")
+    p.add_argument("--batch-prompts", type=positive_int, default=8, help="batch figure: prompts in the batch")
+    p.add_argument("--batch-tokens", type=positive_int, nargs=2, default=None, metavar=("MIN", "MAX"),
+                   help="batch figure: prompt lengths, spread from MIN to MAX (1024 2048)")
+    p.add_argument("--batch-methods", type=method_name, nargs="+", default=["ripplekv"],
+                   help="batch figure: methods compressed batched and one prompt at a time")
     p.add_argument("--threads", type=positive_int, default=None, help="torch threads (default: torch's choice)")
     p.add_argument("--out", default="bench/results/e2e.json", help="JSON output (written atomically)")
     return p
@@ -140,7 +146,8 @@ def _sizes(args):
             "tokens": args.tokens or (1024 if quick else 8192),
             "prefix_len": args.prefix_len or (256 if quick else 1024),
             "cont_len": args.cont_len or (32 if quick else 64),
-            "max_examples": args.max_examples or (6 if quick else 16)}
+            "max_examples": args.max_examples or (6 if quick else 16),
+            "batch_tokens": args.batch_tokens or ([256, 512] if quick else [1024, 2048])}
 
 
 def main(argv=None) -> int:
@@ -169,8 +176,9 @@ def main(argv=None) -> int:
         results["figures"]["profile"] = fig
         if profile is None:
             profile, profile_source = fig["sensitivity"], "measured by this run's profile figure"
-    needs_profile = any(f in args.figures for f in ("overhead", "memory", "decode")) and \
-        any(m.split("+")[0] == "ripplekv" for m in args.methods)
+    needs_profile = (any(f in args.figures for f in ("overhead", "memory", "decode")) and \
+        any(m.split("+")[0] == "ripplekv" for m in args.methods)) or \
+        ("batch" in args.figures and any(m.split("+")[0] == "ripplekv" for m in args.batch_methods))
     if needs_profile and profile is None:
         log("no RippleKV profile found: measuring a small one (P=256, T=16, 4 examples)")
         profile = measure_profile_cost(model, tokenizer, 256, 16, 4)["sensitivity"]
@@ -196,6 +204,11 @@ def main(argv=None) -> int:
         results["figures"]["peer"] = measure_peer(model, tokenizer, model_dir, sizes["tokens"], retention=args.retention,
                                                   num_examples=args.peer_examples, pooling=args.peer_pooling,
                                                   step_rounds=args.peer_step_rounds, peer_python=args.peer_python)
+    if "batch" in args.figures:
+        low, high = sizes["batch_tokens"]
+        log(f"batch: {args.batch_prompts} prompts of {low}-{high} tokens, batched and one at a time")
+        results["figures"]["batch"] = measure_batch(model, tokenizer, args.batch_prompts, low, high, args.retention,
+                                                    args.new_tokens, args.batch_methods, profile, log)
     results["machine"]["load_average_at_end"] = list(os.getloadavg()) if hasattr(os, "getloadavg") else None
 
     write_json_atomic(args.out, _json_safe(results))
@@ -294,6 +307,8 @@ def print_tables(results: dict, console=None) -> None:
                       _fmt(r.get("kvpress_kl"), ".4f"), _fmt(r.get("ours_step_replay_s"), ".3f"),
                       _fmt(r.get("kvpress_step_replay_s"), ".3f"), _fmt(r.get("compression_speedup_vs_kvpress"), ".2f"))
         console.print(t)
+    if "batch" in figs:
+        print_batch_table(figs["batch"], console)
 
 
 if __name__ == "__main__":
