@@ -168,6 +168,17 @@ def test_generate_greedy_equals_each_prompt_alone(arch, policy_name):
             assert _max_diff([x[row] for x in batch.logits], [x[0] for x in alone.logits]) <= 1e-4, row
 
 
+def test_beam_search_equals_each_prompt_alone():
+    model = tiny_model("llama")
+    prompts = _prompts(lengths=(60, 120, 20))
+    ids, mask = _left_pad(prompts)
+    kwargs = dict(max_new_tokens=5, num_beams=3, do_sample=False, pad_token_id=PAD_ID)
+    with compress(model, _policies(4)["snapkv"]), torch.no_grad():
+        batch = model.generate(ids, attention_mask=mask, **kwargs)
+        for row, p in enumerate(prompts):
+            assert torch.equal(batch[row, ids.shape[1]:], model.generate(p[None], **kwargs)[0, len(p):]), row
+
+
 def _observe_kept_positions(model, policy, **generate_kwargs):
     steps = []
     with compress(model, policy, on_compress=steps.append), torch.no_grad():
