@@ -138,6 +138,19 @@ def test_each_row_equals_its_prompt_alone(arch, policy_name):
             assert isinstance(cache.layers[layer], DynamicSlidingWindowLayer)
 
 
+def test_eager_attention_batch_equals_each_prompt_alone():
+    model = tiny_model("qwen2")
+    prompts = _prompts(seed=3)
+    ids, mask = _left_pad(prompts)
+    continuation = torch.tensor([[11, 12]])
+    with compress(model, _policies(4)["pyramidkv"], attention="eager"):
+        batch_logits, batch_tokens, _ = _run(model, ids, mask, continuation, decode_steps=2)
+        for row, p in enumerate(prompts):
+            logits, tokens, _ = _run(model, p[None], None, continuation, decode_steps=2)
+            assert _max_diff(_row_logits(batch_logits, row, len(p)), logits) <= 1e-4, row
+            assert torch.equal(batch_tokens[row], tokens[0]), row
+
+
 def test_compression_changes_the_long_rows():
     # Guard against a vacuous comparison: compressed rows do differ from the full cache.
     model = tiny_model("llama")
