@@ -499,7 +499,7 @@ def _classes():
             batch, session = self._batch, self.session
             window = session.policy.window
             cu_q, cu_k = batch["cu_q"], batch["cu_k"][self.allocator.tier_of[layer_idx]]
-            for i, request_id in batch["prefilling"]:
+            for i, request_id in ([] if session.policy.is_full else batch["prefilling"]):
                 # A later chunk may hold fewer than W queries: keep this chunk's last W for it.
                 tail = query[:, :, cu_q[i]:cu_q[i + 1]]
                 previous = self._query_tail.get((request_id, layer_idx))
