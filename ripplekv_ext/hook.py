@@ -38,11 +38,12 @@ from torch import Tensor
 
 from ripplekv_ext import _compat
 from ripplekv_ext.compressor import CompressionObserver, KVCompressor
+from ripplekv_ext.masks import check_batch, end_aligned_causal, end_aligned_causal_mask, row_lengths
 from ripplekv_ext.model_info import text_config
 from ripplekv_ext.policies import Policy
 
-__all__ = ["compress", "CompressedLayer", "CompressionSession", "eager_attention", "registered_attention",
-           "unique_attention_name"]
+__all__ = ["compress", "CompressedLayer", "CompressionSession", "eager_attention", "end_aligned_causal_mask",
+           "registered_attention", "row_lengths", "unique_attention_name"]
 
 _session_ids = itertools.count()
 # model -> the CompressionSession whose block is open on it. A block switches the model's (shared) config to its
@@ -140,7 +141,7 @@ def _compressed_layer_class():
                 return None if q_len == 1 else end_aligned_causal_mask(q_len, kv_len, dtype, device)
             allowed = self.key_mask[:, None, None, :]
             if q_len > 1:
-                allowed = allowed & _end_aligned_causal(q_len, kv_len, device)
+                allowed = allowed & end_aligned_causal(q_len, kv_len, device)
             mask = torch.zeros(allowed.shape, dtype=dtype, device=device)
             return mask.masked_fill_(~allowed, torch.finfo(dtype).min)
 
@@ -152,19 +153,6 @@ def __getattr__(name):
     if name == "CompressedLayer":
         return _compressed_layer_class()
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
-def _end_aligned_causal(q_len: int, kv_len: int, device) -> Tensor:
-    # bool [q_len, kv_len]: query i sits at key position kv_len - q_len + i.
-    query_pos = torch.arange(kv_len - q_len, kv_len, device=device)[:, None]
-    return torch.arange(kv_len, device=device)[None, :] <= query_pos
-
-
-def end_aligned_causal_mask(q_len: int, kv_len: int, dtype: torch.dtype, device) -> Tensor:
-    """Additive mask ``[1, 1, q_len, kv_len]``: query ``i`` sits at key position ``kv_len - q_len + i``."""
-    allowed = _end_aligned_causal(q_len, kv_len, device)
-    mask = torch.zeros(q_len, kv_len, dtype=dtype, device=device)
-    return mask.masked_fill_(~allowed, torch.finfo(dtype).min)[None, None]
 
 
 def eager_attention(module, query: Tensor, key: Tensor, value: Tensor, attention_mask: Optional[Tensor],
@@ -210,7 +198,7 @@ class CompressionSession:
     def before_forward(self, module, args, kwargs):
         if self.policy.is_full:
             return None
-        _check_batch(args, kwargs)
+        check_batch(args, kwargs)
         self.lengths = row_lengths(kwargs.get("attention_mask"))
         cache = kwargs.get("cache", kwargs.get("past_key_values"))
         use_cache = kwargs.get("use_cache")
@@ -264,51 +252,6 @@ class CompressionSession:
         cache.layers[layer_idx] = _compressed_layer_class()(keys_c, values_c, seen_tokens=n, key_mask=key_mask)
         self.last_budgets[layer_idx] = keys_c.shape[2]
         self.last_row_kept[layer_idx] = row_kept
-
-
-def row_lengths(attention_mask) -> Optional[Tensor]:
-    """Real tokens per row (int64 ``[B]``) of a left-padded 2-D ``attention_mask``; ``None`` when nothing is padded.
-
-    Raises ``ValueError`` naming the rows for what cannot be compressed row by row: right padding (zeros after the
-    ones; decoder-only generation wants ``tokenizer.padding_side = "left"``), holes (zeros between ones), rows with
-    no real token, and masks that are not 2-D ``[batch, tokens]``.
-    """
-    if attention_mask is None or not isinstance(attention_mask, Tensor):
-        return None
-    if attention_mask.dim() != 2:
-        raise ValueError(f"attention_mask must be a 2-D [batch, tokens] mask (or None) under ripplekv_ext.compress, "
-                         f"got a {attention_mask.dim()}-D mask: custom masks cannot follow per-layer compressed "
-                         f"caches")
-    real = attention_mask.bool()
-    if bool(real.all()):
-        return None
-    n = real.shape[1]
-    lengths = real.sum(dim=1)
-    left_padded = torch.arange(n, device=real.device)[None, :] >= (n - lengths)[:, None]
-    bad = (real != left_padded).any(dim=1)
-    if bool(bad.any()):
-        right_padded = torch.arange(n, device=real.device)[None, :] < lengths[:, None]
-        right = (bad & (real == right_padded).all(dim=1)).nonzero().flatten().tolist()
-        holes = (bad & (real != right_padded).any(dim=1)).nonzero().flatten().tolist()
-        found = "; ".join(part for part in (f"right-padded rows {right}" if right else "",
-                                            f"rows with holes (zeros between ones) {holes}" if holes else "") if part)
-        raise ValueError(f"attention_mask must be left-padded under ripplekv_ext.compress (each row: zeros, then "
-                         f"ones), got {found}. Pad on the left (tokenizer.padding_side = 'left'), as decoder-only "
-                         "generation expects.")
-    empty = (lengths == 0).nonzero().flatten().tolist()
-    if empty:
-        raise ValueError(f"attention_mask rows {empty} have no real token (all zeros): nothing to attend to or "
-                         "compress; drop those rows from the batch")
-    return lengths
-
-
-def _check_batch(args, kwargs) -> None:
-    inputs = kwargs.get("input_ids", args[0] if args else None)
-    if inputs is None:
-        inputs = kwargs.get("inputs_embeds")
-    if isinstance(inputs, Tensor) and inputs.dim() >= 2 and inputs.shape[0] == 0:
-        raise ValueError("a batch of zero rows was given to a model under ripplekv_ext.compress: nothing to "
-                         "compress or generate; skip the call")
 
 
 def _configs(model) -> list:
