@@ -7,7 +7,7 @@ DEPS_STAMP := $(VENV)/.ripplekv-deps
 EDITABLE_STAMP := $(VENV)/.ripplekv-editable
 export MAX_JOBS ?= 2
 
-.PHONY: build test test-min demo bench cpp-test gpu-check peer-env clean
+.PHONY: build test test-min soak demo bench cpp-test gpu-check peer-env clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -66,6 +66,11 @@ test-min: $(MIN_DEPS_STAMP)
 	cd $(MIN_VENV) && bin/python -c "import ripplekv_ext, torch, transformers; \
 		print('testing', ripplekv_ext.__file__, 'with torch', torch.__version__, 'transformers', transformers.__version__)"
 	cd $(MIN_SRC) && ../bin/pytest -q -p no:cacheprovider $(MIN_TESTS)
+
+# Long reliability runs, outside `make test`'s time budget (issue 13): 1,000 compressed generations with flat
+# memory, and a SmolLM2 profile interrupted by SIGINT/SIGKILL resuming bit-identically. -s shows their numbers.
+soak: build
+	OMP_NUM_THREADS=$${OMP_NUM_THREADS:-1} $(PY) -m pytest -m soak -s -v tests/test_soak.py
 
 demo: build
 	$(PY) -m ripplekv_ext demo

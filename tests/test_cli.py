@@ -156,6 +156,7 @@ def test_shipped_smollm2_profile_is_package_data_for_the_bundled_model():
 @pytest.fixture
 def no_model_load(monkeypatch):
     """Fails the test if a command loads a model: its arguments must be refused first."""
+    import ripplekv_ext.cli.parser  # noqa: F401  (imported before the patch: no module keeps the patched function)
     import ripplekv_ext.eval.models as models
 
     def refuse(*args, **kwargs):
