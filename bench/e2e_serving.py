@@ -22,6 +22,7 @@ This is a harness of the source checkout, not part of the installed package.
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import platform
 import random
@@ -167,6 +168,8 @@ def measure_serving(model, tokenizer, profile, args) -> dict:
         row["policy"] = session.policy.name
         row["tiers"] = session.num_tiers
         row["requests_compressed"] = len(session.events)
+        # A request compressed twice was soft-reset by the engine under memory pressure (freed, re-prefilled).
+        row["requests_soft_reset"] = len(session.events) - len({e.request_id for e in session.events})
         row["pages_freed"] = sum(e.pages_freed for e in session.events)
         rows[name] = row
         print(_row_line(name, row), flush=True)
@@ -253,9 +256,15 @@ def measure_tiering_kl(model, tokenizer, profile, args) -> dict:
         stderr = (math.sqrt(sum((v - mean) ** 2 for v in values) / (len(values) - 1) / len(values))
                   if len(values) > 1 else float("nan"))
         rows[name] = {"kl": mean, "kl_stderr": stderr, "per_example": values}
-    exact = rows.get("ripplekv exact", {}).get("kl")
+    exact = rows.get("ripplekv exact")
     for name, row in rows.items():
-        row["kl_vs_exact"] = row["kl"] / exact if exact else float("nan")
+        row["kl_vs_exact"] = row["kl"] / exact["kl"] if exact else float("nan")
+        # Paired over the same examples: the per-example KL varies far more between texts than between methods.
+        diffs = [a - b for a, b in zip(row["per_example"], exact["per_example"])] if exact else []
+        row["kl_minus_exact"] = sum(diffs) / len(diffs) if diffs else float("nan")
+        row["kl_minus_exact_stderr"] = (
+            math.sqrt(sum((d - row["kl_minus_exact"]) ** 2 for d in diffs) / (len(diffs) - 1) / len(diffs))
+            if len(diffs) > 1 else float("nan"))
     return {"examples": args.kl_examples, "prefix_tokens": args.kl_prefix, "continuation_tokens": args.kl_cont,
             "retention": args.retention, "tiers": args.kl_tiers, "methods": rows}
 
@@ -313,12 +322,22 @@ def main(argv=None):
               "command": " ".join([Path(sys.argv[0]).name] + (argv if argv is not None else sys.argv[1:])),
               "torch": torch.__version__, "transformers": transformers.__version__,
               "machine": platform.processor() or platform.machine()}
+    # A run of some figures keeps the others already in --out (each figure records the command that made it).
+    out = Path(args.out)
+    if out.is_file():
+        previous = json.loads(out.read_text())
+        result.update({key: previous[key] for key in ("serving", "tiering_kl") if key in previous})
     start = time.perf_counter()
-    with torch.inference_mode(False), torch.no_grad():
+    with torch.no_grad():
         if "serving" in args.figures:
             result["serving"] = measure_serving(model, tokenizer, profile, args)
+            result["serving"]["command"] = result["command"]
+            result["serving"]["seconds"] = time.perf_counter() - start
         if "kl" in args.figures:
+            kl_start = time.perf_counter()
             result["tiering_kl"] = measure_tiering_kl(model, tokenizer, profile, args)
+            result["tiering_kl"]["command"] = result["command"]
+            result["tiering_kl"]["seconds"] = time.perf_counter() - kl_start
     result["seconds"] = time.perf_counter() - start
     write_json_atomic(args.out, result)
     print_tables(result)
@@ -339,9 +358,10 @@ def print_tables(result):
     kl = result.get("tiering_kl")
     if kl:
         print(f"\nTiering KL ({kl['examples']} examples, prefix {kl['prefix_tokens']}, retention {kl['retention']})")
-        print(f"{'method':<16}{'KL':>9}{'stderr':>9}{'x exact':>9}")
+        print(f"{'method':<16}{'KL':>9}{'stderr':>9}{'x exact':>9}{'- exact (paired)':>19}")
         for name, row in kl["methods"].items():
-            print(f"{name:<16}{row['kl']:>9.4f}{row['kl_stderr']:>9.4f}{row['kl_vs_exact']:>9.2f}")
+            print(f"{name:<16}{row['kl']:>9.4f}{row['kl_stderr']:>9.4f}{row['kl_vs_exact']:>9.2f}"
+                  f"{row.get('kl_minus_exact', float('nan')):>+11.4f} +- {row.get('kl_minus_exact_stderr', float('nan')):.4f}")
 
 
 if __name__ == "__main__":

@@ -187,6 +187,29 @@ def test_more_requests_fit_the_same_memory(model):
     assert compressed.peak_requests > full.peak_requests
 
 
+@needs_supported_transformers
+def test_memory_pressure_soft_resets_and_the_rest_stay_exact(model):
+    # 6 requests in a cache that cannot hold them all while they decode: the engine soft-resets some (frees them
+    # and re-prefills prompt + generated tokens, which compresses them again at the new length). Every request
+    # still completes; those never reset still equal the single-request reference.
+    g = torch.Generator().manual_seed(1)
+    texts = [torch.randint(3, 500, (60,), generator=g).tolist() for _ in range(6)]
+    config = cb.cb_config(page_size=PAGE_SIZE, num_blocks=24, max_batch_tokens=MAX_BATCH_TOKENS)
+    with cb.serve(model, Policy.snapkv(0.3, window=WINDOW)) as session:
+        outputs = model.generate_batch(texts, generation_config=generation_config(30),
+                                       continuous_batching_config=config, progress_bar=False)
+    assert [len(r.generated_tokens) for r in outputs.values()] == [30] * len(texts)
+    compressions = {}
+    for event in session.events:
+        compressions[event.request_id] = compressions.get(event.request_id, 0) + 1
+    reset = {rid for rid, count in compressions.items() if count > 1}
+    assert reset, "the cache was meant to be too small for all requests: no soft reset happened"
+    exact = [i for i, rid in enumerate(outputs) if rid not in reset]
+    assert exact
+    for i in exact:
+        assert list(outputs.values())[i].generated_tokens == reference_tokens(model, session.policy, texts[i], 30)
+
+
 # -- tiers ---------------------------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("n_tokens, retention", [(1000, 0.2), (333, 0.1), (4096, 0.3)])
