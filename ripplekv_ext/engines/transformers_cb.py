@@ -46,7 +46,7 @@ from torch import Tensor
 from ripplekv_ext.allocation import UniformAllocator
 from ripplekv_ext.compressor import CompressionObserver, KVCompressor
 from ripplekv_ext.engines.tiers import TieredAllocator
-from ripplekv_ext.hook import end_aligned_causal_mask
+from ripplekv_ext.masks import end_aligned_causal_mask
 from ripplekv_ext.model_info import compressible_layers, text_config
 from ripplekv_ext.policies import Policy
 
