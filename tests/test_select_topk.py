@@ -6,6 +6,7 @@ from hypothesis import given, settings, strategies as st
 
 import ripplekv_ext
 import ripplekv_ref
+from conftest import requires_cuda
 
 INF = float("inf")
 
