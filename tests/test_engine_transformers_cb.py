@@ -103,16 +103,19 @@ def policies():
         "snapkv": Policy.snapkv(0.3, window=WINDOW),
         "ripplekv-t3": Policy(TieredAllocator(RippleKVAllocator(SENSITIVITY), 3), ripplekv_ext.SnapKVSelector(),
                               0.3, WINDOW),
+        # Not tiered: one tier per layer (a block is one page), exact per-layer budgets.
+        "ripplekv-exact": Policy.ripplekv(SENSITIVITY, 0.3, window=WINDOW),
     }
 
 
 @needs_supported_transformers
-@pytest.mark.parametrize("name", ["snapkv", "ripplekv-t3"])
+@pytest.mark.parametrize("name", ["snapkv", "ripplekv-t3", "ripplekv-exact"])
 def test_generate_batch_tokens_equal_single_request_compress(model, policies, name):
     policy = policies[name]
     with cb.serve(model, policy) as session:
         got = run_staggered(model)
     assert session.policy is policy
+    assert session.num_tiers == {"snapkv": 1, "ripplekv-t3": 3, "ripplekv-exact": NUM_LAYERS}[name]
     for i, (n, new) in enumerate(REQUESTS):
         want = reference_tokens(model, session.policy, prompts()[i], new)
         assert got[i] == want, f"request {i} ({n} prompt tokens): engine {got[i]} != generate+compress {want}"
