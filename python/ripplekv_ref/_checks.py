@@ -52,3 +52,24 @@ def reduce_group(per_query_head: Tensor, h_kv: int, group_reduce: str) -> Tensor
     if group_reduce == "max":
         return grouped.amax(dim=2)
     raise ValueError(f"group_reduce must be 'mean' or 'max', got {group_reduce!r}")
+
+
+def check_row_values(name: str, t, b: int) -> list[int]:
+    """An int64 ``[B]`` tensor (per-row lengths or budgets) as a list of ints."""
+    if not isinstance(t, Tensor):
+        raise TypeError(f"{name} must be an int64 tensor [B], got {type(t).__name__}")
+    check_rank(name, t, 1, "[B]")
+    if t.dtype != torch.int64:
+        raise ValueError(f"{name} must be int64, got {t.dtype}")
+    if t.shape[0] != b:
+        raise ValueError(f"{name} must have B = {b} entries, got {t.shape[0]}")
+    return [int(v) for v in t.tolist()]
+
+
+def check_lengths(lengths, b: int, n: int) -> list[int]:
+    """Left padding: row ``b``'s ``n_b`` real tokens are positions ``[N - n_b, N)``, ``0 <= n_b <= N``."""
+    values = check_row_values("lengths", lengths, b)
+    for row, n_b in enumerate(values):
+        if not 0 <= n_b <= n:
+            raise ValueError(f"lengths[{row}] (real tokens of row {row}) must be in [0, N] = [0, {n}], got {n_b}")
+    return values

@@ -3,12 +3,12 @@
 import torch
 from torch import Tensor
 
-from ripplekv_ref._checks import (check_float, check_group, check_head_dim, check_int, check_rank, reduce_group,
-                                 resolve_scale)
+from ripplekv_ref._checks import (check_float, check_group, check_head_dim, check_int, check_lengths,
+                                 check_rank, reduce_group, resolve_scale)
 
 
 def h2o_scores(queries: Tensor, keys: Tensor, chunk_size: int = 1024, scale=None,
-               group_reduce: str = "mean") -> Tensor:
+               group_reduce: str = "mean", lengths=None) -> Tensor:
     """``a_{g,j} = reduce over the group of sum_{i >= j} p_{h,i,j}`` for every position ``j``.
 
     Args:
@@ -18,10 +18,23 @@ def h2o_scores(queries: Tensor, keys: Tensor, chunk_size: int = 1024, scale=None
             ``O(B * H_q * N)`` for the running sum, never ``O(N^2)`` per head.
         scale: logit scale, ``1/sqrt(D)`` when None.
         group_reduce: ``"mean"`` (the H2O definition) or ``"max"``.
+        lengths: optional int64 ``[B]``, a left-padded batch: row ``b``'s ``n_b`` real tokens are positions
+            ``[N - n_b, N)``. Each row is then scored alone on its real queries and keys (pad keys get no attention,
+            pad queries add nothing); pad positions are ``-inf``.
 
     Returns:
         float32 ``[B, H_kv, N]``. Callers slice ``[..., :N - W]`` and pass it to ``select_topk``.
     """
+    if lengths is not None:
+        h2o_scores(queries[:0], keys[:0], chunk_size, scale, group_reduce)  # checks every argument
+        b, n = keys.shape[0], keys.shape[2]
+        scores = torch.full((b, keys.shape[1], n), float("-inf"), device=keys.device)
+        for row, n_b in enumerate(check_lengths(lengths, b, n)):
+            if n_b > 0:
+                scores[row:row + 1, :, n - n_b:] = h2o_scores(queries[row:row + 1, :, n - n_b:],
+                                                              keys[row:row + 1, :, n - n_b:], chunk_size, scale,
+                                                              group_reduce)
+        return scores
     check_rank("queries", queries, 4, "[B, H_q, N, D]")
     check_rank("keys", keys, 4, "[B, H_kv, N, D]")
     check_float("queries", queries)

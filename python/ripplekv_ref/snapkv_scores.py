@@ -4,12 +4,12 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from ripplekv_ref._checks import (check_float, check_group, check_head_dim, check_int, check_rank, reduce_group,
-                                 resolve_scale)
+from ripplekv_ref._checks import (check_float, check_group, check_head_dim, check_int, check_lengths,
+                                 check_rank, reduce_group, resolve_scale)
 
 
 def snapkv_scores(q_window: Tensor, keys: Tensor, kernel_size: int = 7, pooling: str = "max",
-                  group_reduce: str = "mean", scale=None) -> Tensor:
+                  group_reduce: str = "mean", scale=None, lengths=None) -> Tensor:
     """Attention mass each prefix key receives from the observation window, pooled along positions.
 
     Args:
@@ -19,10 +19,22 @@ def snapkv_scores(q_window: Tensor, keys: Tensor, kernel_size: int = 7, pooling:
         pooling: ``"max"`` (pads with -inf) or ``"avg"`` (zero padding counted, like ``avg_pool1d``).
         group_reduce: ``"mean"`` or ``"max"`` over the ``G`` query heads sharing a KV head.
         scale: logit scale, ``1/sqrt(D)`` when None.
+        lengths: optional int64 ``[B]``, a left-padded batch: row ``b``'s ``n_b`` real tokens are positions
+            ``[N - n_b, N)``. Each row is then scored alone on ``keys[b:b+1, :, N - n_b:]``; pad positions (and every
+            position of a row with ``n_b <= W``) are ``-inf``.
 
     Returns:
         float32 ``[B, H_kv, N - W]``.
     """
+    if lengths is not None:
+        snapkv_scores(q_window[:0], keys[:0], kernel_size, pooling, group_reduce, scale)  # checks every argument
+        b, n, w = keys.shape[0], keys.shape[2], q_window.shape[2]
+        scores = torch.full((b, keys.shape[1], n - w), float("-inf"), device=keys.device)
+        for row, n_b in enumerate(check_lengths(lengths, b, n)):
+            if n_b > w:
+                scores[row:row + 1, :, n - n_b:] = snapkv_scores(q_window[row:row + 1], keys[row:row + 1, :, n - n_b:],
+                                                                 kernel_size, pooling, group_reduce, scale)
+        return scores
     check_rank("q_window", q_window, 4, "[B, H_q, W, D]")
     check_rank("keys", keys, 4, "[B, H_kv, N, D]")
     check_float("q_window", q_window)
