@@ -409,6 +409,7 @@ def cli_env(ctx, tmp_path, monkeypatch):
     (tmp_path / "broken").mkdir()
     (tmp_path / "broken" / "config.json").write_text('{"model_type": ')
     (tmp_path / "afile").write_text("not a folder")
+    (tmp_path / "p.json").write_text("{}")  # a profile file that exists (read only after the model loads)
     assert DEFAULT_MODEL == "smollm2"
     return tmp_path
 
@@ -484,6 +485,9 @@ CLI = [
     CliCase("diagnose --text missing", ["diagnose", *M, "--text", "none.jsonl"], "--text 'none.jsonl' is not a file"),
     CliCase("diagnose --profile missing", ["diagnose", *M, "--profile", "none.json"], "no profile at none.json"),
     CliCase("diagnose --model missing", ["diagnose", "--model", "nowhere"], "--model must be 'smollm2'"),
+    CliCase("diagnose --out folder", ["diagnose", *M, "--profile", "p.json", "--out", "."], "--out . is a folder"),
+    CliCase("diagnose --out-dir under a file", ["diagnose", *M, "--profile", "p.json", "--out-dir", "afile"],
+            "is a file, not a folder"),
     # eval
     CliCase("eval --methods ,", ["eval", "--methods", ","], "argument --methods: expected comma-separated names"),
     CliCase("eval --methods bogus", ["eval", "--methods", "snapkv,bogus"], "unknown method 'bogus'"),
