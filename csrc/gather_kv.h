@@ -4,6 +4,7 @@
 
 #include <ATen/ATen.h>
 
+#include <string>
 #include <tuple>
 #include <vector>
 
@@ -66,6 +67,44 @@ inline std::tuple<at::Tensor, at::Tensor> empty_gather_kv_outputs(const at::Tens
   return {at::empty(shape, keys.options()), at::empty(shape, keys.options())};
 }
 
+// Every index in [0, N), or -1: a pad slot (as in the padded indices of select_topk_rows and
+// snapkv_compress_rows), which the gather writes with zeros. Anything else raises before anything is written.
+// Returns whether some index is -1. One reduction (on CUDA one sync); the offender is located only on failure.
+inline bool check_gather_indices(const at::Tensor& indices, int64_t n, const char* op) {
+  if (indices.numel() == 0) return false;
+  const auto [lo, hi] = at::aminmax(indices);
+  const int64_t lowest = lo.item<int64_t>();
+  if (lowest >= -1 && hi.item<int64_t>() < n) return lowest == -1;
+  const at::Tensor where = at::nonzero(indices.lt(-1).logical_or(indices.ge(n)))[0].cpu();
+  at::Tensor value = indices;
+  std::string position;
+  for (int64_t d = 0; d < where.numel(); ++d) {
+    const int64_t i = where[d].item<int64_t>();
+    value = value.select(0, i);
+    position += (d ? ", " : "") + std::to_string(i);
+  }
+  TORCH_CHECK(false, op, ": indices must lie in [0, N) = [0, ", n, ") or be -1 (a pad slot, written with zeros), got ",
+              value.item<int64_t>(), " at [", position, "] (nothing was written)");
+}
+
+// The gather of checked indices. Pad slots (-1) gather position 0 (or nothing when N = 0), then are zeroed: the
+// kernels stay those of a plain gather, and only calls with pad slots pay the two extra passes.
+template <auto run>
+void gather_with_pad_slots(const at::Tensor& keys, const at::Tensor& values, const at::Tensor& indices, bool has_pad,
+                           at::Tensor& keys_out, at::Tensor& values_out) {
+  if (!has_pad) {
+    run(make_gather_kv_params(keys, values, indices, keys_out, values_out), keys.element_size());
+    return;
+  }
+  const at::Tensor pad = indices.eq(-1);
+  if (keys.size(2) > 0) {
+    const at::Tensor safe = indices.masked_fill(pad, 0);
+    run(make_gather_kv_params(keys, values, safe, keys_out, values_out), keys.element_size());
+  }
+  keys_out.masked_fill_(pad.unsqueeze(-1), 0);
+  values_out.masked_fill_(pad.unsqueeze(-1), 0);
+}
+
 // gather_kv_into: every check (shapes, devices, overlap, index range) before anything is written, so
 // a bad call leaves an engine's preallocated cache as it was.
 template <auto run>
@@ -74,10 +113,10 @@ void gather_kv_into_op(const at::Tensor& keys, const at::Tensor& values, const a
   constexpr const char* op = "gather_kv_into";
   check_gather_kv_inputs(keys, values, indices, op);
   check_gather_kv_outputs(keys, values, indices, keys_out, values_out, op);
-  check_indices_in_range(indices, keys.size(2), op, "indices");
+  const bool has_pad = check_gather_indices(indices, keys.size(2), op);
   if (keys_out.numel() == 0) return;
   const c10::OptionalDeviceGuard guard(keys.device());
-  run(make_gather_kv_params(keys, values, indices, keys_out, values_out), keys.element_size());
+  gather_with_pad_slots<run>(keys, values, indices, has_pad, keys_out, values_out);
 }
 
 template <auto run>
@@ -85,11 +124,10 @@ std::tuple<at::Tensor, at::Tensor> gather_kv_op(const at::Tensor& keys, const at
                                                 const at::Tensor& indices) {
   constexpr const char* op = "gather_kv";
   check_gather_kv_inputs(keys, values, indices, op);
-  check_indices_in_range(indices, keys.size(2), op, "indices");
+  const bool has_pad = check_gather_indices(indices, keys.size(2), op);
   const c10::OptionalDeviceGuard guard(keys.device());
   auto [keys_out, values_out] = empty_gather_kv_outputs(keys, indices);
-  if (keys_out.numel() > 0)
-    run(make_gather_kv_params(keys, values, indices, keys_out, values_out), keys.element_size());
+  if (keys_out.numel() > 0) gather_with_pad_slots<run>(keys, values, indices, has_pad, keys_out, values_out);
   return {keys_out, values_out};
 }
 

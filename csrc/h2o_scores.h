@@ -5,12 +5,15 @@
 #include <ATen/ATen.h>
 
 #include <cmath>
+#include <limits>
+#include <vector>
 #include <optional>
 #include <string_view>
 
 #include <c10/core/DeviceGuard.h>
 
 #include "checks.h"
+#include "rows.h"
 #include "ripplekv/h2o_scores.h"
 
 namespace ripplekv_ext {
@@ -54,15 +57,34 @@ inline ripplekv::H2OScoresParams make_h2o_scores_params(const at::Tensor& querie
   return p;
 }
 
+// With lengths (a left-padded batch, csrc/rows.h), row b is scored alone on its real queries and keys
+// [N - n_b, N): pad keys get no attention, pad queries contribute nothing; pad positions hold -inf.
 template <auto run>
 at::Tensor h2o_scores_op(const at::Tensor& queries, const at::Tensor& keys, int64_t chunk_size,
-                         std::optional<double> scale, c10::string_view group_reduce) {
+                         std::optional<double> scale, c10::string_view group_reduce,
+                         const std::optional<at::Tensor>& lengths) {
   constexpr const char* op = "h2o_scores";
   check_h2o_inputs(queries, keys, chunk_size, op);
+  const int64_t B = keys.size(0), N = keys.size(2);
+  const std::vector<int64_t> n = lengths.has_value() ? read_row_lengths(*lengths, B, N, keys.device(), op)
+                                                     : std::vector<int64_t>();
   const c10::OptionalDeviceGuard guard(keys.device());
-  auto scores = at::empty({keys.size(0), keys.size(1), keys.size(2)}, keys.options().dtype(at::kFloat));
-  const auto p = make_h2o_scores_params(queries, keys, scores, chunk_size, scale, group_reduce, op);
-  if (scores.numel() > 0) run(p, keys.scalar_type());
+  auto scores = at::empty({B, keys.size(1), N}, keys.options().dtype(at::kFloat));
+  if (!lengths.has_value()) {
+    const auto p = make_h2o_scores_params(queries, keys, scores, chunk_size, scale, group_reduce, op);
+    if (scores.numel() > 0) run(p, keys.scalar_type());
+    return scores;
+  }
+  parse_group_reduce(group_reduce, op);
+  scores.fill_(-std::numeric_limits<float>::infinity());
+  for (int64_t b = 0; b < B; ++b) {
+    if (n[b] == 0 || scores.numel() == 0) continue;
+    at::Tensor row_scores = scores.narrow(0, b, 1).narrow(2, N - n[b], n[b]);
+    const auto p = make_h2o_scores_params(queries.narrow(0, b, 1).narrow(2, N - n[b], n[b]),
+                                          keys.narrow(0, b, 1).narrow(2, N - n[b], n[b]), row_scores, chunk_size,
+                                          scale, group_reduce, op);
+    run(p, keys.scalar_type());
+  }
   return scores;
 }
 

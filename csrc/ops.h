@@ -39,19 +39,32 @@ inline void gather_kv_into(const at::Tensor& keys, const at::Tensor& values, con
   op.call(keys, values, indices, keys_out, values_out);
 }
 
-// q_window: [B, H_q, W, D], keys: [B, H_kv, N, D] -> float32 [B, H_kv, N - W].
+// q_window: [B, H_q, W, D], keys: [B, H_kv, N, D] -> float32 [B, H_kv, N - W]. lengths: int64 [B] real tokens
+// of a left-padded batch (each row scored alone, pad positions -inf), or nullopt.
 inline at::Tensor snapkv_scores(const at::Tensor& q_window, const at::Tensor& keys, int64_t kernel_size = 7,
                                 std::string_view pooling = "max", std::string_view group_reduce = "mean",
-                                std::optional<double> scale = std::nullopt) {
-  static const auto op = detail::find<at::Tensor(const at::Tensor&, const at::Tensor&, int64_t, c10::string_view,
-                                                 c10::string_view, std::optional<double>)>("ripplekv::snapkv_scores");
-  return op.call(q_window, keys, kernel_size, pooling, group_reduce, scale);
+                                std::optional<double> scale = std::nullopt,
+                                const std::optional<at::Tensor>& lengths = std::nullopt) {
+  static const auto op =
+      detail::find<at::Tensor(const at::Tensor&, const at::Tensor&, int64_t, c10::string_view, c10::string_view,
+                              std::optional<double>, const std::optional<at::Tensor>&)>("ripplekv::snapkv_scores");
+  return op.call(q_window, keys, kernel_size, pooling, group_reduce, scale, lengths);
 }
 
 // scores: float32 [B, H_kv, N - W] -> int64 [B, H_kv, min(budget, N)], ascending.
 inline at::Tensor select_topk(const at::Tensor& scores, int64_t budget, int64_t window) {
   static const auto op = detail::find<at::Tensor(const at::Tensor&, int64_t, int64_t)>("ripplekv::select_topk");
   return op.call(scores, budget, window);
+}
+
+// scores: float32 [B, H_kv, N - W], budgets and lengths: int64 [B] (left padding: row b's real tokens are
+// [N - lengths[b], N)) -> int64 [B, H_kv, C_max], row b's C_b = min(budgets[b], lengths[b]) kept positions ascending
+// in its last C_b slots, -1 before them.
+inline at::Tensor select_topk_rows(const at::Tensor& scores, const at::Tensor& budgets, int64_t window,
+                                   const at::Tensor& lengths) {
+  static const auto op = detail::find<at::Tensor(const at::Tensor&, const at::Tensor&, int64_t, const at::Tensor&)>(
+      "ripplekv::select_topk_rows");
+  return op.call(scores, budgets, window, lengths);
 }
 
 // -> (K_c, V_c, indices) with budget tokens per KV head, window included.
@@ -65,12 +78,26 @@ inline std::tuple<at::Tensor, at::Tensor, at::Tensor> snapkv_compress(
   return op.call(q_window, keys, values, budget, kernel_size, pooling, group_reduce, scale);
 }
 
-// queries: [B, H_q, N, D], keys: [B, H_kv, N, D] -> float32 [B, H_kv, N].
+// The per-row SnapKV compression of a left-padded batch -> (K_c, V_c [B, H_kv, C_max, D], indices as
+// select_topk_rows'); pad slots hold zeros.
+inline std::tuple<at::Tensor, at::Tensor, at::Tensor> snapkv_compress_rows(
+    const at::Tensor& q_window, const at::Tensor& keys, const at::Tensor& values, const at::Tensor& budgets,
+    const at::Tensor& lengths, int64_t kernel_size = 7, std::string_view pooling = "max",
+    std::string_view group_reduce = "mean", std::optional<double> scale = std::nullopt) {
+  static const auto op = detail::find<std::tuple<at::Tensor, at::Tensor, at::Tensor>(
+      const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t,
+      c10::string_view, c10::string_view, std::optional<double>)>("ripplekv::snapkv_compress_rows");
+  return op.call(q_window, keys, values, budgets, lengths, kernel_size, pooling, group_reduce, scale);
+}
+
+// queries: [B, H_q, N, D], keys: [B, H_kv, N, D] -> float32 [B, H_kv, N]. lengths: as for snapkv_scores.
 inline at::Tensor h2o_scores(const at::Tensor& queries, const at::Tensor& keys, int64_t chunk_size = 1024,
-                             std::optional<double> scale = std::nullopt, std::string_view group_reduce = "mean") {
+                             std::optional<double> scale = std::nullopt, std::string_view group_reduce = "mean",
+                             const std::optional<at::Tensor>& lengths = std::nullopt) {
   static const auto op = detail::find<at::Tensor(const at::Tensor&, const at::Tensor&, int64_t, std::optional<double>,
-                                                 c10::string_view)>("ripplekv::h2o_scores");
-  return op.call(queries, keys, chunk_size, scale, group_reduce);
+                                                 c10::string_view, const std::optional<at::Tensor>&)>(
+      "ripplekv::h2o_scores");
+  return op.call(queries, keys, chunk_size, scale, group_reduce, lengths);
 }
 
 // scores: float32 [L, B, H_kv, N - W], budgets [L] -> (int64 [B, H_kv, sum_l C_l], offsets int64 [L + 1]).

@@ -5,6 +5,7 @@
 #include <ATen/ATen.h>
 
 #include <cmath>
+#include <limits>
 #include <optional>
 #include <string_view>
 #include <tuple>
@@ -12,6 +13,7 @@
 #include <c10/core/DeviceGuard.h>
 
 #include "checks.h"
+#include "rows.h"
 #include "select_topk.h"
 #include "ripplekv/snapkv_scores.h"
 
@@ -86,19 +88,38 @@ inline ripplekv::SnapKVScoresParams make_snapkv_scores_params(const at::Tensor& 
 }
 
 // run(params, dtype): the pooled scores of params.scores (non-empty).
+// With lengths (a left-padded batch, csrc/rows.h), row b is scored alone on its real keys [N - n_b, N) (softmax
+// over them only, pooling padded at the row's own boundary); pad positions and rows with n_b <= W hold -inf.
 template <auto run>
 at::Tensor snapkv_scores_op(const at::Tensor& q_window, const at::Tensor& keys, int64_t kernel_size,
-                            c10::string_view pooling, c10::string_view group_reduce, std::optional<double> scale) {
+                            c10::string_view pooling, c10::string_view group_reduce, std::optional<double> scale,
+                            const std::optional<at::Tensor>& lengths) {
   constexpr const char* op = "snapkv_scores";
   check_window_inputs(q_window, keys, op);
   check_window_below_n(q_window, keys, op);
   check_kernel_size(kernel_size, op);
+  const int64_t B = keys.size(0), N = keys.size(2), W = q_window.size(2);
+  const std::vector<int64_t> n = lengths.has_value() ? read_row_lengths(*lengths, B, N, keys.device(), op)
+                                                     : std::vector<int64_t>();
   const c10::OptionalDeviceGuard guard(keys.device());
-  auto scores = at::empty({keys.size(0), keys.size(1), keys.size(2) - q_window.size(2)},
-                          keys.options().dtype(at::kFloat));
-  const auto p = make_snapkv_scores_params(q_window, keys, scores.data_ptr<float>(), strides3(scores), kernel_size,
-                                           pooling, group_reduce, scale, op);
-  if (scores.numel() > 0) run(p, keys.scalar_type());
+  auto scores = at::empty({B, keys.size(1), N - W}, keys.options().dtype(at::kFloat));
+  if (!lengths.has_value()) {
+    const auto p = make_snapkv_scores_params(q_window, keys, scores.data_ptr<float>(), strides3(scores), kernel_size,
+                                             pooling, group_reduce, scale, op);
+    if (scores.numel() > 0) run(p, keys.scalar_type());
+    return scores;
+  }
+  parse_pooling(pooling, op);
+  parse_group_reduce(group_reduce, op);
+  scores.fill_(-std::numeric_limits<float>::infinity());
+  for (int64_t b = 0; b < B; ++b) {
+    if (n[b] <= W || scores.numel() == 0) continue;
+    const at::Tensor row_keys = keys.narrow(0, b, 1).narrow(2, N - n[b], n[b]);
+    at::Tensor row_scores = scores.narrow(0, b, 1).narrow(2, N - n[b], n[b] - W);
+    const auto p = make_snapkv_scores_params(q_window.narrow(0, b, 1), row_keys, row_scores.data_ptr<float>(),
+                                             strides3(row_scores), kernel_size, pooling, group_reduce, scale, op);
+    run(p, keys.scalar_type());
+  }
   return scores;
 }
 

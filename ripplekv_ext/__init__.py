@@ -2,8 +2,8 @@
 
 from ripplekv_ext._library import build_report, cuda_built, cuda_version
 from ripplekv_ext.ops import gather_kv
-from ripplekv_ext.ops import (gather_kv_packed, h2o_scores, select_topk, select_topk_packed, snapkv_compress,
-                              snapkv_scores, streaming_indices)
+from ripplekv_ext.ops import (gather_kv_packed, h2o_scores, select_topk, select_topk_packed, select_topk_rows,
+                              snapkv_compress, snapkv_compress_rows, snapkv_scores, streaming_indices)
 from ripplekv_ext.allocation import PyramidKVAllocator, RippleKVAllocator, UniformAllocator
 from ripplekv_ext.policies import H2OSelector, Policy, SnapKVSelector, StreamingLLMSelector
 from ripplekv_ext.compressor import CompressionStep, KVCompressor
@@ -12,6 +12,7 @@ from ripplekv_ext.hook import compress
 __version__ = "0.1.0"
 
 __all__ = ["build_report", "cuda_built", "cuda_version", "gather_kv", "gather_kv_packed", "h2o_scores", "select_topk",
-           "select_topk_packed", "snapkv_compress", "snapkv_scores", "streaming_indices",
+           "select_topk_packed", "select_topk_rows", "snapkv_compress", "snapkv_compress_rows", "snapkv_scores",
+           "streaming_indices",
            "UniformAllocator", "PyramidKVAllocator", "RippleKVAllocator", "Policy", "SnapKVSelector", "H2OSelector",
            "StreamingLLMSelector", "KVCompressor", "CompressionStep", "compress"]

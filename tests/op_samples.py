@@ -35,6 +35,8 @@ def gather_kv(device):
     out.append(("strided indices", (k, v, _indices(2, 3, 14, 20, device)[:, :, ::2])))
     out.append(("empty batch", (k[:0], v[:0], _indices(0, 3, 7, 20, device))))
     out.append(("no index", (k, v, _indices(2, 3, 0, 20, device))))
+    out.append(("pad slots (-1)", (k, v, _indices(2, 3, 7, 20, device).index_fill(2, torch.tensor([0, 1], device=device),
+                                                                                  -1))))
     return out
 
 
@@ -61,6 +63,31 @@ def snapkv_scores(device):
     out.append(("no pooling", (q, k, 1, "max", "mean", None)))
     out.append(("bnhd", (_bnhd(q), _bnhd(k), 5, "max", "mean", None)))
     out.append(("empty batch", (q[:0], k[:0], 7, "max", "mean", None)))
+    out.append(("lengths", (q, k, 7, "max", "mean", None, torch.tensor([40, 17], device=device))))
+    out.append(("lengths on cpu, short row", (_bnhd(q), _bnhd(k), 5, "avg", "max", None, torch.tensor([3, 40]))))
+    return out
+
+
+def _lengths_and_budgets(lengths, budgets, device):
+    return (torch.tensor(budgets, dtype=torch.int64, device=device), torch.tensor(lengths, dtype=torch.int64, device=device))
+
+
+def snapkv_compress_rows(device):
+    out = []
+    for dtype in FLOAT_DTYPES:
+        q, k, v = (_rand(3, 4, 4, 16, device=device, dtype=dtype), _rand(3, 2, 40, 16, device=device, dtype=dtype, seed=1),
+                   _rand(3, 2, 40, 16, device=device, dtype=dtype, seed=2))
+        out.append((f"{dtype}", (q, k, v, *_lengths_and_budgets([40, 25, 9], [12, 20, 9], device), 7, "max", "mean",
+                                 None)))
+    q, k, v = (_rand(3, 4, 4, 16, device=device), _rand(3, 2, 40, 16, device=device, seed=1),
+               _rand(3, 2, 40, 16, device=device, seed=2))
+    out.append(("all-pad and short rows", (q, k, v, *_lengths_and_budgets([0, 40, 2], [8, 4, 8], device), 7, "max",
+                                           "mean", None)))
+    out.append(("avg, group max, scale", (q, k, v, *_lengths_and_budgets([40, 30, 20], [10, 10, 10], device), 3, "avg",
+                                          "max", 0.5)))
+    out.append(("bnhd", (_bnhd(q), _bnhd(k), _bnhd(v), *_lengths_and_budgets([33, 40, 12], [10, 9, 8], device), 7,
+                         "max", "mean", None)))
+    out.append(("empty batch", (q[:0], k[:0], v[:0], *_lengths_and_budgets([], [], device), 7, "max", "mean", None)))
     return out
 
 
@@ -89,6 +116,19 @@ def select_topk(device):
     return out
 
 
+def select_topk_rows(device):
+    def args(scores, lengths, budgets, where=device):
+        return (scores, torch.tensor(budgets, dtype=torch.int64, device=where), 4,
+                torch.tensor(lengths, dtype=torch.int64, device=where))
+
+    s = _rand(3, 2, 30, device=device)
+    return [("budgets by row", args(s, [34, 20, 10], [10, 15, 10])),
+            ("all-pad, whole and short rows", args(s, [0, 12, 3], [10, 34, 8])),
+            ("lengths on cpu", args(s, [34, 34, 30], [12, 12, 12], where="cpu")),
+            ("strided", args(_rand(3, 2, 60, device=device)[:, :, ::2], [34, 31, 5], [6, 7, 4])),
+            ("empty batch", args(s[:0], [], []))]
+
+
 def h2o_scores(device):
     out = []
     for dtype in FLOAT_DTYPES:
@@ -98,6 +138,8 @@ def h2o_scores(device):
     out.append(("chunks, scale, group max", (q, k, 5, 0.3, "max")))
     out.append(("bnhd", (_bnhd(q), _bnhd(k), 8, None, "mean")))
     out.append(("empty batch", (q[:0], k[:0], 8, None, "mean")))
+    out.append(("lengths", (q, k, 5, None, "mean", torch.tensor([24, 9], device=device))))
+    out.append(("lengths, all-pad row", (_bnhd(q), _bnhd(k), 8, 0.3, "max", torch.tensor([0, 24]))))
     return out
 
 
@@ -122,7 +164,7 @@ def gather_kv_packed(device):
 
 
 SAMPLES = {f.__name__: f for f in (gather_kv, gather_kv_into, snapkv_scores, snapkv_compress, select_topk, h2o_scores,
-                                   select_topk_packed, gather_kv_packed)}
+                                   select_topk_packed, gather_kv_packed, select_topk_rows, snapkv_compress_rows)}
 
 
 def samples(op: str, device):

@@ -139,12 +139,13 @@ def test_bad_device_mix():
         ripplekv_ext.gather_kv(k, v, i.cpu())
 
 
-@pytest.mark.parametrize("bad_index", [-1, 10, 1 << 40])
+@pytest.mark.parametrize("bad_index", [-2, 10, 1 << 40])
 def test_index_out_of_range(bad_index, device):
     # On CUDA too: checked before the launch (no device trap that would poison the CUDA context).
     k, v, i = make_inputs(1, 2, 10, 4, 3, torch.float32, device)
     i[0, 1, 2] = bad_index
-    with pytest.raises(RuntimeError, match=re.escape(f"indices must lie in [0, N) = [0, 10), got {bad_index} at [0, 1, 2]")):
+    with pytest.raises(RuntimeError, match=re.escape(f"indices must lie in [0, N) = [0, 10) or be -1 (a pad slot, written "
+                                                     f"with zeros), got {bad_index} at [0, 1, 2]")):
         ripplekv_ext.gather_kv(k, v, i)
     # The process (and on CUDA the context) is still usable.
     i[0, 1, 2] = 9
@@ -160,3 +161,32 @@ def test_bad_output_buffers():
         ripplekv_ext.gather_kv(k, v, i, out=(good, good.half()))
     with pytest.raises(RuntimeError, match=r"keys_out must not share memory with values_out"):
         ripplekv_ext.gather_kv(k, v, i, out=(good, good))
+
+
+def test_minus_one_writes_zeros(dtype, device):
+    # -1 marks a pad slot (the padded output of select_topk_rows / snapkv_compress_rows): zeros, in both forms.
+    k, v, i = make_inputs(2, 3, 10, 8, 5, dtype, device)
+    i[0, 1, :2] = -1
+    i[1, :, 0] = -1
+    expected = ripplekv_ref.gather_kv(k, v, i)
+    assert bool((expected[0][0, 1, :2] == 0).all())
+    for got in (ripplekv_ext.gather_kv(k, v, i),
+                ripplekv_ext.gather_kv(k, v, i, out=(torch.full_like(expected[0], 7), torch.full_like(expected[1], 7)))):
+        assert torch.equal(got[0], expected[0]) and torch.equal(got[1], expected[1])
+
+
+def test_only_pad_slots_of_an_empty_cache(device):
+    k = torch.empty(1, 2, 0, 4, device=device)
+    i = torch.full((1, 2, 3), -1, dtype=torch.int64, device=device)
+    k_c, v_c = ripplekv_ext.gather_kv(k, k.clone(), i)
+    assert k_c.shape == (1, 2, 3, 4) and bool((k_c == 0).all()) and bool((v_c == 0).all())
+
+
+def test_bad_index_with_pad_slots_writes_nothing(device):
+    k, v, i = make_inputs(1, 2, 10, 4, 3, torch.float32, device)
+    i[0, 0, 0] = -1
+    i[0, 1, 2] = -3
+    keys_out, values_out = torch.full((1, 2, 3, 4), 5.0, device=device), torch.full((1, 2, 3, 4), 5.0, device=device)
+    with pytest.raises(RuntimeError, match=re.escape("got -3 at [0, 1, 2] (nothing was written)")):
+        ripplekv_ext.gather_kv(k, v, i, out=(keys_out, values_out))
+    assert bool((keys_out == 5).all()) and bool((values_out == 5).all())

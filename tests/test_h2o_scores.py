@@ -27,6 +27,23 @@ def test_matches_reference(shape, chunk_size, dtype, device):
     torch.testing.assert_close(ours, ripplekv_ref.h2o_scores(q, k, chunk_size), **TOL)
 
 
+@pytest.mark.parametrize("lengths", [[50, 31, 1, 0], [50, 50]], ids=["padded", "no padding"])
+def test_lengths_equal_each_row_alone(lengths, dtype, device):
+    n = 50
+    q, k = make(len(lengths), 4, 2, n, 16, dtype, "cpu", seed=2)
+    for b, n_b in enumerate(lengths):  # pads: never read
+        q[b, :, : n - n_b] = float("nan")
+        k[b, :, : n - n_b] = float("nan")
+    q, k = q.to(device), k.to(device)
+    ours = ripplekv_ext.h2o_scores(q, k, 7, lengths=torch.tensor(lengths))
+    torch.testing.assert_close(ours, ripplekv_ref.h2o_scores(q, k, 7, lengths=torch.tensor(lengths)), **TOL)
+    for b, n_b in enumerate(lengths):
+        assert bool(torch.isneginf(ours[b, :, : n - n_b]).all())
+        if n_b > 0:
+            alone = ripplekv_ext.h2o_scores(q[b:b + 1, :, n - n_b:], k[b:b + 1, :, n - n_b:], 7)
+            torch.testing.assert_close(ours[b:b + 1, :, n - n_b:], alone, **TOL)
+
+
 def test_options(device):
     q, k = make(1, 4, 2, 60, 8, torch.float32, device, seed=4)
     for scale, reduce in ((0.5, "max"), (None, "mean"), (3.0, "mean")):

@@ -175,10 +175,15 @@ CASES = [
         d, keys_out=lambda k, v: torch.zeros(1, 1, 1, 4, device=d).expand(2, 2, 3, 4)),
          error=(RuntimeError, "keys_out must not have elements that share memory")),
     Case("gather_kv out-of-range index in the last row", lambda d: _gather_into(d, bad_index=True),
-         error=(RuntimeError, "indices must lie in [0, N) = [0, 10), got 10 at [1, 1, 2] (nothing was written)")),
+         error=(RuntimeError, "indices must lie in [0, N) = [0, 10) or be -1 (a pad slot, written with zeros), got 10 "
+                              "at [1, 1, 2] (nothing was written)")),
     Case("gather_kv negative index", lambda d: rk.gather_kv(rand(1, 2, 10, 4, device=d), rand(1, 2, 10, 4, device=d),
-                                                            torch.tensor([[[0, -1], [2, 3]]], device=d)),
-         error=(RuntimeError, "indices must lie in [0, N) = [0, 10), got -1 at [0, 0, 1]")),
+                                                            torch.tensor([[[0, -2], [2, 3]]], device=d)),
+         error=(RuntimeError, "indices must lie in [0, N) = [0, 10) or be -1 (a pad slot, written with zeros), got -2 "
+                              "at [0, 0, 1]")),
+    Case("gather_kv index -1 (a pad slot)", lambda d: rk.gather_kv(
+        rand(1, 2, 10, 4, device=d), rand(1, 2, 10, 4, device=d), torch.tensor([[[-1, 5], [2, 3]]], device=d)),
+         shapes=[(1, 2, 2, 4)] * 2, check=lambda d, r: bool((r[0][0, 0, 0] == 0).all()) and bool((r[1][0, 0, 0] == 0).all())),
     Case("gather_kv_packed out-of-range index", lambda d: _packed_gather(d, bad_index=True),
          error=(RuntimeError, "indices_flat must lie in [0, N) = [0, 12), got -1")),
     Case("gather_kv_packed offsets[0] != 0", lambda d: _packed_gather(d, offsets=[1, 3, 7]),
@@ -187,6 +192,49 @@ CASES = [
          error=(RuntimeError, "offsets must be non-decreasing")),
     Case("gather_kv_packed offsets[L] != total", lambda d: _packed_gather(d, offsets=[0, 3, 6]),
          error=(RuntimeError, "offsets[L] must equal indices_flat dim 2 (7), got 6")),
+
+    # Per-row ops of left-padded batches (issue 14): lengths and budgets int64 [B], one per row.
+    Case("select_topk_rows B=0", lambda d: rk.select_topk_rows(rand(0, 2, 40, device=d), torch.zeros(0, dtype=torch.long),
+                                                               4, torch.zeros(0, dtype=torch.long)), shapes=[(0, 2, 0)]),
+    Case("snapkv_compress_rows B=0", lambda d: rk.snapkv_compress_rows(
+        rand(0, 4, 8, 16, device=d), rand(0, 2, 64, 16, device=d), rand(0, 2, 64, 16, device=d),
+        torch.zeros(0, dtype=torch.long), torch.zeros(0, dtype=torch.long)),
+         shapes=[(0, 2, 0, 16), (0, 2, 0, 16), (0, 2, 0)]),
+    Case("select_topk_rows every row all-pad", lambda d: rk.select_topk_rows(
+        rand(2, 2, 40, device=d), torch.tensor([10, 10]), 4, torch.tensor([0, 0])), shapes=[(2, 2, 0)]),
+    Case("select_topk_rows budget below window", lambda d: rk.select_topk_rows(
+        rand(2, 2, 40, device=d), torch.tensor([10, 3]), 4, torch.tensor([44, 30])),
+         error=(RuntimeError, "budgets[1] must be >= window (4) when row 1 is compressed")),
+    Case("select_topk_rows length above N", lambda d: rk.select_topk_rows(
+        rand(2, 2, 40, device=d), torch.tensor([10, 10]), 4, torch.tensor([45, 30])),
+         error=(RuntimeError, "lengths[0] (real tokens of row 0) must be in [0, N] = [0, 44], got 45")),
+    Case("select_topk_rows budgets of another size", lambda d: rk.select_topk_rows(
+        rand(2, 2, 40, device=d), torch.tensor([10]), 4, torch.tensor([44, 30])),
+         error=(RuntimeError, "budgets dim 0 (B) must be 2, got 1")),
+    Case("select_topk_rows lengths on the meta device", lambda d: rk.select_topk_rows(
+        rand(2, 2, 40, device=d), torch.tensor([10, 10]), 4, torch.tensor([44, 30], device="meta")),
+         error=(RuntimeError, "lengths must be on the CPU or on the device of the data")),
+    Case("snapkv_compress_rows budget below window", lambda d: rk.snapkv_compress_rows(
+        rand(2, 4, 8, 16, device=d), rand(2, 2, 64, 16, device=d), rand(2, 2, 64, 16, device=d),
+        torch.tensor([20, 5]), torch.tensor([64, 30])),
+         error=(RuntimeError, "budgets[1] must be >= window (8) when row 1 is compressed")),
+    Case("snapkv_scores lengths above N", lambda d: rk.snapkv_scores(
+        rand(1, 4, 8, 16, device=d), rand(1, 2, 64, 16, device=d), lengths=torch.tensor([65])),
+         error=(RuntimeError, "lengths[0] (real tokens of row 0) must be in [0, N] = [0, 64], got 65")),
+    Case("h2o_scores lengths of another size", lambda d: rk.h2o_scores(
+        rand(1, 4, 32, 8, device=d), rand(1, 2, 32, 8, device=d), lengths=torch.tensor([32, 32])),
+         error=(RuntimeError, "lengths dim 0 (B) must be 1, got 2")),
+    Case("select_topk_rows NaN in a compressed row", lambda d: rk.select_topk_rows(
+        nan_at(rand(2, 2, 40, device=d), 1, 0, 30), torch.tensor([10, 10]), 4, torch.tensor([44, 30])),
+         error=(RuntimeError, "scores must not contain NaN, got NaN in batch row 1 (KV head 0, position 30)")),
+    Case("snapkv_compress_rows NaN in a real key", lambda d: rk.snapkv_compress_rows(
+        rand(2, 4, 8, 16, device=d), nan_at(rand(2, 2, 64, 16, device=d), 1, 0, 40, 0), rand(2, 2, 64, 16, device=d),
+        torch.tensor([20, 20]), torch.tensor([64, 30])),
+         error=(RuntimeError, "scores must not contain NaN, got NaN in batch row 1")),
+    Case("snapkv_compress_rows NaN in a pad key", lambda d: rk.snapkv_compress_rows(
+        rand(2, 4, 8, 16, device=d), nan_at(rand(2, 2, 64, 16, device=d), 1, 0, 10, 0), rand(2, 2, 64, 16, device=d),
+        torch.tensor([20, 20]), torch.tensor([64, 30])),
+         shapes=[(2, 2, 20, 16), (2, 2, 20, 16), (2, 2, 20)], check=lambda d, r: not bool(torch.isnan(r[0]).any())),
 
     # NaN policy: scoring ops propagate NaN into the scores; every selection raises, naming the row.
     Case("snapkv_scores NaN in a window key", lambda d: rk.snapkv_scores(

@@ -98,6 +98,51 @@ def test_non_contiguous(layout, device):
     torch.testing.assert_close(ripplekv_ext.snapkv_scores(q, k), ripplekv_ref.snapkv_scores(q, k), **SCORE_TOL)
 
 
+LENGTHS_CASES = {  # name: (N, W, lengths)
+    "rows of different lengths": (60, 6, [60, 45, 20, 7]),
+    "all-pad and short rows": (40, 8, [0, 40, 8, 3]),
+    "no padding": (30, 4, [30, 30]),
+}
+
+
+@pytest.mark.parametrize("case", list(LENGTHS_CASES))
+@pytest.mark.parametrize("pooling", ["max", "avg"])
+def test_scores_with_lengths_equal_each_row_alone(case, pooling, dtype, device):
+    n, w, lengths = LENGTHS_CASES[case]
+    q, k, _ = make_window(len(lengths), 6, 2, w, n, 16, dtype, "cpu", seed=7)
+    for b, n_b in enumerate(lengths):
+        k[b, :, : n - n_b] = float("nan")  # pads: never read
+    q, k = q.to(device), k.to(device)
+    ours = ripplekv_ext.snapkv_scores(q, k, pooling=pooling, lengths=torch.tensor(lengths))
+    assert ours.shape == (len(lengths), 2, n - w) and ours.dtype == torch.float32
+    torch.testing.assert_close(ours, ripplekv_ref.snapkv_scores(q, k, pooling=pooling, lengths=torch.tensor(lengths)),
+                               **SCORE_TOL)
+    for b, n_b in enumerate(lengths):
+        assert bool(torch.isneginf(ours[b, :, : max(0, min(n - n_b, n - w))]).all())
+        if n_b > w:  # the row alone: softmax over its real keys, pooling padded at its own boundary
+            alone = ripplekv_ext.snapkv_scores(q[b:b + 1], k[b:b + 1, :, n - n_b:], pooling=pooling)
+            torch.testing.assert_close(ours[b:b + 1, :, n - n_b:], alone, **SCORE_TOL)
+        else:
+            assert bool(torch.isneginf(ours[b]).all())
+
+
+def test_scores_with_lengths_non_contiguous_and_lists(device):
+    q, k, _ = make_window(2, 4, 2, 5, 50, 16, torch.float32, device, seed=8)
+    q, k = q.transpose(1, 2).contiguous().transpose(1, 2), torch.cat([k, k], -1)[..., ::2]
+    ours = ripplekv_ext.snapkv_scores(q, k, lengths=[50, 23])
+    torch.testing.assert_close(ours, ripplekv_ref.snapkv_scores(q, k, lengths=torch.tensor([50, 23])), **SCORE_TOL)
+
+
+def test_scores_with_bad_lengths(device):
+    q, k, _ = make_window(2, 4, 2, 5, 50, 16, torch.float32, device)
+    with pytest.raises(RuntimeError, match=r"lengths\[1\] \(real tokens of row 1\) must be in \[0, N\] = \[0, 50\], got 51"):
+        ripplekv_ext.snapkv_scores(q, k, lengths=[50, 51])
+    with pytest.raises(RuntimeError, match=r"lengths dim 0 \(B\) must be 2, got 3"):
+        ripplekv_ext.snapkv_scores(q, k, lengths=[50, 5, 5])
+    with pytest.raises(RuntimeError, match=r"lengths must be Long, got Float"):
+        ripplekv_ext.snapkv_scores(q, k, lengths=torch.tensor([50.0, 5.0]))
+
+
 def test_opcheck(device):
     q, k, v = make_window(1, 4, 2, 4, 24, 8, torch.float16, device)
     torch.library.opcheck(torch.ops.ripplekv.snapkv_scores.default, (q, k, 3, "avg", "max", 0.5))

@@ -2,9 +2,9 @@
 #include <torch/library.h>
 
 #include "../gather_kv.h"
+#include "runners.h"
 
 namespace ripplekv_ext {
-namespace {
 
 // Indices were range-checked by the op: the kernel's own check is a last line of defence.
 void run_gather_kv_cpu(const ripplekv::GatherKVParams& p, int64_t element_size) {
@@ -16,8 +16,6 @@ void run_gather_kv_cpu(const ripplekv::GatherKVParams& p, int64_t element_size) 
     check_status(s, "gather_kv", "indices", "must lie in [0, N) = [0, " + std::to_string(p.N) + ")");
   });
 }
-
-}  // namespace
 
 TORCH_LIBRARY_IMPL(ripplekv, CPU, m) {
   m.impl("gather_kv", &gather_kv_op<run_gather_kv_cpu>);

@@ -2,10 +2,10 @@
 #include <torch/library.h>
 
 #include "../snapkv_scores.h"
+#include "runners.h"
 #include "snapkv_parallel.h"
 
 namespace ripplekv_ext {
-namespace {
 
 void run_snapkv_scores_cpu(const ripplekv::SnapKVScoresParams& p, at::ScalarType dtype) {
   const int64_t n_prefix = p.N - p.W;
@@ -15,8 +15,6 @@ void run_snapkv_scores_cpu(const ripplekv::SnapKVScoresParams& p, at::ScalarType
     ripplekv::pool_scores_rows(p, raw.data(), begin, end);
   });
 }
-
-}  // namespace
 
 TORCH_LIBRARY_IMPL(ripplekv, CPU, m) { m.impl("snapkv_scores", &snapkv_scores_op<run_snapkv_scores_cpu>); }
 

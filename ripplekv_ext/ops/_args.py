@@ -17,3 +17,22 @@ def check_one_device(op: str, **tensors) -> None:
     if len(devices) > 1:
         listing = ", ".join(f"{name} on {t.device}" for name, t in tensors.items())
         raise RuntimeError(f"{op}: every tensor must be on one device, got {listing}")
+
+
+def row_tensor(op: str, name: str, values):
+    """Per-row lengths or budgets as an int64 ``[B]`` tensor: a tensor passes as it is (the op checks it), a
+    sequence of ints becomes a CPU tensor (read on the host by the op anyway)."""
+    import torch
+
+    if isinstance(values, torch.Tensor):
+        return values
+    return torch.tensor([check_int(op, f"{name}[{i}]", v) for i, v in enumerate(values)], dtype=torch.int64)
+
+
+def check_row_device(op: str, data, **row_tensors) -> None:
+    """Per-row lengths/budgets on the CPU or on the data's device (the fake kernels run this: a meta tensor next to
+    real ones dispatches here)."""
+    for name, t in row_tensors.items():
+        if t is not None and t.device.type != "cpu" and t.device != data.device:
+            raise RuntimeError(f"{op}: {name} must be on the CPU or on the device of the data ({data.device}), "
+                               f"got {t.device}")

@@ -14,7 +14,8 @@ def gather_kv(keys: Tensor, values: Tensor, indices: Tensor,
 
     Args:
         keys, values: ``[B, H_kv, N, D]``, float32/float16/bfloat16, any strides.
-        indices: int64 ``[B, H_kv, C]`` with entries in ``[0, N)``.
+        indices: int64 ``[B, H_kv, C]`` with entries in ``[0, N)``, or ``-1``: a pad slot (as in the padded output of
+            ``select_topk_rows`` / ``snapkv_compress_rows``), written with zeros. Any other index raises.
         out: optional ``(keys_out, values_out)``, each ``[B, H_kv, C, D]`` with the dtype and device of
             ``keys``, written in place (for an engine's preallocated cache).
 

@@ -1,15 +1,16 @@
 """snapkv_scores: attention mass each prefix key receives from the observation window (DESIGN.md §4)."""
 
-from typing import Optional
+from typing import Optional, Sequence, Union
 
 import torch
 from torch import Tensor
 
-from ripplekv_ext.ops._args import check_int, check_one_device
+from ripplekv_ext.ops._args import check_int, check_one_device, check_row_device, row_tensor
 
 
 def snapkv_scores(q_window: Tensor, keys: Tensor, kernel_size: int = 7, pooling: str = "max",
-                  group_reduce: str = "mean", scale: Optional[float] = None) -> Tensor:
+                  group_reduce: str = "mean", scale: Optional[float] = None,
+                  lengths: Optional[Union[Tensor, Sequence[int]]] = None) -> Tensor:
     """SnapKV window scores without materializing the ``[B, H_q, W, N]`` probabilities.
 
     Args:
@@ -19,17 +20,25 @@ def snapkv_scores(q_window: Tensor, keys: Tensor, kernel_size: int = 7, pooling:
         pooling: ``"max"`` (pads with -inf) or ``"avg"`` (zero padding counted).
         group_reduce: ``"mean"`` or ``"max"`` over the ``G`` query heads of each KV head.
         scale: logit scale, ``1/sqrt(D)`` when None.
+        lengths: optional int64 ``[B]`` (or ints) for a left-padded batch: row ``b``'s ``n_b`` real tokens are
+            positions ``[N - n_b, N)``. Row ``b``'s scores at its real prefix positions then equal those of the row
+            alone (``keys[b:b+1, :, N - n_b:]``: softmax over its real keys only, pooling padded at the row's own
+            boundary); pad positions, and every position of a row with ``n_b <= W``, are ``-inf``. Read on the host
+            (on CUDA one synchronisation: not capturable in a CUDA graph); one scoring call per row.
 
     Returns:
         float32 ``[B, H_kv, N - W]``. Computed in fp32 whatever the input dtype. NaN or inf in the inputs gives NaN
         scores (as in the reference); the selection ops then raise. An empty batch gives an empty result.
     """
     kernel_size = check_int("snapkv_scores", "kernel_size", kernel_size)
-    return torch.ops.ripplekv.snapkv_scores(q_window, keys, kernel_size, pooling, group_reduce, scale)
+    if lengths is not None:
+        lengths = row_tensor("snapkv_scores", "lengths", lengths)
+    return torch.ops.ripplekv.snapkv_scores(q_window, keys, kernel_size, pooling, group_reduce, scale, lengths)
 
 
 @torch.library.register_fake("ripplekv::snapkv_scores")
-def _(q_window, keys, kernel_size=7, pooling="max", group_reduce="mean", scale=None):
+def _(q_window, keys, kernel_size=7, pooling="max", group_reduce="mean", scale=None, lengths=None):
+    check_row_device("snapkv_scores", keys, lengths=lengths)
     check_one_device("snapkv_scores", q_window=q_window, keys=keys)
     torch._check(q_window.dim() == 4, lambda: f"snapkv_scores: q_window must be 4-D, got {q_window.dim()}-D")
     torch._check(keys.dim() == 4, lambda: f"snapkv_scores: keys must be 4-D, got {keys.dim()}-D")

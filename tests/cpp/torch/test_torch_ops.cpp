@@ -61,6 +61,19 @@ int main() {
   const auto [kp, vp] = ops::gather_kv_packed({keys, values}, {values, keys}, flat, offsets);
   CHECK(torch::equal(kp.narrow(2, 0, 9), kc) && torch::equal(vp.narrow(2, 0, 9), vc));
 
+  // Per-row ops of a left-padded batch (row 0: all 17 tokens, row 1: its last 10): row 1 equals the row alone,
+  // right-aligned with -1 before it, and scores + select_topk_rows equal the compression's indices.
+  const auto lengths = torch::tensor({17, 10}, torch::kLong), budgets = torch::tensor({9, 6}, torch::kLong);
+  const auto [kr, vr, ir] = ops::snapkv_compress_rows(q, keys, values, budgets, lengths);
+  CHECK(ir.sizes() == torch::IntArrayRef({2, 3, 9}) && kr.sizes() == torch::IntArrayRef({2, 3, 9, 8}));
+  const auto alone = std::get<2>(ops::snapkv_compress(q.narrow(0, 1, 1), keys.narrow(0, 1, 1).narrow(2, 7, 10),
+                                                      values.narrow(0, 1, 1).narrow(2, 7, 10), 6));
+  CHECK(torch::equal(ir.narrow(0, 1, 1).narrow(2, 3, 6), alone + 7));
+  CHECK((ir.narrow(0, 1, 1).narrow(2, 0, 3) == -1).all().item<bool>());
+  const auto row_scores = ops::snapkv_scores(q, keys, 7, "max", "mean", std::nullopt, lengths);
+  CHECK(torch::equal(ops::select_topk_rows(row_scores, budgets, 4, lengths), ir));
+  CHECK(torch::equal(std::get<0>(ops::gather_kv(keys, values, ir)), kr));
+
   // Errors surface as c10::Error with the op's message.
   bool raised = false;
   try {
