@@ -18,6 +18,7 @@ left to its longest row, with a key mask ``[B, C_max]`` marking the real slots (
 
 from __future__ import annotations
 
+import functools
 import numbers
 import time
 from dataclasses import dataclass
@@ -193,11 +194,17 @@ class KVCompressor:
             return None
         if all(length == n for length in lengths):  # no padding: one batched call
             return self.select(layer_idx, queries, keys, scale)
-        return self._select_rows(queries, keys, lengths, budgets, scale)
+        selector = self.policy.selector
+        if hasattr(selector, "select_rows"):  # the per-row ops: one call for the whole batch
+            as_tensor = functools.partial(torch.tensor, dtype=torch.int64, device=keys.device)
+            return selector.select_rows(queries, keys, as_tensor(budgets), as_tensor(lengths), self.policy.window,
+                                        scale)
+        return self._select_rows_loop(queries, keys, lengths, budgets, scale)
 
-    def _select_rows(self, queries: Tensor, keys: Tensor, lengths: tuple[int, ...], budgets: list[int],
-                     scale: Optional[float]) -> Tensor:
-        # Each row alone through the batched ops, assembled into the left-padded layout.
+    def _select_rows_loop(self, queries: Tensor, keys: Tensor, lengths: tuple[int, ...], budgets: list[int],
+                          scale: Optional[float]) -> Tensor:
+        # Selectors without a per-row form (StreamingLLM, whose indices need no scoring; a user's own): each row
+        # alone through `select`, assembled into the left-padded layout.
         b, h_kv, n, _ = keys.shape
         window, selector = self.policy.window, self.policy.selector
         kept = [min(budget, length) for budget, length in zip(budgets, lengths)]
@@ -261,9 +268,9 @@ def _as_lengths(lengths) -> tuple[int, ...]:
                              f"{list(lengths.shape)}")
         return tuple(int(x) for x in lengths.tolist())
     values = tuple(lengths)
-    if any(isinstance(x, bool) or not isinstance(x, int) for x in values):
+    if any(isinstance(x, bool) or not isinstance(x, numbers.Integral) for x in values):
         raise ValueError(f"lengths must be integers, got {list(values)}")
-    return values
+    return tuple(int(x) for x in values)
 
 
 def _check_lengths(lengths, batch: int, n_tokens: int) -> tuple[int, ...]:
@@ -277,12 +284,9 @@ def _check_lengths(lengths, batch: int, n_tokens: int) -> tuple[int, ...]:
 
 
 def _gather_rows(keys: Tensor, values: Tensor, indices: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-    # A -1 slot is a row's padding: gathered from position 0, then zeroed, so nothing of a pad is held.
-    real = indices >= 0
-    keys_c, values_c = gather_kv(keys, values, indices.clamp(min=0))
-    keys_c.masked_fill_(~real[..., None], 0)
-    values_c.masked_fill_(~real[..., None], 0)
-    return keys_c, values_c, real[:, 0, :].clone()  # every head of a row keeps the same count
+    # A -1 slot is a row's padding: gather_kv writes zeros there, so nothing of a pad is held.
+    keys_c, values_c = gather_kv(keys, values, indices)
+    return keys_c, values_c, indices[:, 0, :] >= 0  # every head of a row keeps the same count
 
 
 def _clock(like: Tensor) -> float:

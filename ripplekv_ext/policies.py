@@ -19,7 +19,7 @@ from torch import Tensor
 from ripplekv_ext.allocation import (PyramidKVAllocator, RippleKVAllocator, UniformAllocator,
                                      average_budget)
 # The product runs the compiled ops only; the pure-PyTorch reference (ripplekv_ref) is for tests and benchmarks.
-from ripplekv_ext.ops import h2o_scores, select_topk, snapkv_scores, streaming_indices
+from ripplekv_ext.ops import h2o_scores, select_topk, select_topk_rows, snapkv_scores, streaming_indices
 
 __all__ = ["Policy", "SnapKVSelector", "H2OSelector", "StreamingLLMSelector", "DEFAULT_WINDOW", "PromptTooShortWarning"]
 
@@ -53,6 +53,17 @@ class SnapKVSelector:
                                group_reduce=self.group_reduce, scale=scale)
         return select_topk(scores, budget, window)
 
+    def select_rows(self, queries: Tensor, keys: Tensor, budgets: Tensor, lengths: Tensor, window: int,
+                    scale: Optional[float] = None) -> Tensor:
+        """``select`` on each row of a left-padded batch alone, in one call per op: int64 ``[B, H_kv, C_max]``,
+        row ``b``'s ``min(budgets[b], lengths[b])`` kept positions in its last slots, ``-1`` before them."""
+        _check_queries(queries, keys)
+        if queries.shape[2] < window:
+            raise ValueError(f"queries must hold at least window = {window} positions, got {queries.shape[2]}")
+        scores = snapkv_scores(queries[:, :, -window:], keys, kernel_size=self.kernel_size, pooling=self.pooling,
+                               group_reduce=self.group_reduce, scale=scale, lengths=lengths)
+        return select_topk_rows(scores, budgets, window, lengths)
+
     def __repr__(self):
         return (f"SnapKVSelector(kernel_size={self.kernel_size}, pooling={self.pooling!r}, "
                 f"group_reduce={self.group_reduce!r})")
@@ -76,6 +87,18 @@ class H2OSelector:
                              f"got {queries.shape[2]}")
         scores = h2o_scores(queries, keys, chunk_size=self.chunk_size, scale=scale, group_reduce=self.group_reduce)
         return select_topk(scores[..., : n - window].contiguous(), budget, window)
+
+    def select_rows(self, queries: Tensor, keys: Tensor, budgets: Tensor, lengths: Tensor, window: int,
+                    scale: Optional[float] = None) -> Tensor:
+        """``select`` on each row of a left-padded batch alone (pads neither attend nor are attended)."""
+        _check_queries(queries, keys)
+        n = keys.shape[2]
+        if queries.shape[2] != n:
+            raise ValueError(f"H2O needs the queries of every prompt position: queries dim 2 must be N = {n}, "
+                             f"got {queries.shape[2]}")
+        scores = h2o_scores(queries, keys, chunk_size=self.chunk_size, scale=scale, group_reduce=self.group_reduce,
+                            lengths=lengths)
+        return select_topk_rows(scores[..., : n - window].contiguous(), budgets, window, lengths)
 
     def __repr__(self):
         return f"H2OSelector(chunk_size={self.chunk_size}, group_reduce={self.group_reduce!r})"
@@ -125,7 +148,9 @@ class Policy:
         allocator: ``UniformAllocator()``, ``PyramidKVAllocator()``, ``RippleKVAllocator(profile)`` or anything with
             ``.name`` and ``.budgets(num_layers, n_tokens, avg_budget, window) -> list[int]``.
         selector: ``SnapKVSelector()``, ``H2OSelector()``, ``StreamingLLMSelector()`` or anything with ``.name``,
-            ``.needs_all_queries`` and ``.select(queries, keys, budget, window, scale) -> int64 [B, H_kv, C]``.
+            ``.needs_all_queries`` and ``.select(queries, keys, budget, window, scale) -> int64 [B, H_kv, C]``;
+            optionally ``.select_rows(queries, keys, budgets, lengths, window, scale)`` for left-padded batches in
+            one call (without it, ``KVCompressor`` selects each row alone with ``.select``).
         retention: fraction of the prompt kept on average over the compressible layers, in ``(0, 1]``.
         window: observation window ``W``: the last ``W`` prompt positions are always kept.
     """

@@ -362,6 +362,20 @@ def test_compress_rows_equals_each_row_alone(policy_name):
             assert not keys_c[row, :, :c_max - kept].any()
 
 
+@pytest.mark.parametrize("policy_name", ["snapkv", "h2o", "pyramidkv+h2o"])
+def test_per_row_ops_equal_the_row_loop(policy_name):
+    # select_rows runs the per-row ops (one call for the batch); the loop runs each row alone through select.
+    policy = _policies(2)[policy_name]
+    comp = KVCompressor(policy, num_layers=2)
+    lengths = (64, 40, 5, 0, 20, 33)
+    q, k, _ = _layer(len(lengths), 64, seed=4)
+    queries = q if policy.selector.needs_all_queries else q[:, :, -WINDOW:]
+    for layer in range(2):
+        batched = comp.select_rows(layer, queries, k, torch.tensor(lengths))
+        loop = comp._select_rows_loop(queries, k, lengths, comp.layer_row_budgets(layer, lengths), None)
+        assert torch.equal(batched, loop)
+
+
 def test_select_rows_matches_the_reference_ops():
     # Independent of KVCompressor.compress: the reference SnapKV on each row's own tokens.
     comp = KVCompressor(Policy.snapkv(0.25, window=WINDOW), num_layers=1)
