@@ -259,7 +259,9 @@ def test_other_transformers_versions_are_refused(model, monkeypatch):
 def test_settings_it_cannot_honour_are_named(model):
     config = cb.cb_config(use_async_batching=True, cpu_offload_space=1.0)
     with pytest.raises(ValueError, match="use_async_batching=False.*cpu_offload_space=0"):
-        cb._check_settings(model.config, config, distributed_helper=None)
+        from ripplekv_ext.engines._paged_cache import check_settings
+
+        check_settings(model.config, config, distributed_helper=None)
     with pytest.raises(ValueError, match="every prompt query"):
         with cb.serve(model, Policy.h2o(0.3, window=WINDOW)):
             pass

@@ -1,0 +1,335 @@
+"""The paged cache and allocator behind ``ripplekv_ext.engines.transformers_cb.serve``: subclasses of transformers
+5.24's private continuous-batching classes (built on first use, so importing this costs nothing), and the engine
+settings they need. Kept apart from ``transformers_cb`` (the public side: version check, ``serve``, the attention
+wrapper) only for size; the two modules are one adaptation, pinned to one transformers release.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from typing import TYPE_CHECKING, Optional
+
+import torch
+from torch import Tensor
+
+from ripplekv_ext.masks import end_aligned_causal_mask
+
+if TYPE_CHECKING:
+    from ripplekv_ext.engines.transformers_cb import ServingSession
+
+CONTEXT_KEY = "ripplekv_cb"  # kwargs key our cache uses to hand the attention wrapper its batch
+WRAPPED_ATTENTION = ("sdpa", "paged|eager")
+
+
+def cb_modules():
+    from transformers.generation.continuous_batching import cache as cb_cache
+    from transformers.generation.continuous_batching import continuous_api
+    from transformers.generation.continuous_batching.cache_allocators import full_attention
+
+    return cb_cache, continuous_api, full_attention
+
+
+@dataclasses.dataclass(frozen=True)
+class PrefillCompression:
+    """One request's compression at the end of its prefill, as ``ServingSession.events`` records it."""
+
+    request_id: str
+    prompt_tokens: int
+    tier_budgets: tuple  # tokens kept per KV head in each tier (== prompt_tokens where a tier stays whole)
+    blocks_before: int  # blocks the request held in all tiers before (one block = one page per layer of a tier)
+    blocks_after: int
+    pages_per_block: int
+
+    @property
+    def pages_freed(self) -> int:
+        return (self.blocks_before - self.blocks_after) * self.pages_per_block
+
+
+@functools.lru_cache(maxsize=None)
+def engine_classes():
+    cb_cache, _, full_attention = cb_modules()
+
+    class TieredCacheAllocator(full_attention.FullAttentionCacheAllocator):
+        """Full-attention allocator with one block table per tier and request; a block is one page per layer of a
+        tier. ``dropped[t]`` tokens of a request were cut from tier ``t`` after its prefill: absolute position ``p``
+        of that tier lives in slot ``p - dropped[t]``."""
+
+        supports_block_sharing = False
+        supports_block_table = False  # no flash decode fast path: its kernel reads one table for all layers
+
+        def __init__(self, tiers: list[list[int]], **kwargs):
+            size = len(tiers[0])
+            if any(len(tier) != size for tier in tiers):
+                raise ValueError(f"tiers must be of equal size, got sizes {[len(t) for t in tiers]}")
+            super().__init__(layer_indices=list(range(size)), **kwargs)
+            self.tiers = tiers
+            self.tier_of = {layer: t for t, tier in enumerate(tiers) for layer in tier}
+            self.tables: dict[str, list[list[int]]] = {}
+            self.dropped: dict[str, list[int]] = {}
+
+        def register_cache_tensor(self, bytes_per_sector, non_trash_bytes, cache_tensor, pool):
+            super().register_cache_tensor(bytes_per_sector, non_trash_bytes, cache_tensor, pool)
+            # The parent laid out one page slot per position in a block; layer l uses its slot within its tier.
+            token_views, page_views = dict(self._kv_token_views), dict(self._kv_page_views)
+            self._kv_token_views = {layer: token_views[s] for tier in self.tiers for s, layer in enumerate(tier)}
+            self._kv_page_views = {layer: page_views[s] for tier in self.tiers for s, layer in enumerate(tier)}
+            self.layer_indices = sorted(self._kv_token_views)
+
+        def _blocks_needed(self, request_id: str, past_length: int, query_length: int) -> list[int]:
+            tables = self.tables.get(request_id)
+            dropped = self.dropped.get(request_id, [0] * len(self.tiers))
+            ps = self.tokens_per_page
+            return [max(0, math.ceil((past_length - dropped[t] + query_length) / ps) - (len(tables[t]) if tables else 0))
+                    for t in range(len(self.tiers))]
+
+        def needs_new_blocks(self, request_id, past_length, query_length):
+            return sum(self._blocks_needed(request_id, past_length, query_length))
+
+        def allocate_cache_to_request(self, request_id, past_length, query_length):
+            needed = self._blocks_needed(request_id, past_length, query_length)
+            tables = self.tables.setdefault(request_id, [[] for _ in self.tiers])
+            self.dropped.setdefault(request_id, [0] * len(self.tiers))
+            for table, count in zip(tables, needed):
+                table.extend(self.pool.get_free_blocks(self.index, count))
+            self.block_table[request_id] = [block for table in tables for block in table]
+
+        def free_blocks(self, request_id, no_cache=False):
+            tables = self.tables.pop(request_id, [])
+            self.dropped.pop(request_id, None)
+            self.block_table.pop(request_id, None)
+            self.pool.free_blocks(self.index, [block for table in tables for block in table])
+
+        def truncate(self, request_id: str, tier: int, kept_tokens: int, dropped_tokens: int) -> list[int]:
+            """Keep the pages holding a tier's first ``kept_tokens`` slots; return the rest to the pool."""
+            table = self.tables[request_id][tier]
+            keep = math.ceil(kept_tokens / self.tokens_per_page)
+            freed = table[keep:]
+            del table[keep:]
+            self.pool.free_blocks(self.index, freed)
+            self.dropped[request_id][tier] += dropped_tokens
+            self.block_table[request_id] = [block for t in self.tables[request_id] for block in t]
+            return freed
+
+        def rows(self, request_id: str, tier: int, start: int, stop: int) -> Tensor:
+            """Physical token rows of slots ``[start, stop)`` of a request's tier (into ``_kv_token_views``)."""
+            table = torch.tensor(self.tables[request_id][tier], dtype=torch.int64)
+            ps = self.tokens_per_page
+            rows = (table[:, None] * self.block_physical_stride + torch.arange(ps)[None, :]).flatten()
+            return rows[start:stop]
+
+        def held_blocks(self, request_id: str) -> int:
+            return sum(len(table) for table in self.tables.get(request_id, []))
+
+        def get_seqlen_k(self, past_length, query_length):
+            return past_length + query_length  # only feeds the stock mask, which the wrapper replaces
+
+        def get_read_indices(self, request_id, past_length, query_length):
+            raise RuntimeError("RippleKVPagedCache builds its own read indices")
+
+        get_write_indices = get_read_indices
+
+        def fill_block_table(self, *args, **kwargs):
+            raise RuntimeError("the flash decode fast path is off under ripplekv_ext serve (max_blocks_per_request=0)")
+
+        def fork_blocks(self, *args, **kwargs):
+            raise NotImplementedError("forking requests (num_return_sequences > 1) is not supported under "
+                                      "ripplekv_ext serve: a fork would share compressed pages")
+
+        def count_non_shareable_blocks(self, *args, **kwargs):
+            return self.fork_blocks()
+
+    class RippleKVPagedCache(cb_cache.PagedAttentionCache):
+        """The engine's paged cache, with tiered allocation and compression after each request's prefill."""
+
+        session: "ServingSession"  # set on the per-session subclass
+
+        def __init__(self, config, continuous_batching_config, device, distributed_helper, dtype=torch.float16,
+                     model_supports_logits_to_keep=False):
+            check_settings(config, continuous_batching_config, distributed_helper)
+            super().__init__(config, continuous_batching_config, device, distributed_helper, dtype,
+                             model_supports_logits_to_keep)
+            if list(self.cache_allocators) != ["full_attention"]:
+                raise ValueError("serve supports models whose layers are all full attention; the engine built cache "
+                                 f"groups {list(self.cache_allocators)}")
+            stock = self.cache_allocators["full_attention"]
+            session = self.session
+            allocator = TieredCacheAllocator(
+                tiers=session.tiers, index=stock.index, config=config, num_key_value_heads=stock.num_key_value_heads,
+                cache_dtype=stock.cache_dtype, page_size=stock.tokens_per_page, allow_block_sharing=False)
+            # Tiers of equal size make a block L/T pages: it divides the stock L-page block, so the sector size
+            # the parent chose (and the memory it sized) still holds whole blocks.
+            allocator.register_cache_tensor(self.bytes_per_sector, self.num_sectors * self.bytes_per_sector,
+                                            self.cache_tensor, self.pool)
+            self.allocator = allocator
+            self.cache_allocators["full_attention"] = allocator
+            self.layer_to_allocator = dict.fromkeys(allocator.layer_indices, allocator)
+            self.allow_block_sharing = self.use_prefix_sharing = False
+            self.max_blocks_per_request = 0
+            self.max_decode_fast_path_length = 0
+            # The scheduler's read budget and the engine's mask buffer count uncompressed lengths; compressed
+            # requests read far less, so the budget grows by the inverse retention (else it caps the batch).
+            self.max_tokens_read = math.ceil(self.max_tokens_read / session.policy.retention)
+            self._states: dict = {}
+            self._pending: list[tuple[str, int, int]] = []
+            self._batch: Optional[dict] = None
+            self._query_tail: dict[tuple[str, int], Tensor] = {}
+            self._last_layer = max(allocator.layer_indices)
+            session.cache = self
+
+        # -- bookkeeping the scheduler and the IO object drive --------------------------------------------------------
+        def can_store_request_tokens(self, state, request_len, dry_run=False):
+            self._states[state.request_id] = state
+            stored = super().can_store_request_tokens(state, request_len, dry_run)
+            if stored and not dry_run:
+                self.session.peak_requests = max(self.session.peak_requests, len(self.allocator.tables))
+            return stored
+
+        def extend_read_and_write_indices(self, request_id, past_length, query_length, read_index, write_index):
+            # The stock per-group indices cannot express per-tier lengths: remember the request, build in update.
+            self._pending.append((request_id, past_length, query_length))
+
+        def free_blocks(self, request_id, no_cache=False):
+            self._states.pop(request_id, None)
+            for key in [k for k in self._query_tail if k[0] == request_id]:
+                del self._query_tail[key]
+            super().free_blocks(request_id, no_cache)
+
+        def held_blocks(self, request_id: str) -> int:
+            return self.allocator.held_blocks(request_id)
+
+        # -- the forward ----------------------------------------------------------------------------------------------
+        def _build_batch(self) -> None:
+            allocator, num_tiers = self.allocator, len(self.session.tiers)
+            writes, reads = [[] for _ in range(num_tiers)], [[] for _ in range(num_tiers)]
+            cu_q, cu_k = [0], [[0] for _ in range(num_tiers)]
+            finishing, prefilling = [], []
+            for i, (request_id, past, q) in enumerate(self._pending):
+                state = self._states[request_id]
+                dropped = allocator.dropped[request_id]
+                for t in range(num_tiers):
+                    held = past - dropped[t]
+                    rows = allocator.rows(request_id, t, 0, held + q)
+                    writes[t].append(rows[held:])
+                    reads[t].append(rows)
+                    cu_k[t].append(cu_k[t][-1] + held + q)
+                cu_q.append(cu_q[-1] + q)
+                if state.generated_len() == 0:
+                    if past + q == len(state.initial_tokens):
+                        finishing.append((i, request_id, past + q))
+                    else:
+                        prefilling.append((i, request_id))
+            self._batch = dict(
+                writes=[torch.cat(w).to(self.device) for w in writes],
+                reads=[torch.cat(r).to(self.device) for r in reads],
+                cu_q=cu_q, cu_k=cu_k,
+                cu_k_tensors=[torch.tensor(c, dtype=torch.int32, device=self.device) for c in cu_k],
+                max_k=[max(c[j + 1] - c[j] for j in range(len(c) - 1)) for c in cu_k],
+                finishing=finishing, prefilling=prefilling, masks={})
+            self._pending = []
+
+        @torch.compiler.disable
+        def update(self, key_states, value_states, layer_idx, kwargs):
+            if self._pending:  # the first layer of a new forward
+                self._build_batch()
+            batch, tier = self._batch, self.allocator.tier_of[layer_idx]
+            kwargs["cu_seq_lens_k"] = batch["cu_k_tensors"][tier]
+            kwargs["max_length_k"] = batch["max_k"][tier]
+            kwargs[CONTEXT_KEY] = (self, tier)
+            k_cache, v_cache = self.allocator._kv_token_views[layer_idx]
+            keys, values = (x.squeeze(0).transpose(0, 1) for x in (key_states, value_states))  # [q, H_kv, D]
+            k_cache.index_copy_(0, batch["writes"][tier], keys)
+            v_cache.index_copy_(0, batch["writes"][tier], values)
+            reads = batch["reads"][tier]
+            return tuple(torch.index_select(c, 0, reads).transpose(0, 1).unsqueeze(0) for c in (k_cache, v_cache))
+
+        def tier_mask(self, tier: int, dtype: torch.dtype, device) -> Tensor:
+            """Additive block-diagonal mask ``[1, 1, total_q, total_k]`` of a tier: each request's queries see its
+            own cached tokens and its new tokens up to themselves."""
+            batch = self._batch
+            key = (tier, dtype)
+            mask = batch["masks"].get(key)
+            if mask is None:
+                cu_q, cu_k = batch["cu_q"], batch["cu_k"][tier]
+                mask = torch.full((1, 1, cu_q[-1], cu_k[-1]), torch.finfo(dtype).min, dtype=dtype, device=device)
+                for j in range(len(cu_q) - 1):
+                    q_len, k_len = cu_q[j + 1] - cu_q[j], cu_k[j + 1] - cu_k[j]
+                    mask[..., cu_q[j]:cu_q[j + 1], cu_k[j]:cu_k[j + 1]] = end_aligned_causal_mask(
+                        q_len, k_len, dtype, device)
+                batch["masks"][key] = mask
+            return mask
+
+        def after_attention(self, layer_idx: int, query: Tensor, key: Tensor, value: Tensor,
+                            scaling: Optional[float]) -> None:
+            batch, session = self._batch, self.session
+            window = session.policy.window
+            cu_q, cu_k = batch["cu_q"], batch["cu_k"][self.allocator.tier_of[layer_idx]]
+            for i, request_id in ([] if session.policy.is_full else batch["prefilling"]):
+                # A later chunk may hold fewer than W queries: keep this chunk's last W for it.
+                tail = query[:, :, cu_q[i]:cu_q[i + 1]]
+                previous = self._query_tail.get((request_id, layer_idx))
+                if previous is not None:
+                    tail = torch.cat([previous, tail], dim=2)
+                self._query_tail[(request_id, layer_idx)] = tail[:, :, -window:].clone()
+            if not session.policy.is_full:
+                for i, request_id, n in batch["finishing"]:
+                    self._compress_layer(layer_idx, request_id, n, query[:, :, cu_q[i]:cu_q[i + 1]],
+                                         key[:, :, cu_k[i]:cu_k[i + 1]], value[:, :, cu_k[i]:cu_k[i + 1]], scaling)
+            if layer_idx == self._last_layer:
+                self._release_pages()
+
+        def _compress_layer(self, layer_idx, request_id, n, queries, keys, values, scaling) -> None:
+            previous = self._query_tail.pop((request_id, layer_idx), None)
+            if previous is not None and queries.shape[2] < self.session.policy.window:
+                queries = torch.cat([previous, queries], dim=2)
+            q_window = queries[:, :, -self.session.policy.window:].contiguous()
+            kept_keys, kept_values = self.session.compressor.compress(layer_idx, q_window, keys.contiguous(),
+                                                                      values.contiguous(), scale=scaling)
+            kept = kept_keys.shape[2]
+            if kept >= n:
+                return
+            # Slot j of every head now holds that head's j-th kept token (heads keep different positions).
+            rows = self.allocator.rows(request_id, self.allocator.tier_of[layer_idx], 0, kept).to(self.device)
+            k_cache, v_cache = self.allocator._kv_token_views[layer_idx]
+            k_cache.index_copy_(0, rows, kept_keys[0].transpose(0, 1))
+            v_cache.index_copy_(0, rows, kept_values[0].transpose(0, 1))
+
+        def _release_pages(self) -> None:
+            # Every layer of every tier has been compacted: the pages past each tier's budget are free now.
+            session = self.session
+            for _, request_id, n in self._batch["finishing"]:
+                before = self.allocator.held_blocks(request_id)
+                budgets = session.tier_budgets(n) if not session.policy.is_full else [n] * session.num_tiers
+                for tier, budget in enumerate(budgets):
+                    if budget < n:
+                        self.allocator.truncate(request_id, tier, budget, n - budget)
+                if any(b < n for b in budgets):
+                    session.events.append(PrefillCompression(
+                        request_id, n, tuple(budgets), before, self.allocator.held_blocks(request_id),
+                        self.allocator.pages_per_block))
+
+    return TieredCacheAllocator, RippleKVPagedCache
+
+
+def check_settings(config, cb, distributed_helper) -> None:
+    """Raise for engine settings the tiered cache cannot honour, naming the setting."""
+    problems = []
+    if cb.use_async_batching:
+        problems.append("use_async_batching=False (batch N+1 would be prepared before batch N's compaction)")
+    graphs = cb.use_cuda_graph if isinstance(cb.use_cuda_graph, (tuple, list)) else (cb.use_cuda_graph,)
+    if any(graphs):
+        problems.append("use_cuda_graph=False (graphs replay captured cache indices)")
+    if cb.varlen_compile_config is not None or cb.decode_compile_config is not None or cb.default_compile_level:
+        problems.append("no compile configs and default_compile_level=0")
+    if cb.cpu_offload_space:
+        problems.append("cpu_offload_space=0 (offloading restores one block table per request)")
+    if getattr(distributed_helper, "tp_size", 1) > 1:
+        problems.append("no tensor parallelism")
+    implementation = getattr(config, "_attn_implementation", None)
+    if implementation not in WRAPPED_ATTENTION:
+        problems.append(f"attention 'sdpa' or 'paged|eager' (got {implementation!r}; load the model with "
+                        "attn_implementation='sdpa' and pass auto_switch_to_flash=False)")
+    if problems:
+        raise ValueError("ripplekv_ext serve needs these continuous batching settings: " + "; ".join(problems)
+                         + ". ripplekv_ext.engines.transformers_cb.cb_config(...) builds a config that has them.")
