@@ -135,6 +135,22 @@ def test_bad_arguments(case, device):
         ripplekv_ref.snapkv_compress_rows(q, k, v, torch.tensor(budgets), torch.tensor(lengths))
 
 
+def test_torch_compile_fullgraph(device):
+    # The fake kernels give C_max as an unbacked size: the whole call compiles into one graph.
+    lengths, budgets = torch.tensor([30, 17]), torch.tensor([10, 8])
+    q, k, v = make_window(2, 4, 2, W, 30, 8, torch.float32, device)
+
+    def compress(q, k, v, budgets, lengths):
+        k_c, v_c, idx = ripplekv_ext.snapkv_compress_rows(q, k * 1, v, budgets, lengths)
+        return k_c + 0, idx, ripplekv_ext.select_topk_rows(ripplekv_ext.snapkv_scores(q, k, lengths=lengths), budgets,
+                                                            W, lengths)
+
+    k_c, idx, idx_from_scores = torch.compile(compress, fullgraph=True)(q, k, v, budgets, lengths)
+    expected = ripplekv_ref.snapkv_compress_rows(q, k, v, budgets, lengths)
+    assert torch.equal(idx, idx_from_scores) and torch.equal(k_c, ripplekv_ref.gather_kv(k, v, idx)[0])
+    assert_same_selection(idx, expected[2], ripplekv_ref.snapkv_scores(q, k, lengths=lengths), W)
+
+
 @requires_cuda
 def test_cuda_lengths_on_the_device():
     lengths, budgets = [64, 40, 3], [16, 12, 8]
