@@ -48,7 +48,7 @@ MIN_VENV := .venv-min
 MIN_PY := $(MIN_VENV)/bin/python
 MIN_DEPS_STAMP := $(MIN_VENV)/.ripplekv-deps
 MIN_SRC := $(MIN_VENV)/src
-MIN_TESTS := tests/test_compat.py tests/test_hook.py tests/test_policies.py tests/test_compressor.py
+MIN_TESTS := tests/test_compat.py tests/test_hook.py tests/test_policies.py tests/test_compressor.py tests/test_batches.py
 
 $(MIN_PY):
 	$(PYTHON) -m venv $(MIN_VENV)

@@ -330,6 +330,10 @@ def compress(model, policy: Policy, attention: Optional[str] = None,
     if not isinstance(policy, Policy):
         raise TypeError(f"policy must be a ripplekv_ext.Policy, got {type(policy).__name__}")
     _compat.check_versions()
+    if not hasattr(getattr(model, "config", None), "_attn_implementation"):
+        raise TypeError(f"model must be a transformers model (a PreTrainedModel with a .config whose attention goes "
+                        f"through AttentionInterface), got {type(model).__name__}; other inference code uses "
+                        f"ripplekv_ext.KVCompressor")
     current = model.config._attn_implementation
     if attention is None:
         attention = "eager" if current == "eager" else "sdpa"

@@ -26,6 +26,17 @@ __all__ = ["Policy", "SnapKVSelector", "H2OSelector", "StreamingLLMSelector", "D
 DEFAULT_WINDOW = 32
 
 
+def _check_option_int(name: str, value, minimum: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
+    return value
+
+
+def _check_choice(name: str, value, choices: tuple) -> None:
+    if value not in choices:
+        raise ValueError(f"{name} must be one of {choices}, got {value!r}")
+
+
 def _check_queries(queries: Tensor, keys: Tensor) -> None:
     if queries.dim() != 4 or keys.dim() != 4:
         raise ValueError(f"queries and keys must be 4-D ([B, H_q, W, D] and [B, H_kv, N, D]), got "
@@ -39,6 +50,11 @@ class SnapKVSelector:
     needs_all_queries = False
 
     def __init__(self, kernel_size: int = 7, pooling: str = "max", group_reduce: str = "mean"):
+        # Checked here, so a bad option fails when the policy is built, not at the first prefill.
+        if _check_option_int("kernel_size", kernel_size, 1) % 2 == 0:
+            raise ValueError(f"kernel_size must be odd (pooling keeps the length), got {kernel_size}")
+        _check_choice("pooling", pooling, ("max", "avg"))
+        _check_choice("group_reduce", group_reduce, ("mean", "max"))
         self.kernel_size, self.pooling, self.group_reduce = kernel_size, pooling, group_reduce
 
     def select(self, queries: Tensor, keys: Tensor, budget: int, window: int,
@@ -76,6 +92,8 @@ class H2OSelector:
     needs_all_queries = True
 
     def __init__(self, chunk_size: int = 1024, group_reduce: str = "mean"):
+        _check_option_int("chunk_size", chunk_size, 1)
+        _check_choice("group_reduce", group_reduce, ("mean", "max"))
         self.chunk_size, self.group_reduce = chunk_size, group_reduce
 
     def select(self, queries: Tensor, keys: Tensor, budget: int, window: int,
@@ -111,7 +129,7 @@ class StreamingLLMSelector:
     needs_all_queries = False
 
     def __init__(self, sink: int = 4):
-        self.sink = sink
+        self.sink = _check_option_int("sink", sink, 0)
 
     def select(self, queries: Tensor, keys: Tensor, budget: int, window: int,
                scale: Optional[float] = None) -> Tensor:
