@@ -43,6 +43,16 @@ def _check_queries(queries: Tensor, keys: Tensor) -> None:
                          f"{queries.dim()}-D and {keys.dim()}-D")
 
 
+def _check_every_query(queries: Tensor, keys: Tensor) -> int:
+    """H2O scores with every prompt query: returns N after checking queries hold all N positions."""
+    _check_queries(queries, keys)
+    n = keys.shape[2]
+    if queries.shape[2] != n:
+        raise ValueError(f"H2O needs the queries of every prompt position: queries dim 2 must be N = {n}, "
+                         f"got {queries.shape[2]}")
+    return n
+
+
 class SnapKVSelector:
     """Top tokens by attention mass from the last ``window`` queries, pooled along positions (SnapKV)."""
 
@@ -98,22 +108,14 @@ class H2OSelector:
 
     def select(self, queries: Tensor, keys: Tensor, budget: int, window: int,
                scale: Optional[float] = None) -> Tensor:
-        _check_queries(queries, keys)
-        n = keys.shape[2]
-        if queries.shape[2] != n:
-            raise ValueError(f"H2O needs the queries of every prompt position: queries dim 2 must be N = {n}, "
-                             f"got {queries.shape[2]}")
+        n = _check_every_query(queries, keys)
         scores = h2o_scores(queries, keys, chunk_size=self.chunk_size, scale=scale, group_reduce=self.group_reduce)
         return select_topk(scores[..., : n - window].contiguous(), budget, window)
 
     def select_rows(self, queries: Tensor, keys: Tensor, budgets: Tensor, lengths: Tensor, window: int,
                     scale: Optional[float] = None) -> Tensor:
         """``select`` on each row of a left-padded batch alone (pads neither attend nor are attended)."""
-        _check_queries(queries, keys)
-        n = keys.shape[2]
-        if queries.shape[2] != n:
-            raise ValueError(f"H2O needs the queries of every prompt position: queries dim 2 must be N = {n}, "
-                             f"got {queries.shape[2]}")
+        n = _check_every_query(queries, keys)
         scores = h2o_scores(queries, keys, chunk_size=self.chunk_size, scale=scale, group_reduce=self.group_reduce,
                             lengths=lengths)
         return select_topk_rows(scores[..., : n - window].contiguous(), budgets, window, lengths)
