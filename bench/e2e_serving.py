@@ -35,12 +35,13 @@ import torch
 import ripplekv_ext
 from ripplekv_ext import Policy
 from ripplekv_ext._jsonio import write_json_atomic
+from ripplekv_ext.cli.parser import OneLineErrorParser, non_negative_int, one_retention, positive_int
 from ripplekv_ext.engines import TieredAllocator
 from ripplekv_ext.eval.corpus import kjv_text
 from ripplekv_ext.eval.fidelity import continuation_logits_fn, kl_per_position
-from ripplekv_ext.eval.models import DEFAULT_MODEL, default_profile_path, load_smollm2, shipped_profile_path
+from ripplekv_ext.eval.models import load_smollm2
 
-RESULTS_DIR = Path(__file__).resolve().parent / "results"
+from e2e_bench import RESULTS_DIR, find_profile
 
 
 # ---- workload ------------------------------------------------------------------------------------------------
@@ -271,38 +272,29 @@ def measure_tiering_kl(model, tokenizer, profile, args) -> dict:
 
 # ---- main ----------------------------------------------------------------------------------------------------
 
-def load_profile_for(model):
-    from ripplekv_ext.profile_file import load_profile
-
-    for path in (default_profile_path(DEFAULT_MODEL), shipped_profile_path(DEFAULT_MODEL)):
-        if path is not None and Path(path).is_file():
-            return load_profile(path, model=model), str(path)
-    raise FileNotFoundError("no SmolLM2 profile: run `ripplekv profile` first")
-
-
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = OneLineErrorParser(description=__doc__.split("\n\n")[0],
+                           formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", default=str(RESULTS_DIR / "e2e_serving.json"))
     p.add_argument("--figures", nargs="+", default=["serving", "kl"], choices=["serving", "kl"])
     p.add_argument("--methods", nargs="+", default=["full", "snapkv", "ripplekv"],
                    choices=["full", "snapkv", "ripplekv"])
-    p.add_argument("--requests", type=int, default=32)
-    p.add_argument("--prompt-min", type=int, default=1024)
-    p.add_argument("--prompt-max", type=int, default=2048)
-    p.add_argument("--new-min", type=int, default=64)
-    p.add_argument("--new-max", type=int, default=128)
-    p.add_argument("--cache-tokens", type=int, default=16384, help="cache memory: tokens per layer")
-    p.add_argument("--page-size", type=int, default=32)
-    p.add_argument("--max-batch-tokens", type=int, default=512)
-    p.add_argument("--retention", type=float, default=0.2)
-    p.add_argument("--tiers", type=int, default=5, help="tiers of RippleKV in the serving figure")
+    p.add_argument("--requests", type=positive_int, default=32)
+    p.add_argument("--prompt-min", type=positive_int, default=1024)
+    p.add_argument("--prompt-max", type=positive_int, default=2048)
+    p.add_argument("--new-min", type=positive_int, default=64)
+    p.add_argument("--new-max", type=positive_int, default=128)
+    p.add_argument("--cache-tokens", type=positive_int, default=16384, help="cache memory: tokens per layer")
+    p.add_argument("--page-size", type=positive_int, default=32)
+    p.add_argument("--max-batch-tokens", type=positive_int, default=512)
+    p.add_argument("--retention", type=one_retention, default=0.2)
+    p.add_argument("--tiers", type=positive_int, default=5, help="tiers of RippleKV in the serving figure")
     p.add_argument("--kl-tiers", type=lambda s: [int(x) for x in s.split(",")], default=[1, 2, 3, 5, 30])
-    p.add_argument("--kl-examples", type=int, default=4)
-    p.add_argument("--kl-prefix", type=int, default=1536)
-    p.add_argument("--kl-cont", type=int, default=64)
-    p.add_argument("--threads", type=int, default=1)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--kl-examples", type=positive_int, default=4)
+    p.add_argument("--kl-prefix", type=positive_int, default=1536)
+    p.add_argument("--kl-cont", type=positive_int, default=64)
+    p.add_argument("--threads", type=positive_int, default=1)
+    p.add_argument("--seed", type=non_negative_int, default=0)
     p.add_argument("--quick", action="store_true", help="6 requests of 256-512 tokens, 2 KL examples of 512")
     args = p.parse_args(argv)
     if args.quick:
@@ -315,7 +307,9 @@ def main(argv=None):
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
     model, tokenizer = load_smollm2()
-    profile, profile_path = load_profile_for(model)
+    profile, profile_path = find_profile(model)
+    if profile is None:
+        raise SystemExit("no SmolLM2 profile: run `ripplekv profile` first")
     import transformers
 
     result = {"model": "SmolLM2-135M-Instruct", "profile": profile_path, "threads": args.threads,

@@ -183,13 +183,10 @@ inline void check_no_overlap(const at::Tensor& out, const char* out_name, const 
               "write into a separate buffer");
 }
 
-// Every index in [0, n), checked before anything is written (one reduction; on CUDA one sync). The
-// first offender is located only on failure, for the message.
-inline void check_indices_in_range(const at::Tensor& indices, int64_t n, const char* op, const char* name) {
-  if (indices.numel() == 0) return;
-  const auto [lo, hi] = at::aminmax(indices);
-  if (lo.item<int64_t>() >= 0 && hi.item<int64_t>() < n) return;
-  const at::Tensor where = at::nonzero(indices.lt(0).logical_or(indices.ge(n)))[0].cpu();
+// The first index outside [lowest, n): its position ("i, j, k") and value. For error messages only, so it runs
+// after a range check has already failed.
+inline std::pair<std::string, int64_t> first_index_outside(const at::Tensor& indices, int64_t lowest, int64_t n) {
+  const at::Tensor where = at::nonzero(indices.lt(lowest).logical_or(indices.ge(n)))[0].cpu();
   at::Tensor value = indices;
   std::string position;
   for (int64_t d = 0; d < where.numel(); ++d) {
@@ -197,8 +194,18 @@ inline void check_indices_in_range(const at::Tensor& indices, int64_t n, const c
     value = value.select(0, i);
     position += (d ? ", " : "") + std::to_string(i);
   }
-  TORCH_CHECK(false, op, ": ", name, " must lie in [0, N) = [0, ", n, "), got ", value.item<int64_t>(), " at [",
-              position, "] (nothing was written)");
+  return {position, value.item<int64_t>()};
+}
+
+// Every index in [0, n), checked before anything is written (one reduction; on CUDA one sync). The
+// first offender is located only on failure, for the message.
+inline void check_indices_in_range(const at::Tensor& indices, int64_t n, const char* op, const char* name) {
+  if (indices.numel() == 0) return;
+  const auto [lo, hi] = at::aminmax(indices);
+  if (lo.item<int64_t>() >= 0 && hi.item<int64_t>() < n) return;
+  const auto [position, value] = first_index_outside(indices, 0, n);
+  TORCH_CHECK(false, op, ": ", name, " must lie in [0, N) = [0, ", n, "), got ", value, " at [", position,
+              "] (nothing was written)");
 }
 
 // Calls f(T{}) with the torch-free element type matching a float dtype (CPU kernels).

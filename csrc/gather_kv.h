@@ -75,16 +75,9 @@ inline bool check_gather_indices(const at::Tensor& indices, int64_t n, const cha
   const auto [lo, hi] = at::aminmax(indices);
   const int64_t lowest = lo.item<int64_t>();
   if (lowest >= -1 && hi.item<int64_t>() < n) return lowest == -1;
-  const at::Tensor where = at::nonzero(indices.lt(-1).logical_or(indices.ge(n)))[0].cpu();
-  at::Tensor value = indices;
-  std::string position;
-  for (int64_t d = 0; d < where.numel(); ++d) {
-    const int64_t i = where[d].item<int64_t>();
-    value = value.select(0, i);
-    position += (d ? ", " : "") + std::to_string(i);
-  }
+  const auto [position, value] = first_index_outside(indices, -1, n);
   TORCH_CHECK(false, op, ": indices must lie in [0, N) = [0, ", n, ") or be -1 (a pad slot, written with zeros), got ",
-              value.item<int64_t>(), " at [", position, "] (nothing was written)");
+              value, " at [", position, "] (nothing was written)");
 }
 
 // The gather of checked indices. Pad slots (-1) gather position 0 (or nothing when N = 0), then are zeroed: the

@@ -71,4 +71,18 @@ inline void fail_if_nan_in_row(const at::Tensor& row_scores, int64_t b, int64_t 
               ") (NaN or inf in q_window/queries or keys gives NaN scores)");
 }
 
+// One row's top-k through the backend's select_topk runner (csrc/select_topk.h) on its real prefix scores
+// [1, H_kv, n_b - W], into `out` ([1, H_kv, kept] positions relative to the row's first real token); a NaN is
+// reported with the batch row and the absolute position.
+template <auto run_select>
+void select_row(const at::Tensor& row_scores, int64_t budget, int64_t kept, int64_t window, at::Tensor& out,
+                int64_t b, int64_t first_position, const char* op) {
+  try {
+    run_select(row_scores.unsqueeze(0), std::vector<int64_t>{budget}, std::vector<int64_t>{0, kept}, window, out, op);
+  } catch (const c10::Error&) {
+    fail_if_nan_in_row(row_scores, b, first_position, op);
+    throw;
+  }
+}
+
 }  // namespace ripplekv_ext

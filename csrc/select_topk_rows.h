@@ -41,12 +41,7 @@ at::Tensor select_topk_rows_op(const at::Tensor& scores, const at::Tensor& budge
       continue;
     }
     const at::Tensor row_scores = scores.narrow(0, b, 1).narrow(2, first, n[b] - window);
-    try {
-      run(row_scores.unsqueeze(0), std::vector<int64_t>{budget[b]}, std::vector<int64_t>{0, kept[b]}, window, out, op);
-    } catch (const c10::Error&) {
-      fail_if_nan_in_row(row_scores, b, first, op);
-      throw;
-    }
+    select_row<run>(row_scores, budget[b], kept[b], window, out, b, first, op);
     out.add_(first);
   }
   return indices;

@@ -58,13 +58,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> snapkv_compress_rows_op(
     run_scores(make_snapkv_scores_params(q_window.narrow(0, b, 1), row_keys, row_scores.data_ptr<float>(),
                                          strides3(row_scores), kernel_size, pooling, group_reduce, scale, op),
                keys.scalar_type());
-    try {
-      run_select(row_scores.unsqueeze(0), std::vector<int64_t>{budget[b]}, std::vector<int64_t>{0, kept[b]}, W,
-                 row_indices, op);
-    } catch (const c10::Error&) {
-      fail_if_nan_in_row(row_scores, b, first, op);
-      throw;
-    }
+    select_row<run_select>(row_scores, budget[b], kept[b], W, row_indices, b, first, op);
     // The selection is relative to the row's view; the gather reads that view, then indices become absolute.
     run_gather(make_gather_kv_params(row_keys, row_values, row_indices, row_keys_out, row_values_out),
                keys.element_size());

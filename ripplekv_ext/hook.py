@@ -186,13 +186,17 @@ class CompressionSession:
         self.name = unique_attention_name(f"ripplekv_{attention}")
         self.cache = None
         self.lengths: Optional[Tensor] = None  # real tokens per row of the forward in flight (None: no padding)
-        self.last_budgets: dict[int, int] = {}  # layer -> tokens kept by the last prefill (its longest row's)
         self.last_row_kept: dict[int, list[int]] = {}  # layer -> tokens kept by each row in the last prefill
         _, masking_utils, _, sdpa_attention = _transformers()
         if attention == "sdpa":
             self.base, self.mask_function = sdpa_attention.sdpa_attention_forward, masking_utils.sdpa_mask
         else:
             self.base, self.mask_function = eager_attention, masking_utils.eager_mask
+
+    @property
+    def last_budgets(self) -> dict[int, int]:
+        """layer -> tokens the last prefill kept per KV head (its longest row's: the layer's physical length)."""
+        return {layer: max(kept) for layer, kept in self.last_row_kept.items()}
 
     # -- forward pre-hook on the model: sees the cache of every call ------------------------------------------
     def before_forward(self, module, args, kwargs):
@@ -250,7 +254,6 @@ class CompressionSession:
             if bool(key_mask.all()):  # no padding slot left: the plain causal path
                 key_mask = None
         cache.layers[layer_idx] = _compressed_layer_class()(keys_c, values_c, seen_tokens=n, key_mask=key_mask)
-        self.last_budgets[layer_idx] = keys_c.shape[2]
         self.last_row_kept[layer_idx] = row_kept
 
 
