@@ -160,6 +160,15 @@ def contains_all(prediction: str, reference: str, all_classes=None) -> float:
     return 1.0
 
 
+def phrase_recall(prediction: str, reference: str, all_classes=None) -> float:
+    """The fraction of the ``|``-separated phrases of ``reference`` that occur in the prediction
+    (case-insensitive, runs of whitespace matched as one space): the needle-in-a-haystack test's score, without
+    the LLM judge of the original (see ``ripplekv_ext.eval.needle``)."""
+    lowered = " ".join(prediction.lower().split())
+    phrases = [" ".join(p.lower().split()) for p in reference.split("|")]
+    return sum(1 for p in phrases if p in lowered) / len(phrases)
+
+
 METRICS: dict[str, Callable[..., float]] = {
     "qa_f1": qa_f1,
     "qa_f1_zh": qa_f1_zh,
@@ -171,6 +180,7 @@ METRICS: dict[str, Callable[..., float]] = {
     "count": count,
     "code_sim": code_sim,
     "contains_all": contains_all,
+    "phrase_recall": phrase_recall,
 }
 
 
