@@ -8,6 +8,7 @@ from ripplekv_ext.allocation import PyramidKVAllocator, RippleKVAllocator, Unifo
 from ripplekv_ext.policies import H2OSelector, Policy, SnapKVSelector, StreamingLLMSelector
 from ripplekv_ext.compressor import CompressionStep, KVCompressor
 from ripplekv_ext.hook import compress
+from ripplekv_ext.context import compress_context, continue_context
 
 __version__ = "0.1.0"
 
@@ -15,4 +16,5 @@ __all__ = ["build_report", "cuda_built", "cuda_version", "gather_kv", "gather_kv
            "select_topk_packed", "select_topk_rows", "snapkv_compress", "snapkv_compress_rows", "snapkv_scores",
            "streaming_indices",
            "UniformAllocator", "PyramidKVAllocator", "RippleKVAllocator", "Policy", "SnapKVSelector", "H2OSelector",
-           "StreamingLLMSelector", "KVCompressor", "CompressionStep", "compress"]
+           "StreamingLLMSelector", "KVCompressor", "CompressionStep", "compress",
+           "compress_context", "continue_context"]

@@ -1,0 +1,250 @@
+"""Compress once, ask many: compress a long context before the question is known, then answer questions from it.
+
+``compress_context(model, context_ids, policy)`` prefills the context under ``compress(model, policy)`` with a
+question-free observation window and returns the compressed cache; ``continue_context(model, cache,
+question_ids, **generate_kwargs)`` answers one question from a copy of it with ``model.generate``, so the same
+compressed context serves any number of questions, one after the other.
+
+The window that scores the context is either the context's own last ``policy.window`` tokens, or a *probe*: a
+text the caller expects to resemble the questions (``probe_ids``). The probe is prefilled after the context as the
+window (``dataclasses.replace(policy, window=probe length)``), so every layer keeps its policy budget for the
+context plus the probe, the probe always among them, last; its tokens are then dropped from the cache, and the
+context keeps ``budget - probe length`` tokens per layer.
+
+The returned cache is a transformers ``DynamicCache`` (its compressed layers are ``hook.CompressedLayer``)
+stamped with a ``ContextStamp``: the model it was compressed on, the policy, and the context's token ids (which
+``generate`` needs in front of the question, since it counts the cached tokens as part of the sequence).
+Continuing it on another model raises ``ValueError``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import dataclasses
+import inspect
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from ripplekv_ext import _compat
+from ripplekv_ext.allocation import average_budget
+from ripplekv_ext.hook import compress
+from ripplekv_ext.masks import row_lengths
+from ripplekv_ext.model_info import compressible_layers, text_config
+from ripplekv_ext.policies import Policy
+
+__all__ = ["ContextStamp", "compress_context", "continue_context", "check_context"]
+
+STAMP_ATTRIBUTE = "ripplekv_context"
+# What identifies a model for a cache: another model of this shape would take the cache silently and answer
+# from keys it never computed, so the config hash and a sample of weights are compared too.
+_IDENTITY_FIELDS = ("architecture", "num_layers", "num_kv_heads", "head_dim", "config_sha256", "weight_sample")
+
+
+def model_identity(model) -> dict:
+    """The fields of ``profile_file.describe_model`` that tell one model from another (the name may differ)."""
+    from ripplekv_ext.profile_file import describe_model
+
+    info = describe_model(model)
+    fingerprint = info.pop("fingerprint")
+    info.update(fingerprint)
+    return {key: info[key] for key in _IDENTITY_FIELDS}
+
+
+@dataclass(frozen=True, eq=False)
+class ContextStamp:
+    """What a compressed context cache carries (``cache.ripplekv_context``).
+
+    ``context_ids`` ``[B, n]`` and ``attention_mask`` (``[B, n]``, None when no row is padded) are the context's
+    tokens; ``policy`` compressed it (its own window, even when a probe scored it); ``probe_tokens`` is the probe's
+    length (0: the context's tail was the window); ``model`` is ``model_identity`` of the model it belongs to.
+    """
+
+    model: dict
+    policy: Policy
+    context_ids: Tensor
+    attention_mask: Optional[Tensor]
+    probe_tokens: int
+
+    def __deepcopy__(self, memo):
+        # Immutable and shared: a copied cache answers for the same context, model and policy.
+        return self
+
+
+def _check_ids(name: str, ids, batch: Optional[int] = None) -> Tensor:
+    if not isinstance(ids, Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor of token ids [batch, tokens], got {type(ids).__name__}")
+    if ids.dim() != 2 or ids.shape[0] < 1 or ids.shape[1] < 1:
+        raise ValueError(f"{name} must be a 2-D [batch, tokens] tensor with at least one row and one token, got "
+                         f"shape {list(ids.shape)} (one sequence: ids[None])")
+    if ids.dtype.is_floating_point or ids.dtype.is_complex or ids.dtype == torch.bool:
+        raise TypeError(f"{name} must hold integer token ids, got dtype {ids.dtype}")
+    if batch is not None and ids.shape[0] != batch:
+        raise ValueError(f"{name} must have one row per context row ({batch}), got {ids.shape[0]} rows")
+    return ids
+
+
+def _check_budget(policy: Policy, lengths: list[int], probe_tokens: int) -> None:
+    """A context compressed to no more than its window would keep only the window: refuse it, naming the rows."""
+    if policy.is_full:
+        return
+    window = probe_tokens or policy.window
+    too_small = []
+    for row, n in enumerate(lengths):
+        total = n + probe_tokens
+        budget = average_budget(policy.retention, total)
+        if budget < total and budget <= window:
+            too_small.append((row, n, budget))
+    if too_small:
+        row, n, budget = too_small[0]
+        what = (f"the probe's {probe_tokens} tokens (the probe is the window)" if probe_tokens
+                else f"the window ({policy.window})")
+        raise ValueError(f"retention {policy.retention:g} of a {n}-token context"
+                         f"{f' plus its {probe_tokens}-token probe' if probe_tokens else ''} is an average budget of "
+                         f"{budget} tokens, not above {what}; rows {[r for r, _, _ in too_small]} are affected. Raise "
+                         f"the retention, use a {'shorter probe' if probe_tokens else 'smaller window'}, or a longer "
+                         f"context")
+
+
+def _prefill_kwargs(model) -> dict:
+    # Only the cache matters: ask for the last position's logits, not [n, vocab] of them, where the model allows it.
+    accepts = inspect.signature(model.forward).parameters
+    return {"logits_to_keep": 1} if "logits_to_keep" in accepts else {}
+
+
+def compress_context(model, context_ids: Tensor, policy: Policy, *, attention_mask: Optional[Tensor] = None,
+                     probe_ids: Optional[Tensor] = None, attention: Optional[str] = None):
+    """Prefill ``context_ids`` under ``compress(model, policy)`` and return the compressed cache.
+
+    Args:
+        model: a transformers causal LM (as for ``ripplekv_ext.compress``).
+        context_ids: int ``[B, n]``: the context, without the question (chat templates: the tokens up to where
+            the question starts, see README "Compress once, ask many").
+        policy: the compression policy; ``Policy.full()`` returns the uncompressed cache.
+        attention_mask: ``[B, n]`` of a left-padded batch of contexts (each row is compressed as if alone).
+        probe_ids: int ``[B or 1, p]``: a question-like text scoring the context in place of its tail; its tokens
+            are dropped afterwards. Not for models with sliding-window layers (their cache cannot drop tokens).
+        attention: ``"sdpa"`` or ``"eager"`` (default: the model's).
+
+    Returns the transformers cache, stamped (``cache.ripplekv_context``, a ``ContextStamp``). Its compressed
+    layers report the context's length as their sequence length. Continue it with ``continue_context``.
+
+    Raises ``ValueError`` when a row's average budget would not exceed the window (the context would be kept
+    whole or reduced to its window): raise the retention, shrink the window or the probe, or give a longer context.
+    """
+    if not isinstance(policy, Policy):
+        raise TypeError(f"policy must be a ripplekv_ext.Policy, got {type(policy).__name__}")
+    context_ids = _check_ids("context_ids", context_ids)
+    batch, n = context_ids.shape
+    if attention_mask is not None:
+        if not isinstance(attention_mask, Tensor) or tuple(attention_mask.shape) != (batch, n):
+            raise ValueError(f"attention_mask must be a [batch, tokens] = {[batch, n]} tensor like context_ids, got "
+                             f"{list(attention_mask.shape) if isinstance(attention_mask, Tensor) else attention_mask!r}")
+    lengths = row_lengths(attention_mask)  # checks the left padding
+    lengths = [n] * batch if lengths is None else lengths.tolist()
+
+    probe_tokens = 0
+    prefill_ids, prefill_mask, prefill_policy = context_ids, attention_mask, policy
+    if probe_ids is not None:
+        probe_ids = _check_ids("probe_ids", probe_ids)
+        if probe_ids.shape[0] not in (1, batch):
+            raise ValueError(f"probe_ids must have 1 row or one per context row ({batch}), got {probe_ids.shape[0]}")
+        num_layers = text_config(model).num_hidden_layers
+        if len(compressible_layers(model)) != num_layers:
+            raise ValueError("probe_ids is not supported on models with sliding-window layers: their cache cannot "
+                             "drop the probe's tokens afterwards. Compress without a probe (the context's tail is "
+                             "the window)")
+        probe_tokens = probe_ids.shape[1]
+        probe_ids = probe_ids.to(context_ids.device).expand(batch, -1)
+        prefill_ids = torch.cat([context_ids, probe_ids], dim=1)
+        if attention_mask is not None:
+            prefill_mask = torch.cat([attention_mask, attention_mask.new_ones(batch, probe_tokens)], dim=1)
+        if not policy.is_full:
+            prefill_policy = dataclasses.replace(policy, window=probe_tokens)
+    _check_budget(policy, lengths, probe_tokens)
+
+    device = next(model.parameters()).device
+    with compress(model, prefill_policy, attention=attention), torch.no_grad():
+        output = model(prefill_ids.to(device), attention_mask=None if prefill_mask is None else prefill_mask.to(device),
+                       use_cache=True, **_prefill_kwargs(model))
+    cache = _compat.output_cache(output)
+    if probe_tokens:
+        # Every row's window (its last probe_tokens slots) is the probe: drop it from every layer.
+        for layer in cache.layers:
+            layer.crop(-probe_tokens)
+    setattr(cache, STAMP_ATTRIBUTE, ContextStamp(model=model_identity(model), policy=policy,
+                                                 context_ids=context_ids.detach().cpu(),
+                                                 attention_mask=None if attention_mask is None
+                                                 else attention_mask.detach().cpu(),
+                                                 probe_tokens=probe_tokens))
+    return cache
+
+
+def check_context(model, cache) -> ContextStamp:
+    """The cache's ``ContextStamp``, after checking that it came from ``compress_context`` on this very model."""
+    stamp = getattr(cache, STAMP_ATTRIBUTE, None)
+    if not isinstance(stamp, ContextStamp):
+        raise TypeError(f"cache must be what ripplekv_ext.compress_context returned, got {type(cache).__name__} "
+                        "without a context stamp")
+    if not (hasattr(model, "config") and hasattr(model, "generate")):
+        raise TypeError(f"model must be a transformers model, got {type(model).__name__}")
+    mine = model_identity(model)
+    differ = [key for key in _IDENTITY_FIELDS if mine[key] != stamp.model[key]]
+    if differ:
+        shown = ", ".join(f"{key}: {stamp.model[key]} vs {mine[key]}" for key in differ if key != "weight_sample")
+        raise ValueError(f"this compressed context belongs to another model ({shown or 'same config, other weights'}"
+                         "); compress the context again with this model")
+    return stamp
+
+
+def continue_context(model, cache, question_ids: Tensor, *, copy_cache: bool = True,
+                     attention: Optional[str] = None, **generate_kwargs):
+    """``model.generate`` after a compressed context: the question's tokens, then the answer.
+
+    Args:
+        cache: what ``compress_context`` returned for ``model``.
+        question_ids: int ``[B, q]``, one row per context row (rows of one length: a question cannot be padded
+            after its context; ask questions of other lengths one call at a time). Chat models: the question, the
+            end of the user turn and the assistant turn's opening.
+        copy_cache: answer from a deep copy of the cache (default), so the cache still holds the bare context for
+            the next question; the copy costs the compressed cache's size again until the call returns. False
+            continues the cache itself (the last question: no copy, but the cache then holds this question and
+            answer).
+        attention: ``"sdpa"`` or ``"eager"`` (default: the model's).
+        generate_kwargs: passed to ``model.generate`` (``max_new_tokens``, ``do_sample``, ...), but not the ids,
+            mask or cache, which this function builds.
+
+    Returns what ``model.generate`` returns: sequences of context, question and answer (the answer starts at
+    ``context_ids.shape[1] + q``).
+    """
+    stamp = check_context(model, cache)
+    batch = stamp.context_ids.shape[0]
+    question_ids = _check_ids("question_ids", question_ids, batch=batch)
+    if not isinstance(copy_cache, bool):
+        raise TypeError(f"copy_cache must be True or False, got {copy_cache!r}")
+    built = {"input_ids", "inputs", "attention_mask", "cache", "past_key_values"} & set(generate_kwargs)
+    if built:
+        raise TypeError(f"continue_context builds {sorted(built)} itself (context + question, the compressed "
+                        "cache); pass only generation options")
+    device = next(model.parameters()).device
+    stored = cache.layers[0].keys if cache.layers and getattr(cache.layers[0], "keys", None) is not None else None
+    if stored is not None and stored.device != device:
+        raise ValueError(f"the compressed context is on {stored.device} but the model is on {device}; move the model "
+                         "back or compress the context on this device")
+
+    question_ids = question_ids.to(device)
+    input_ids = torch.cat([stamp.context_ids.to(device), question_ids], dim=1)
+    context_mask = (torch.ones_like(stamp.context_ids) if stamp.attention_mask is None
+                    else stamp.attention_mask.to(stamp.context_ids.dtype))
+    attention_mask = torch.cat([context_mask.to(device), torch.ones_like(question_ids)], dim=1)
+    work = copy.deepcopy(cache) if copy_cache else cache
+    # Compressed layers hold fewer keys than the sequence has tokens: only the hook's attention can mask them
+    # (each layer's own length and padding slots). Full caches need nothing but the stock model.
+    block = (contextlib.nullcontext() if stamp.policy.is_full
+             else compress(model, stamp.policy, attention=attention))
+    with block:
+        return model.generate(input_ids, attention_mask=attention_mask,
+                              **{_compat.cache_argument(): work}, **generate_kwargs)
