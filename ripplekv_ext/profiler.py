@@ -131,12 +131,60 @@ class ContinuationRunner:
         finally:
             self._pristine[layer] = pristine
 
+    def kl_per_position(self, logprobs: torch.Tensor) -> torch.Tensor:
+        """KL(P_ref || P) at each continuation position: `[..., T, V] -> [..., T]` (any leading batch dims)."""
+        ref = self.ref_logprobs
+        return (ref.exp() * (ref - logprobs)).sum(-1)
+
     def kl_from_ref(self, logprobs: torch.Tensor) -> float:
         """KL(P_ref || P) per position, averaged over the continuation."""
-        ref = self.ref_logprobs
         # A KL is >= 0; rounding can leave a layer that barely moves the output a hair below (profiles must not
         # hold negative sensitivities).
-        return max(0.0, float((ref.exp() * (ref - logprobs)).sum(-1).mean()))
+        return max(0.0, float(self.kl_per_position(logprobs).mean()))
+
+    def kl_rows(self, rows: Sequence[tuple[int, Callable]]) -> torch.Tensor:
+        """Per-position KLs `[len(rows), T]` of several perturbed runs done as ONE batched continuation.
+
+        Row `r = (layer, modify)` sees the prefix cache with `modify` applied to `layer` only, exactly as
+        `run(layer, modify)` would. With reuse, rows are sorted by layer and layer `i` runs only on the rows
+        perturbed at or below `i` (a prefix of the sorted batch); the other rows still hold the reference, so
+        they take the recorded output. That is the same token-layer work as one run per row, in fewer calls.
+        """
+        order = sorted(range(len(rows)), key=lambda r: rows[r][0])
+        row_layers = [rows[r][0] for r in order]
+        batch = len(rows)
+        cache = self._fresh_cache()
+        active = [sum(l <= i for l in row_layers) if self.reuse else batch for i in range(len(cache.layers))]
+        for i, cache_layer in enumerate(cache.layers):
+            if active[i] == 0:
+                continue  # no row runs this layer: its pristine entry is never read
+            parts = []
+            for r in order[:active[i]]:
+                layer, modify = rows[r]
+                entry = copy.copy(self._pristine[i])
+                if layer == i:
+                    modify(entry)
+                parts.append(entry)
+            cache_layer.keys = torch.cat([p.keys for p in parts])
+            cache_layer.values = torch.cat([p.values for p in parts])
+        patched = []
+        if self.reuse:
+            for i, layer_module in enumerate(self.layers):
+                if active[i] < batch:
+                    layer_module.forward = _rows_replaying(layer_module.forward, self.recorded[i], active[i], batch)
+                    patched.append(layer_module)
+        try:
+            out = self.model(input_ids=self.cont.expand(batch, -1), position_ids=self.position_ids, cache=cache,
+                             use_cache=True)
+        finally:
+            for layer_module in patched:
+                del layer_module.forward
+        logits = out.logits
+        kls = self.kl_per_position(torch.log_softmax(logits.to(torch.promote_types(logits.dtype, torch.float32)),
+                                                     dim=-1))
+        result = torch.empty_like(kls)
+        result[torch.tensor(order)] = kls
+        return result
 
     def check_reuse(self, layer: int, rtol: float = 1e-4) -> bool:
         """Does replaying layers < `layer` reproduce the reference? (It must, bit for bit in principle.)"""
@@ -147,6 +195,25 @@ class ContinuationRunner:
         return diff <= rtol * max(1.0, float(self.ref_logprobs.abs().max()))
 
 
+def _rows_replaying(forward, recorded: torch.Tensor, active: int, batch: int):
+    """A decoder layer's forward for a batch whose first `active` rows run it and the rest replay `recorded`."""
+    def take(x):
+        # Per-row inputs (hidden states, a per-row mask) are cut to the active rows; broadcast ones (batch 1) stay.
+        if isinstance(x, torch.Tensor) and x.dim() > 0 and x.shape[0] == batch and batch > 1:
+            return x[:active]
+        if isinstance(x, tuple):
+            return tuple(take(y) for y in x)
+        return x
+
+    def replaying_forward(hidden_states, *args, **kwargs):
+        rest = recorded.expand(batch - active, *recorded.shape[1:])
+        if active == 0:
+            return rest
+        out = forward(take(hidden_states), *[take(a) for a in args], **{k: take(v) for k, v in kwargs.items()})
+        return torch.cat([out, rest])
+    return replaying_forward
+
+
 # ---- perturbation ----------------------------------------------------------------------------------
 
 def _noise_seed(seed: int, example: int, layer: int, draw: int, which: int) -> int:
@@ -155,50 +222,120 @@ def _noise_seed(seed: int, example: int, layer: int, draw: int, which: int) -> i
     return int(np.random.SeedSequence([seed, example, layer, draw, which]).generate_state(1, np.uint64)[0] >> 1)
 
 
-def perturb(x: torch.Tensor, sigma: float, seed: int) -> torch.Tensor:
-    """`x + sigma * ||x|| / sqrt(D) * eps` per vector (last dim), eps ~ N(0, I), computed in fp32 or wider."""
+def perturb(x: torch.Tensor, sigma: float, seed: int, sign: float = 1.0) -> torch.Tensor:
+    """`x + sign * sigma * ||x|| / sqrt(D) * eps` per vector (last dim), eps ~ N(0, I), computed in fp32 or wider.
+
+    `sign=-1` gives the antithetic twin of the same draw (the same eps, negated)."""
     g = torch.Generator(device="cpu").manual_seed(seed)
     eps = torch.randn(x.shape, generator=g, dtype=torch.float32).to(x.device)
     xf = x.to(torch.promote_types(x.dtype, torch.float32))
     norm = xf.norm(dim=-1, keepdim=True)
-    return (xf + sigma * norm / math.sqrt(x.shape[-1]) * eps).to(x.dtype)
+    return (xf + sign * sigma * norm / math.sqrt(x.shape[-1]) * eps).to(x.dtype)
 
 
-def _perturber(target: str, sigma: float, seed: int, example: int, layer: int, draw: int):
+def _perturber(target: str, sigma: float, seed: int, example: int, layer: int, draw: int, sign: float = 1.0):
     def modify(cache_layer):
         if target in ("values", "both"):
-            cache_layer.values = perturb(cache_layer.values, sigma, _noise_seed(seed, example, layer, draw, 1))
+            cache_layer.values = perturb(cache_layer.values, sigma, _noise_seed(seed, example, layer, draw, 1), sign)
         if target in ("keys", "both"):
-            cache_layer.keys = perturb(cache_layer.keys, sigma, _noise_seed(seed, example, layer, draw, 0))
+            cache_layer.keys = perturb(cache_layer.keys, sigma, _noise_seed(seed, example, layer, draw, 0), sign)
     return modify
+
+
+ESTIMATORS = ("perturbation", "fisher")
 
 
 def profile_example(model, ids: torch.Tensor, prefix_len: int, layers: Sequence[int], *, sigma: float, seed: int,
                     draws: int, target: str, example_index: int, reuse: bool = True,
-                    progress: Callable[[], None] | None = None) -> tuple[list[float], bool]:
-    """Per-layer mean KL for one example; also whether hidden states were reused."""
+                    progress: Callable[[], None] | None = None, antithetic: bool = False, batch_rows: int = 1,
+                    estimator: str = "perturbation") -> tuple[list[float], bool]:
+    """Per-layer mean KL for one example; also whether hidden states were reused.
+
+    `antithetic`: every draw also runs its negated noise (the mean of the pair cancels the odd-order terms of
+    the KL's expansion). `batch_rows`: perturbed runs done per batched continuation (1 = one at a time; the
+    numbers are the same either way, to rounding). `estimator="fisher"`: see `fisher_example` (no reuse).
+    """
+    if estimator == "fisher":
+        values = fisher_example(model, ids, prefix_len, layers, sigma=sigma, seed=seed, samples=draws,
+                                target=target, example_index=example_index)
+        if progress:
+            for _ in layers:
+                progress()
+        return values, False
+    signs = (1.0, -1.0) if antithetic else (1.0,)
     with torch.inference_mode():
         runner = ContinuationRunner(model, ids, prefix_len, reuse=reuse)
         if runner.reuse and not runner.check_reuse(max(layers)):
             warnings.warn(f"{type(model).__name__}: replaying recorded layer outputs does not reproduce the "
                           "reference; falling back to full forward passes", RuntimeWarning)
             runner.reuse = False
-        result = []
-        for layer in layers:
-            kls = [runner.kl_from_ref(runner.run(layer, _perturber(target, sigma, seed, example_index, layer, d)))
-                   for d in range(draws)]
-            result.append(sum(kls) / draws)
+        runs = [(layer, _perturber(target, sigma, seed, example_index, layer, d, sign))
+                for layer in layers for d in range(draws) for sign in signs]
+        per_layer = draws * len(signs)
+        kls = []
+        for start in range(0, len(runs), batch_rows):
+            chunk = runs[start:start + batch_rows]
+            if batch_rows == 1:
+                kls.append(runner.kl_from_ref(runner.run(*chunk[0])))
+            else:
+                kls.extend(runner.kl_rows(chunk).mean(-1).clamp_min(0.0).tolist())
             if progress:
-                progress()
-        return result, runner.reuse
+                for _ in range(len(kls) // per_layer - (len(kls) - len(chunk)) // per_layer):
+                    progress()
+        return [sum(kls[i:i + per_layer]) / per_layer for i in range(0, len(kls), per_layer)], runner.reuse
+
+
+def fisher_example(model, ids: torch.Tensor, prefix_len: int, layers: Sequence[int], *, sigma: float, seed: int,
+                   samples: int, target: str, example_index: int) -> list[float]:
+    """Every layer's expected KL under the profiler's noise from one backward pass (the Fisher estimate).
+
+    For small sigma, KL(P_ref || P_delta) = 1/2 delta^T F delta + O(sigma^3), F the Fisher information of the
+    continuation's next-token distributions with respect to the prefix cache. Averaged over the noise
+    delta = s * eps (s = sigma * ||v|| / sqrt(D) per cached vector) that is 1/2 sum_rows s^2 * E_y ||d log p(y) /
+    d v_row||^2 with y drawn from P_ref. One y per position is drawn; the gradient of sum_t log p_t(y_t) gives
+    that for every layer at once (cross-position terms have expectation zero: each position's score has mean
+    zero and the draws are independent). `samples` draws average several such backward passes.
+    """
+    device = next(model.parameters()).device
+    ids = ids.to(device).view(1, -1)
+    prefix, cont = ids[:, :prefix_len], ids[:, prefix_len:]
+    with torch.no_grad():
+        cache = _output_cache(model(input_ids=prefix, use_cache=True, logits_to_keep=1))
+    kinds = [k for k in ("values", "keys") if target in (k, "both")]
+    leaves, scales = [], []
+    for layer in layers:
+        for kind in kinds:
+            x = getattr(cache.layers[layer], kind).detach().clone().requires_grad_(True)
+            setattr(cache.layers[layer], kind, x)
+            leaves.append(x)
+            xf = x.detach().to(torch.promote_types(x.dtype, torch.float32))
+            scales.append(sigma ** 2 * xf.pow(2).sum(-1) / x.shape[-1])  # s^2 per cached vector
+    position_ids = torch.arange(prefix_len, ids.shape[1], device=device).unsqueeze(0)
+    generator = torch.Generator().manual_seed(_noise_seed(seed, example_index, 0, 0, 2))
+    with torch.enable_grad():
+        logits = model(input_ids=cont, position_ids=position_ids, cache=cache, use_cache=True).logits[0]
+        logp = torch.log_softmax(logits.to(torch.promote_types(logits.dtype, torch.float32)), dim=-1)
+        totals = torch.zeros(len(leaves), dtype=torch.float64)
+        for s in range(samples):
+            y = torch.multinomial(logp.detach().exp().cpu(), 1, generator=generator).to(device)
+            grads = torch.autograd.grad(logp.gather(-1, y).sum(), leaves, retain_graph=s + 1 < samples)
+            for i, (g, scale) in enumerate(zip(grads, scales)):
+                totals[i] += float((scale * g.float().pow(2).sum(-1)).sum())
+    per_leaf = (0.5 * totals / (samples * cont.shape[1])).tolist()
+    return [sum(per_leaf[i:i + len(kinds)]) for i in range(0, len(per_leaf), len(kinds))]
 
 
 # ---- the profiling run -----------------------------------------------------------------------------
 
 def _check_options(prefix_len, cont_len, num_examples, sigma, draws, target, until_stable, stability_threshold,
-                   max_examples):
+                   max_examples, estimator="perturbation", antithetic=False, batch_rows=1):
+    if estimator not in ESTIMATORS:
+        raise ValueError(f"estimator must be one of {ESTIMATORS}, got {estimator!r}")
+    if antithetic and estimator != "perturbation":
+        raise ValueError("antithetic pairs are perturbation draws: pass antithetic=False with estimator='fisher'")
     for name, value, minimum in (("prefix_len", prefix_len, 1), ("cont_len", cont_len, 1),
-                                 ("num_examples", num_examples, 1), ("draws", draws, 1)):
+                                 ("num_examples", num_examples, 1), ("draws", draws, 1),
+                                 ("batch_rows", batch_rows, 1)):
         if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
             raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
     if not (isinstance(sigma, (int, float)) and math.isfinite(sigma) and sigma > 0):
@@ -217,7 +354,8 @@ def profile_model(model, tokenizer=None, texts=None, *, examples: torch.Tensor |
                   seed: int = 0, draws: int = 1, layers: Sequence[int] | None = None, target: str = "values",
                   reuse: bool = True, until_stable: bool = False, stability_threshold: float = 0.9,
                   max_examples: int = 64, out_path=None, resume: bool = True, progress: bool = True,
-                  model_name: str | None = None, source: str | None = None) -> Profile:
+                  model_name: str | None = None, source: str | None = None, estimator: str = "perturbation",
+                  antithetic: bool = False, batch_rows: int = 1) -> Profile:
     """Measure the sensitivity profile of `model` and return it (and write it to `out_path` if given).
 
     Calibration input is `examples` (token ids `[n, P + T]`) or `texts` (None = bundled KJV calibration
@@ -226,9 +364,13 @@ def profile_model(model, tokenizer=None, texts=None, *, examples: torch.Tensor |
     until the split-half Spearman of the profile reaches `stability_threshold` or `max_examples` is hit.
     With `out_path`, progress is saved after every example to `<out_path>.partial.json` (atomically); an
     interrupted run with the same settings resumes from it.
+
+    `estimator="fisher"` estimates every layer from one backward pass per example (`fisher_example`; `draws`
+    is then the number of sampled tokens per position); `antithetic` adds each draw's negated noise;
+    `batch_rows` runs that many perturbed continuations as one batch (same numbers, fewer calls).
     """
     _check_options(prefix_len, cont_len, num_examples, sigma, draws, target, until_stable, stability_threshold,
-                   max_examples)
+                   max_examples, estimator, antithetic, batch_rows)
     num_layers = text_config(model).num_hidden_layers
     compressible = model_compressible_layers(model)
     layers = list(compressible if layers is None else layers)
@@ -263,6 +405,11 @@ def profile_model(model, tokenizer=None, texts=None, *, examples: torch.Tensor |
 
     info = describe_model(model, model_name)
     method = {"target": target, "sigma": float(sigma), "seed": int(seed), "draws": int(draws), "metric": METRIC}
+    # Only non-default estimators are recorded, so profiles (and partial files) of the plain method stay as before.
+    if estimator != "perturbation":
+        method["estimator"] = estimator
+    if antithetic:
+        method["antithetic"] = True
     run_key = {"model": info, "method": method, "prefix_len": prefix_len, "cont_len": cont_len, "layers": layers,
                "source": source_desc, "examples_sha": _ids_digest(examples[:cap])}
 
@@ -285,7 +432,8 @@ def profile_model(model, tokenizer=None, texts=None, *, examples: torch.Tensor |
                     break
             values, reused = profile_example(model, examples[e], prefix_len, layers, sigma=sigma, seed=seed,
                                              draws=draws, target=target, example_index=e, reuse=reuse,
-                                             progress=bar.update if bar else None)
+                                             progress=bar.update if bar else None, **_variant_kwargs(
+                                                 estimator, antithetic, batch_rows))
             per_example.append(values)
             reused_flags.append(reused)
             if partial:
@@ -311,8 +459,9 @@ def profile_model(model, tokenizer=None, texts=None, *, examples: torch.Tensor |
         stability={"split_half_spearman": split_half_spearman(per_example), "until_stable": bool(until_stable),
                    "threshold": float(stability_threshold) if until_stable else None,
                    "max_examples": int(max_examples) if until_stable else None},
-        cost={"seconds": float(seconds), "tokens_processed": _tokens_processed(n, prefix_len, cont_len, layers,
-                                                                               draws, num_layers, reused_flags),
+        cost={"seconds": float(seconds),
+              "tokens_processed": _tokens_processed(n, prefix_len, cont_len, layers, draws, num_layers, reused_flags,
+                                                    estimator=estimator, antithetic=antithetic),
               "device": str(device), "reuse_hidden_states": bool(all(reused_flags))},
     )
     if out_path:
@@ -347,14 +496,34 @@ def _ids_digest(ids: torch.Tensor) -> str:
     return hashlib.sha256(ids.to(torch.int64).cpu().numpy().tobytes()).hexdigest()
 
 
-def _tokens_processed(n, prefix_len, cont_len, layers, draws, num_layers, reused_flags):
-    """Token-layer work in units of full-model tokens: prefix + reference + perturbed continuations."""
+def _variant_kwargs(estimator: str, antithetic: bool, batch_rows: int) -> dict:
+    """profile_example's keyword arguments for a non-plain run (none for the plain one, so a caller that wraps
+    profile_example with the original signature keeps working)."""
+    plain = {"estimator": "perturbation", "antithetic": False, "batch_rows": 1}
+    given = {"estimator": estimator, "antithetic": antithetic, "batch_rows": batch_rows}
+    return {name: value for name, value in given.items() if value != plain[name]}
+
+
+# A backward pass costs about twice its forward pass (two matrix products per weight instead of one).
+BACKWARD_COST = 2.0
+
+
+def _tokens_processed(n, prefix_len, cont_len, layers, draws, num_layers, reused_flags, *,
+                      estimator="perturbation", antithetic=False):
+    """Token-layer work in units of full-model tokens: prefix + reference + perturbed continuations.
+
+    Perturbation: per example P + T + draws * (2 if antithetic) * T * sum_l (L - l) / L with reuse (T * L_p
+    without). Fisher: P + T + draws * BACKWARD_COST * T (one forward, one backward per sampled token set).
+    """
     total = 0.0
     for reused in reused_flags[:n]:
         total += prefix_len + cont_len
+        if estimator == "fisher":
+            total += draws * BACKWARD_COST * cont_len
+            continue
         for l in layers:
             frac = (num_layers - l) / num_layers if reused else 1.0
-            total += draws * cont_len * frac
+            total += draws * (2 if antithetic else 1) * cont_len * frac
     return int(round(total))
 
 
