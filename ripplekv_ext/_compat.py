@@ -2,7 +2,8 @@
 
 Supported: the ranges below (also declared in pyproject.toml and the README). ``check_versions()`` runs when a
 ``compress(...)`` block opens and raises one ``RuntimeError`` naming the installed and the supported versions,
-instead of a traceback from deep inside transformers.
+instead of a traceback from deep inside transformers. ``RIPPLEKV_ALLOW_UNSUPPORTED=1`` turns that error into a
+warning, for trying a stack outside the ranges (a GPU image with an older torch, say) at one's own risk.
 
 Within the range, the cache and attention APIs the hook uses changed in three places; each is detected from the
 installed transformers itself (not from its version number), so a release in between works whichever side of a
@@ -18,7 +19,9 @@ from __future__ import annotations
 
 import functools
 import inspect
+import os
 import re
+import warnings
 
 import torch
 
@@ -58,6 +61,13 @@ def installed_versions() -> dict:
     return {"torch": torch.__version__, "transformers": transformers_version}
 
 
+ALLOW_UNSUPPORTED_VARIABLE = "RIPPLEKV_ALLOW_UNSUPPORTED"
+
+
+class UnsupportedVersionWarning(UserWarning):
+    """torch or transformers is outside the supported ranges and RIPPLEKV_ALLOW_UNSUPPORTED=1 lets it go on."""
+
+
 def check_versions() -> None:
     """Raise one clear error when the installed torch or transformers is outside the supported ranges."""
     installed = installed_versions()
@@ -69,9 +79,14 @@ def check_versions() -> None:
     elif not _in_range(installed["transformers"], SUPPORTED_TRANSFORMERS):
         problems.append(f"transformers {installed['transformers']} is installed, ripplekv_ext.compress supports "
                         f"{SUPPORTED_TRANSFORMERS_TEXT}")
-    if problems:
-        raise RuntimeError("ripplekv_ext: unsupported versions: " + "; ".join(problems)
-                           + f". Install supported ones, e.g. `pip install '{SUPPORTED_TRANSFORMERS_TEXT}'`.")
+    if not problems:
+        return
+    message = "ripplekv_ext: unsupported versions: " + "; ".join(problems)
+    if os.environ.get(ALLOW_UNSUPPORTED_VARIABLE) == "1" and installed["transformers"] is not None:
+        warnings.warn(message + f" ({ALLOW_UNSUPPORTED_VARIABLE}=1: going on, untested)", UnsupportedVersionWarning)
+        return
+    raise RuntimeError(message + f". Install supported ones, e.g. `pip install '{SUPPORTED_TRANSFORMERS_TEXT}'` "
+                       f"(or set {ALLOW_UNSUPPORTED_VARIABLE}=1 to try anyway).")
 
 
 # -- adapters, detected from the installed transformers --------------------------------------------------------

@@ -62,6 +62,18 @@ def test_compress_refuses_unsupported_torch(model, monkeypatch, version):
             pass
 
 
+def test_allow_unsupported_turns_the_error_into_a_warning(model, monkeypatch):
+    monkeypatch.setattr(torch, "__version__", "2.11.0+cu130")
+    monkeypatch.setenv("RIPPLEKV_ALLOW_UNSUPPORTED", "1")
+    with pytest.warns(_compat.UnsupportedVersionWarning, match=re.escape("torch 2.11.0+cu130 is installed")):
+        with compress(model, Policy.snapkv(0.3)):
+            pass
+    monkeypatch.setenv("RIPPLEKV_ALLOW_UNSUPPORTED", "0")  # only "1" lets it go on
+    with pytest.raises(RuntimeError, match="RIPPLEKV_ALLOW_UNSUPPORTED=1"):
+        with compress(model, Policy.snapkv(0.3)):
+            pass
+
+
 @pytest.mark.parametrize("version", ["5.2.0", "5.2.1", "5.24.0", "5.99.0.dev0"])
 def test_compress_accepts_supported_transformers(model, monkeypatch, version):
     _report_transformers_version(monkeypatch, version)
