@@ -167,9 +167,14 @@ def compress_context(model, context_ids: Tensor, policy: Policy, *, attention_ma
     _check_budget(policy, lengths, probe_tokens)
 
     device = next(model.parameters()).device
+    inputs = {"input_ids": prefill_ids.to(device), "use_cache": True, **_prefill_kwargs(model)}
+    if prefill_mask is not None:
+        # Positions as generate gives them: each row counts its own real tokens, so a padded row is positioned as
+        # if alone (and as continue_context's generate will continue it).
+        inputs["attention_mask"] = prefill_mask.to(device)
+        inputs["position_ids"] = (inputs["attention_mask"].long().cumsum(-1) - 1).clamp(min=0)
     with compress(model, prefill_policy, attention=attention), torch.no_grad():
-        output = model(prefill_ids.to(device), attention_mask=None if prefill_mask is None else prefill_mask.to(device),
-                       use_cache=True, **_prefill_kwargs(model))
+        output = model(**inputs)
     cache = _compat.output_cache(output)
     if probe_tokens:
         # Every row's window (its last probe_tokens slots) is the probe: drop it from every layer.

@@ -1,0 +1,194 @@
+"""Compress once, ask many (ripplekv_ext.context): checked against compress() on the same prefill, the stock model,
+the independent masked computation of test_hook (answers after a compressed context), each row alone (batches) and
+the reference ops (probe windows)."""
+
+import dataclasses
+
+import pytest
+import torch
+
+import ripplekv_ref
+from ripplekv_ext import Policy, compress, compress_context, continue_context
+from ripplekv_ext.eval.models import tiny_model
+from ripplekv_ext.model_info import compressible_layers
+
+pytest.importorskip("transformers")
+from transformers.cache_utils import DynamicCache  # noqa: E402
+
+from ripplekv_ext._compat import cache_argument, output_cache  # noqa: E402
+from test_hook import MaskedReference  # noqa: E402  (the independent oracle of compressed attention)
+
+CACHE = cache_argument()
+WINDOW = 8
+GREEDY = dict(do_sample=False, temperature=None, top_p=None, top_k=None, pad_token_id=0)
+
+
+def _ids(batch=1, n=96, seed=0):
+    return torch.randint(3, 512, (batch, n), generator=torch.Generator().manual_seed(seed))
+
+
+def _sensitivity(num_layers):
+    return [1.0 + ((7 * i) % 5) * 0.4 for i in range(num_layers)]
+
+
+def _answer(model, cache, question, steps=4, **kwargs):
+    out = continue_context(model, cache, question, max_new_tokens=steps, output_logits=True,
+                           return_dict_in_generate=True, **GREEDY, **kwargs)
+    return out.sequences[:, -steps:], torch.stack(out.logits, dim=1)
+
+
+@torch.no_grad()
+def _greedy_by_hand(model, context, question, steps=4):
+    """Prefill the context, feed the question as one chunk, then decode greedily: (tokens, logits)."""
+    cache = output_cache(model(context, use_cache=True))
+    logits = model(question, **{CACHE: cache}, use_cache=True).logits[:, -1:]
+    tokens, all_logits = [], [logits]
+    for _ in range(steps - 1):
+        tokens.append(logits.argmax(-1))
+        logits = model(tokens[-1], **{CACHE: cache}, use_cache=True).logits[:, -1:]
+        all_logits.append(logits)
+    tokens.append(logits.argmax(-1))
+    return torch.cat(tokens, dim=1), torch.cat(all_logits, dim=1)
+
+
+def _layers(cache):
+    return [(layer.keys.clone(), layer.values.clone(), layer.get_seq_length()) for layer in cache.layers]
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+def test_compress_context_is_compress_on_the_same_prefill(arch):
+    model = tiny_model(arch)
+    policy = Policy.ripplekv(_sensitivity(len(compressible_layers(model))), 0.3, window=WINDOW)
+    context = _ids()
+    with compress(model, policy), torch.no_grad():
+        expected = _layers(output_cache(model(context, use_cache=True)))
+    cache = compress_context(model, context, policy)
+    got = _layers(cache)
+    assert len(got) == len(expected)
+    for (k, v, n), (k_e, v_e, n_e) in zip(got, expected):
+        assert torch.equal(k, k_e) and torch.equal(v, v_e) and n == n_e == 96
+    assert any(k.shape[2] < 96 for k, _, _ in got)  # something was compressed
+    assert cache.ripplekv_context.probe_tokens == 0 and torch.equal(cache.ripplekv_context.context_ids, context)
+
+
+@pytest.mark.parametrize("arch,policy_name", [("llama", "snapkv"), ("qwen2", "ripplekv")])
+def test_answer_equals_the_masked_reference(arch, policy_name):
+    # The question comes after compression: its window was the context's tail, so the reference compresses the
+    # context alone, then attends to the question and the answer over the kept tokens only.
+    model = tiny_model(arch)
+    policy = (Policy.snapkv(0.3, window=WINDOW) if policy_name == "snapkv"
+              else Policy.ripplekv(_sensitivity(len(compressible_layers(model))), 0.3, window=WINDOW))
+    context, question = _ids(), _ids(n=6, seed=1)
+    tokens, logits = _answer(model, compress_context(model, context, policy), question)
+    with MaskedReference(model, policy):
+        ref_tokens, ref_logits = _greedy_by_hand(model, context, question)
+    full_tokens, full_logits = _greedy_by_hand(model, context, question)
+    assert torch.equal(tokens, ref_tokens)
+    assert (logits - ref_logits).abs().max().item() <= 1e-4
+    assert (logits - full_logits).abs().max().item() > 1e-3  # compression did change the answer's logits
+
+
+@pytest.mark.parametrize("policy", [Policy.full(), Policy.snapkv(1.0, window=WINDOW)], ids=["full", "keep-all"])
+def test_nothing_dropped_equals_stock_generate(policy):
+    # Full, and a budget at the context length (every layer on the compressed path, nothing dropped): the answer
+    # is the stock model's on context + question in one prompt.
+    model = tiny_model("llama")
+    context, question = _ids(), _ids(n=6, seed=1)
+    tokens, logits = _answer(model, compress_context(model, context, policy), question)
+    stock = model.generate(torch.cat([context, question], 1), max_new_tokens=4, output_logits=True,
+                           return_dict_in_generate=True, **GREEDY)
+    assert torch.equal(tokens, stock.sequences[:, -4:])
+    assert (logits - torch.stack(stock.logits, 1)).abs().max().item() <= 1e-4
+
+
+def test_questions_do_not_affect_each_other():
+    model = tiny_model("llama")
+    policy = Policy.snapkv(0.3, window=WINDOW)
+    context, first, second = _ids(), _ids(n=6, seed=1), _ids(n=9, seed=2)
+    cache = compress_context(model, context, policy)
+    before = _layers(cache)
+    _answer(model, cache, first)
+    after_first = _answer(model, cache, second)
+    alone = _answer(model, compress_context(model, context, policy), second)
+    assert torch.equal(after_first[0], alone[0]) and torch.equal(after_first[1], alone[1])
+    for (k, v, n), (k_b, v_b, n_b) in zip(_layers(cache), before):  # the copies left the context untouched
+        assert torch.equal(k, k_b) and torch.equal(v, v_b) and n == n_b == 96
+    _answer(model, cache, first, copy_cache=False)  # the last question may continue the cache itself
+    assert cache.get_seq_length() == 96 + 6 + 3
+
+
+def test_probe_is_the_window_then_dropped():
+    model = tiny_model("llama")
+    policy = Policy.snapkv(0.3, window=WINDOW)
+    context, probe = _ids(), _ids(n=12, seed=3)
+    steps = []
+    with compress(model, dataclasses.replace(policy, window=12), on_compress=steps.append), torch.no_grad():
+        model(torch.cat([context, probe], 1))
+    cache = compress_context(model, context, policy, probe_ids=probe)
+    tail_window = compress_context(model, context, policy)
+    differs = False
+    for step in steps:  # the reference ops: SnapKV scores of the probe's queries, top-k with the probe as window
+        idx = ripplekv_ref.select_topk(ripplekv_ref.snapkv_scores(step.queries[:, :, -12:], step.keys),
+                                       step.budget, 12)[..., :-12]
+        layer = cache.layers[step.layer_idx]
+        assert torch.equal(layer.keys, torch.gather(step.keys, 2, idx[..., None].expand(-1, -1, -1, 16)))
+        assert layer.get_seq_length() == 96 and layer.keys.shape[2] == step.budget - 12
+        differs |= layer.keys.shape != tail_window.layers[step.layer_idx].keys.shape or not torch.equal(
+            layer.keys, tail_window.layers[step.layer_idx].keys)
+    assert len(steps) == 4 and differs
+    assert cache.ripplekv_context.probe_tokens == 12 and cache.ripplekv_context.policy == policy
+    tokens, _ = _answer(model, cache, _ids(n=6, seed=1))  # and it answers like any compressed context
+    assert tokens.shape == (1, 4)
+
+
+@pytest.mark.parametrize("probe", [False, True], ids=["tail-window", "probe"])
+def test_batched_contexts_equal_each_row_alone(probe):
+    model = tiny_model("llama")
+    policy = Policy.ripplekv(_sensitivity(4), 0.3, window=WINDOW)
+    rows = [_ids(n=96)[0], _ids(n=72, seed=5)[0]]
+    context = torch.zeros(2, 96, dtype=torch.long)
+    mask = torch.zeros(2, 96, dtype=torch.long)
+    for b, row in enumerate(rows):
+        context[b, 96 - len(row):], mask[b, 96 - len(row):] = row, 1
+    question, probe_ids = _ids(batch=2, n=6, seed=1), (_ids(n=10, seed=3) if probe else None)
+    tokens, logits = _answer(model, compress_context(model, context, policy, attention_mask=mask,
+                                                     probe_ids=probe_ids), question)
+    for b, row in enumerate(rows):
+        alone = _answer(model, compress_context(model, row[None], policy, probe_ids=probe_ids), question[b:b + 1])
+        assert torch.equal(tokens[b], alone[0][0]), b
+        assert (logits[b] - alone[1][0]).abs().max().item() <= 1e-4, b
+
+
+def test_bad_inputs_are_clear_errors():
+    model = tiny_model("llama")
+    policy = Policy.snapkv(0.3, window=WINDOW)
+    context = _ids()
+    with pytest.raises(ValueError, match=r"average budget of 5 tokens, not above the window \(8\)"):
+        compress_context(model, context, Policy.snapkv(0.05, window=WINDOW))
+    with pytest.raises(ValueError, match="not above the probe's 50 tokens"):
+        compress_context(model, context, policy, probe_ids=_ids(n=50))
+    with pytest.raises(TypeError, match="policy must be a ripplekv_ext.Policy"):
+        compress_context(model, context, "snapkv")
+    with pytest.raises(TypeError, match="context_ids must be a torch.Tensor"):
+        compress_context(model, context.tolist(), policy)
+    with pytest.raises(TypeError, match="integer token ids"):
+        compress_context(model, context.float(), policy)
+    with pytest.raises(ValueError, match=r"2-D \[batch, tokens\].*ids\[None\]"):
+        compress_context(model, context[0], policy)
+    with pytest.raises(ValueError, match="left-padded"):
+        compress_context(model, context, policy, attention_mask=torch.cat([torch.ones(1, 90), torch.zeros(1, 6)], 1))
+    with pytest.raises(ValueError, match="sliding-window layers"):
+        compress_context(tiny_model("gemma3"), context, policy, probe_ids=_ids(n=4))
+
+    cache = compress_context(model, context, policy)
+    with pytest.raises(ValueError, match="another model.*other weights"):
+        continue_context(tiny_model("llama", seed=1), cache, _ids(n=4), max_new_tokens=1)
+    with pytest.raises(ValueError, match="another model.*num_layers: 4 vs 2"):
+        continue_context(tiny_model("llama", num_layers=2), cache, _ids(n=4), max_new_tokens=1)
+    with pytest.raises(TypeError, match="what ripplekv_ext.compress_context returned"):
+        continue_context(model, DynamicCache(), _ids(n=4), max_new_tokens=1)
+    with pytest.raises(ValueError, match=r"one row per context row \(1\)"):
+        continue_context(model, cache, _ids(batch=2, n=4), max_new_tokens=1)
+    with pytest.raises(TypeError, match="builds \\['attention_mask'\\] itself"):
+        continue_context(model, cache, _ids(n=4), attention_mask=torch.ones(1, 100), max_new_tokens=1)
+    assert cache.get_seq_length() == 96  # no failed call touched it
