@@ -15,6 +15,10 @@ class Example:
     ``input_ids`` is the full model input (chat template and answer prefix included); ``prompt`` is the same
     text, kept for inspection. The prediction is the decoded continuation only, scored with ``metric`` as the
     maximum over ``answers``.
+
+    ``context_tokens`` splits the prompt for the "after" protocol (compress once, ask many): the first
+    ``context_tokens`` ids are the context, compressed before the question is known; the rest (question, end of the
+    user turn, assistant opening, answer prefix) follows the compressed cache. None: the prompt has no such split.
     """
 
     task: str
@@ -27,6 +31,7 @@ class Example:
     all_classes: Optional[list[str]] = None
     first_line_only: bool = False  # LongBench's few-shot tasks score only the first line
     meta: dict[str, Any] = field(default_factory=dict)
+    context_tokens: Optional[int] = None
 
     def __post_init__(self):
         get_metric(self.metric)  # fails early, naming the valid metrics
@@ -37,6 +42,9 @@ class Example:
             raise ValueError(f"{self.task}/{self.id}: input_ids is empty")
         if self.max_new_tokens < 1:
             raise ValueError(f"{self.task}/{self.id}: max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        if self.context_tokens is not None and not 0 < self.context_tokens < len(self.input_ids):
+            raise ValueError(f"{self.task}/{self.id}: context_tokens must leave a context and a question, i.e. be in "
+                             f"[1, {len(self.input_ids) - 1}], got {self.context_tokens}")
 
 
 def has_chat_template(tokenizer) -> bool:
@@ -71,3 +79,21 @@ def truncate_middle(token_ids: Sequence[int], max_tokens: int) -> list[int]:
         return token_ids
     head = max_tokens // 2
     return token_ids[:head] + token_ids[len(token_ids) - (max_tokens - head):]
+
+
+def context_token_count(tokenizer, prompt: str, input_ids: Sequence[int], question_text: str) -> Optional[int]:
+    """How many leading ``input_ids`` of ``prompt`` hold the text before its last ``question_text`` (the context).
+
+    Counted on the prompt's own tokens, so both protocols see the very same ids: the context part is encoded alone
+    and the ids it shares with the prompt's start are the context (a token merged across the boundary goes to the
+    question). None when ``question_text`` is not in the prompt (e.g. cut by truncation) or leaves either part empty.
+    """
+    boundary = prompt.rfind(question_text) if question_text else -1
+    if boundary <= 0:
+        return None
+    shared = 0
+    for context_id, prompt_id in zip(encode(tokenizer, prompt[:boundary]), input_ids):
+        if context_id != prompt_id:
+            break
+        shared += 1
+    return shared if 0 < shared < len(input_ids) else None

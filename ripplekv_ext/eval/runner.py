@@ -4,6 +4,14 @@ The runner knows nothing about models or compression: a ``generate_fn(input_ids,
 does the generation. :func:`greedy_generate_fn` builds one from a Hugging Face causal LM, optionally inside a
 compression context (``compression=lambda: ripplekv_ext.compress(model, policy)``), entered once per example
 so every prompt is compressed on its own.
+
+Two protocols (``PROTOCOLS``), as kvpress's pipeline reports them:
+
+- ``"inside"``: the question is part of the compressed prompt, so the observation window sees it;
+- ``"after"``: compress once, ask many. The context (``Example.context_tokens``) is compressed alone, its own tail
+  the window, before the question is known; the question and the rest of the prompt follow the compressed cache
+  (:func:`context_generate_fn`, built on ``ripplekv_ext.compress_context``). Its ``generate_fn`` takes
+  ``context_tokens`` too.
 """
 
 from __future__ import annotations
@@ -18,8 +26,14 @@ import torch
 from ripplekv_ext.eval.example import Example
 from ripplekv_ext.eval.metrics import score
 
-GenerateFn = Callable[[torch.Tensor, int], str]
+GenerateFn = Callable[..., str]  # (input_ids, max_new_tokens) -> text; protocol "after": also context_tokens=
 CompressionFactory = Callable[[], ContextManager]
+PROTOCOLS = ("inside", "after")
+
+
+def check_protocol(protocol: str) -> None:
+    if protocol not in PROTOCOLS:
+        raise ValueError(f"protocol must be one of {PROTOCOLS}, got {protocol!r}")
 
 
 @dataclass
@@ -30,6 +44,7 @@ class ExampleResult:
     answers: list[str]
     score: float  # in [0, 1]
     prompt_tokens: int
+    protocol: str = "inside"
 
 
 @dataclass
@@ -58,9 +73,19 @@ def prediction_for_scoring(example: Example, generated: str) -> str:
 
 
 def evaluate(examples: Iterable[Example], generate_fn: GenerateFn, progress: bool = True,
-             desc: str = "evaluating") -> EvalReport:
-    """Generate for each example and score it. ``progress`` shows a tqdm bar (on stderr)."""
+             desc: str = "evaluating", protocol: str = "inside") -> EvalReport:
+    """Generate for each example and score it. ``progress`` shows a tqdm bar (on stderr).
+
+    ``protocol="after"`` calls ``generate_fn(input_ids, max_new_tokens, context_tokens=...)`` and needs every
+    example's ``context_tokens`` (``ValueError`` naming the first example without one).
+    """
+    check_protocol(protocol)
     examples = list(examples)
+    if protocol == "after":
+        unsplit = [f"{e.task}/{e.id}" for e in examples if e.context_tokens is None]
+        if unsplit:
+            raise ValueError(f"protocol 'after' needs each example's context/question split (Example.context_tokens); "
+                             f"{len(unsplit)} example(s) have none, first {unsplit[0]}")
     report = EvalReport()
     iterator = examples
     if progress:
@@ -68,14 +93,17 @@ def evaluate(examples: Iterable[Example], generate_fn: GenerateFn, progress: boo
         iterator = tqdm(examples, desc=desc, unit="example")
     for example in iterator:
         input_ids = torch.tensor([example.input_ids], dtype=torch.long)
-        generated = generate_fn(input_ids, example.max_new_tokens)
+        if protocol == "after":
+            generated = generate_fn(input_ids, example.max_new_tokens, context_tokens=example.context_tokens)
+        else:
+            generated = generate_fn(input_ids, example.max_new_tokens)
         if not isinstance(generated, str):
             raise TypeError(f"generate_fn must return the generated text as str, got {type(generated).__name__}")
         prediction = prediction_for_scoring(example, generated)
         report.results.append(ExampleResult(
             task=example.task, id=example.id, prediction=generated, answers=list(example.answers),
             score=score(example.metric, prediction, example.answers, example.all_classes),
-            prompt_tokens=len(example.input_ids)))
+            prompt_tokens=len(example.input_ids), protocol=protocol))
     return report
 
 
@@ -89,14 +117,20 @@ def _eos_ids(model, tokenizer) -> list[int]:
     return sorted(ids)
 
 
+def _greedy_options(model, tokenizer) -> dict:
+    """``generate`` options of greedy decoding that stops at the model's EOS tokens."""
+    eos = _eos_ids(model, tokenizer)
+    return dict(do_sample=False, num_beams=1, temperature=None, top_p=None, top_k=None, eos_token_id=eos or None,
+                pad_token_id=eos[0] if eos else 0)
+
+
 def greedy_generate_fn(model, tokenizer, compression: Optional[CompressionFactory] = None) -> GenerateFn:
     """A ``generate_fn`` doing greedy decoding with ``model`` (stops at EOS or ``max_new_tokens``).
 
     ``compression`` is a zero-argument callable returning a context manager (e.g.
     ``lambda: ripplekv_ext.compress(model, policy)``); None runs the full cache.
     """
-    eos = _eos_ids(model, tokenizer)
-    pad = eos[0] if eos else 0
+    options = _greedy_options(model, tokenizer)
 
     def generate(input_ids: torch.Tensor, max_new_tokens: int) -> str:
         device = next(model.parameters()).device
@@ -104,9 +138,38 @@ def greedy_generate_fn(model, tokenizer, compression: Optional[CompressionFactor
         context = compression() if compression is not None else contextlib.nullcontext()
         with context, torch.inference_mode():
             output = model.generate(input_ids, attention_mask=torch.ones_like(input_ids),
-                                    max_new_tokens=max_new_tokens, do_sample=False, num_beams=1,
-                                    temperature=None, top_p=None, top_k=None,
-                                    eos_token_id=eos or None, pad_token_id=pad)
+                                    max_new_tokens=max_new_tokens, **options)
         return tokenizer.decode(output[0, input_ids.shape[1]:], skip_special_tokens=True)
 
     return generate
+
+
+def context_generate_fn(model, tokenizer, policy) -> GenerateFn:
+    """The ``generate_fn`` of protocol "after": compress the first ``context_tokens`` ids alone with ``policy``
+    (``ripplekv_ext.compress_context``: the window is the context's tail), then decode greedily after the rest.
+
+    One question per example, so the answer continues the compressed cache itself (no copy).
+    """
+    from ripplekv_ext.context import compress_context, continue_context
+
+    options = _greedy_options(model, tokenizer)
+
+    def generate(input_ids: torch.Tensor, max_new_tokens: int, context_tokens: int) -> str:
+        input_ids = input_ids.to(next(model.parameters()).device)
+        with torch.inference_mode():
+            cache = compress_context(model, input_ids[:, :context_tokens], policy)
+            output = continue_context(model, cache, input_ids[:, context_tokens:], copy_cache=False,
+                                      max_new_tokens=max_new_tokens, **options)
+        return tokenizer.decode(output[0, input_ids.shape[1]:], skip_special_tokens=True)
+
+    return generate
+
+
+def protocol_generate_fn(protocol: str, model, tokenizer, policy) -> GenerateFn:
+    """The greedy ``generate_fn`` of ``protocol`` for ``policy`` (``Policy.full()``: the whole cache)."""
+    check_protocol(protocol)
+    if protocol == "after":
+        return context_generate_fn(model, tokenizer, policy)
+    from ripplekv_ext.hook import compress
+
+    return greedy_generate_fn(model, tokenizer, None if policy.is_full else (lambda: compress(model, policy)))
