@@ -17,7 +17,7 @@ import torch
 
 from ripplekv_ext._jsonio import write_json_atomic
 from ripplekv_ext.eval.fidelity import continuation_logits_fn, evaluate_fidelity
-from ripplekv_ext.eval.runner import evaluate, greedy_generate_fn
+from ripplekv_ext.eval.runner import evaluate, protocol_generate_fn
 from ripplekv_ext.hook import compress
 from ripplekv_ext.methods import is_full, make_policy
 
@@ -57,7 +57,7 @@ def _load_resumable(path: Optional[Path], settings: dict) -> dict:
 def run_grid(model, tokenizer, methods: Sequence[str], retentions: Sequence[float], *, profile=None,
              fidelity_ids: Optional[torch.Tensor] = None, prefix_len: int = 0, task_examples=(),
              window: int = 32, settings: Optional[dict] = None, out_path=None, progress: bool = True,
-             log=print) -> dict:
+             log=print, protocols: Sequence[str] = ("inside",)) -> dict:
     """Evaluate every method at every retention (Full once) and return the results document.
 
     Args:
@@ -66,9 +66,14 @@ def run_grid(model, tokenizer, methods: Sequence[str], retentions: Sequence[floa
         settings: what defines this experiment (model, tasks, sizes); a saved file with other settings is
             not resumed from.
         out_path: JSON results file, rewritten atomically after every cell.
+        protocols: where the question goes (``runner.PROTOCOLS``): "inside" the compressed prompt (a cell's
+            ``tasks``, ``task_mean``, ``predictions``), and/or "after" compression (the same fields under the
+            cell's ``"after"`` key), each task example run under each protocol.
     """
     out_path = Path(out_path) if out_path else None
     settings = dict(settings or {}, methods=list(methods), retentions=list(retentions), window=window)
+    if list(protocols) != ["inside"]:  # files of the one-protocol runs stay resumable
+        settings["protocols"] = list(protocols)
     cells = _load_resumable(out_path, settings)
     task_examples = list(task_examples)
     full_fn = _memoized(continuation_logits_fn(model)) if fidelity_ids is not None else None
@@ -94,13 +99,17 @@ def run_grid(model, tokenizer, methods: Sequence[str], retentions: Sequence[floa
             cell["fidelity"] = {k: (None if isinstance(v, float) and math.isnan(v) else v)
                                 for k, v in report.summary().items()}
             cell["fidelity"]["kl_per_example"] = report.kl
-        if task_examples:
-            generate = greedy_generate_fn(model, tokenizer, None if policy.is_full else compression)
-            report = evaluate(task_examples, generate, progress=progress, desc=key)
-            cell["tasks"] = report.task_scores()
-            cell["task_mean"] = report.mean()
-            cell["predictions"] = [{"task": r.task, "id": r.id, "prediction": r.prediction, "score": r.score}
-                                   for r in report.results]
+        for protocol in protocols if task_examples else ():
+            generate = protocol_generate_fn(protocol, model, tokenizer, policy)
+            report = evaluate(task_examples, generate, progress=progress,
+                              desc=key if protocol == "inside" else f"{key} {protocol}", protocol=protocol)
+            scores = {"tasks": report.task_scores(), "task_mean": report.mean(),
+                      "predictions": [{"task": r.task, "id": r.id, "prediction": r.prediction, "score": r.score}
+                                      for r in report.results]}
+            if protocol == "inside":
+                cell.update(scores)
+            else:
+                cell[protocol] = scores
         cell["seconds"] = time.perf_counter() - start
         cells[key] = cell
         if out_path is not None:
