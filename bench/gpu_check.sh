@@ -53,9 +53,13 @@ tests_rc=$?
 tests_summary=$(tail -n 1 "$LOG/tests.log")
 
 timeout "$BENCH_S" "$PY" -m pytest -q -p no:cacheprovider bench/bench_gather_kv.py bench/bench_snapkv.py bench/bench_select.py \
-  bench/bench_h2o.py bench/bench_rows.py -k "cuda" --benchmark-columns=min,median,rounds --benchmark-group-by=param:shape \
+  bench/bench_h2o.py -k "cuda" --benchmark-columns=min,median,rounds --benchmark-group-by=param:shape \
   --benchmark-json="$LOG/bench.json" >"$LOG/bench.log" 2>&1
 bench_rc=$?
+# The per-row ops against a Python loop of the one-prompt op and the reference (grouped by op: no shape parameter).
+timeout "$BENCH_S" "$PY" -m pytest -q -p no:cacheprovider bench/bench_rows.py -k "cuda" \
+  --benchmark-columns=min,median,rounds --benchmark-group-by=param:op >"$LOG/bench-rows.log" 2>&1
+[ $? -ne 0 ] && bench_rc=1
 
 # The same CUDA tests under compute-sanitizer: out-of-bounds and misaligned accesses (memcheck) and shared-memory
 # races (racecheck). Property tests (hypothesis) and torch.compile are left out to keep this within minutes; a
@@ -110,5 +114,6 @@ for (name, shape), impls in sorted(groups.items(), key=lambda x: (x[0][0], str(x
             print(f"{name:32s} {shape:28s} peak extra memory: reference {info['reference_extra_MiB']:.1f} MiB, "
                   f"extension {info['extension_extra_MiB']:.1f} MiB (ratio {info['ratio']:.3f})")
 PYEOF
+grep -E "^bench_|^Name" "$LOG/bench-rows.log" | cut -c1-110
 echo "total: $(( $(date +%s) - start ))s; benchmarks rc=$bench_rc"
 exit $(( tests_rc != 0 || bench_rc != 0 || sanitizer_rc != 0 ))
