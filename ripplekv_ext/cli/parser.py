@@ -7,6 +7,7 @@ import argparse
 from ripplekv_ext.cli.common import RESULTS_DIR
 from ripplekv_ext.cli.evaluation import GENERATION_TASKS, TASKS, cmd_demo, cmd_eval
 from ripplekv_ext.cli.profiling import cmd_allocate, cmd_diagnose, cmd_profile
+from ripplekv_ext.cli.report import cmd_report
 from ripplekv_ext.eval.models import DEFAULT_MODEL
 from ripplekv_ext.methods import DEFAULT_METHODS
 
@@ -16,6 +17,7 @@ DESCRIPTION = """The `ripplekv` command line (also `python -m ripplekv_ext`).
     ripplekv allocate  per-layer budgets for a prompt length and retention, for every allocator (table + PNG)
     ripplekv diagnose  isolated compression damage per layer vs the profile and vs layer index
     ripplekv eval      methods x retentions on fidelity, synthetic, LongBench and your own JSONL tasks
+    ripplekv report    the results report: fidelity with CIs, passkey by depth, needle heat maps (Markdown + PNG)
     ripplekv demo      all of the above on the bundled SmolLM2-135M-Instruct and King James Bible
 
 Everything defaults to the bundled model and text, so each command runs with no arguments but the required ones.
@@ -118,6 +120,38 @@ def positive_float(text: str) -> float:
     return value
 
 
+def length_list(text: str) -> list[int]:
+    """Comma-separated token counts, e.g. ``1024,1536,2048``."""
+    try:
+        values = [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated positive integers, got {text!r}") from None
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"expected comma-separated positive integers, got {text!r}")
+    return values
+
+
+def percent_list(text: str) -> list[float]:
+    """Comma-separated needle depths in percent of the context, e.g. ``0,25,50,75,100``."""
+    try:
+        values = [float(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated percents in [0, 100], got {text!r}") from None
+    if not values or not all(0.0 <= v <= 100.0 for v in values):  # NaN fails the comparison too
+        raise argparse.ArgumentTypeError(f"expected comma-separated percents in [0, 100], got {text!r}")
+    return values
+
+
+def part_list(text: str) -> list[str]:
+    from ripplekv_ext.eval.report import PARTS
+
+    names = name_list(text)
+    unknown = [n for n in names if n not in PARTS]
+    if unknown:
+        raise argparse.ArgumentTypeError(f"unknown part(s) {', '.join(unknown)}: expected some of {', '.join(PARTS)}")
+    return names
+
+
 def correlation(text: str) -> float:
     value = _number(text)
     if not -1.0 <= value <= 1.0:
@@ -165,6 +199,40 @@ def _add_eval_options(p, *, examples: int, prefix_len: int):
     p.add_argument("--window", type=positive_int, default=32, help="observation window W")
     p.add_argument("--seed", type=non_negative_int, default=0)
     p.add_argument("--out-dir", default=str(RESULTS_DIR), help="where JSON results and PNG plots go")
+
+
+def _add_report_options(p):
+    from ripplekv_ext.eval.report import PARTS, REPORT_SIZES as R
+
+    def listed(values):
+        return ",".join(f"{v:g}" for v in values)
+
+    p.add_argument("--parts", type=part_list, default=list(PARTS), help=f"comma-separated, of: {', '.join(PARTS)}")
+    p.add_argument("--methods", type=method_list, default=list(R.methods),
+                   help=f"methods of the passkey and needle parts (default {','.join(R.methods)})")
+    p.add_argument("--fidelity-methods", type=method_list, default=list(R.fidelity_methods),
+                   help=f"methods of the fidelity part (default {','.join(R.fidelity_methods)})")
+    p.add_argument("--retentions", type=retention_list, default=list(R.retentions),
+                   help=f"fidelity retentions (default {listed(R.retentions)})")
+    p.add_argument("--task-retentions", type=retention_list, default=list(R.task_retentions),
+                   help=f"passkey and needle retentions (default {listed(R.task_retentions)})")
+    p.add_argument("--fidelity-examples", type=positive_int, default=R.fidelity_examples)
+    p.add_argument("--prefix-len", type=positive_int, default=R.prefix_len, help="fidelity prompt length (tokens)")
+    p.add_argument("--cont-len", type=positive_int, default=R.cont_len, help="fidelity continuation length (tokens)")
+    p.add_argument("--passkey-length", type=positive_int, default=R.passkey_length, help="tokens")
+    p.add_argument("--passkey-examples", type=positive_int, default=R.passkey_examples)
+    p.add_argument("--passkey-depths", type=positive_int, default=R.passkey_depths,
+                   help="needle depths spread evenly from the start to the end of the context")
+    p.add_argument("--needle-lengths", type=length_list, default=list(R.needle_lengths),
+                   help=f"needle-in-a-haystack context lengths in tokens (default {listed(R.needle_lengths)})")
+    p.add_argument("--needle-depths", type=percent_list, default=list(R.needle_depths),
+                   help=f"needle depths in percent (default {listed(R.needle_depths)})")
+    p.add_argument("--text", default=R.text, help="fidelity text: kjv:evaluation, a .txt or a .jsonl file")
+    p.add_argument("--window", type=positive_int, default=R.window, help="observation window W")
+    p.add_argument("--seed", type=non_negative_int, default=R.seed)
+    p.add_argument("--threads", type=positive_int, default=None, help="torch CPU threads")
+    p.add_argument("--out-dir", default=str(RESULTS_DIR / "report"),
+                   help="where report.md, its PNG figures and the resumable JSON results go")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -223,6 +291,12 @@ def build_parser() -> argparse.ArgumentParser:
     _add_profile(p)
     _add_eval_options(p, examples=10, prefix_len=1024)
     p.set_defaults(func=cmd_eval)
+
+    p = sub.add_parser("report", help="the results report: Markdown tables and PNG figures with their CIs")
+    _add_model(p)
+    _add_profile(p)
+    _add_report_options(p)
+    p.set_defaults(func=cmd_report)
 
     p = sub.add_parser("demo", help="profile, allocate and evaluate the six methods on the bundled model")
     _add_model(p)
