@@ -14,6 +14,11 @@ Two figures, one JSON file:
     .venv/bin/python bench/e2e_serving.py --out bench/results/e2e_serving.json
     .venv/bin/python bench/e2e_serving.py --quick        # 6 requests, 2 KL examples, ~2 min
 
+On a GPU machine without the model file (the serving figure only): ``--device cuda --dtype bfloat16
+--random-weights FOLDER`` builds SmolLM2 from the ``config.json`` in FOLDER with random weights, and the prompts are
+random tokens. Throughput, concurrency and latency do not depend on the weights; the tokens mean nothing, and
+the shipped profile's sensitivities set RippleKV's budgets.
+
 Timings run with ``torch.set_num_threads(--threads)`` (default 1, so that the figure does not depend on what else
 the machine runs); absolute tokens/s on this CPU mean little, the ratios to Full in the same run are the result.
 This is a harness of the source checkout, not part of the installed package.
@@ -58,6 +63,12 @@ def token_stream(tokenizer, tokens_needed: int) -> list[int]:
     if len(ids) < tokens_needed:
         raise ValueError(f"the evaluation split has {len(ids)} tokens, {tokens_needed} needed")
     return ids
+
+
+def random_stream(vocab_size: int, tokens_needed: int, seed: int) -> list[int]:
+    """Random token ids, for a model with random weights (``--random-weights``)."""
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(3, vocab_size, (tokens_needed,), generator=g).tolist()
 
 
 def make_requests(stream: list[int], count: int, prompt_range, new_range, seed: int):
@@ -138,15 +149,20 @@ def measure_serving(model, tokenizer, profile, args) -> dict:
 
     from ripplekv_ext.engines import transformers_cb as cb
 
-    stream = token_stream(tokenizer, args.requests * args.prompt_max + 1)
+    needed = args.requests * args.prompt_max + 1
+    if tokenizer is None:
+        stream = random_stream(model.config.vocab_size, needed, args.seed)
+    else:
+        stream = token_stream(tokenizer, needed)
     requests = make_requests(stream, args.requests, (args.prompt_min, args.prompt_max),
                              (args.new_min, args.new_max), args.seed)
     num_blocks = args.cache_tokens // args.page_size  # a block = one page of every layer
     config = dict(page_size=args.page_size, num_blocks=num_blocks, max_batch_tokens=args.max_batch_tokens,
                   max_requests_per_batch=args.requests)
     # Greedy, no EOS: every request generates exactly its max_new_tokens, so all methods do the same work.
+    pad = model.config.eos_token_id if tokenizer is None else tokenizer.eos_token_id
     generation_config = GenerationConfig(do_sample=False, max_new_tokens=args.new_max, eos_token_id=-1,
-                                         pad_token_id=tokenizer.eos_token_id)
+                                         pad_token_id=pad)
     methods = {
         "snapkv": Policy.snapkv(args.retention),
         "ripplekv": Policy(TieredAllocator(ripplekv_ext.RippleKVAllocator(profile), args.tiers),
@@ -294,9 +310,15 @@ def parse_args(argv=None):
     p.add_argument("--kl-prefix", type=positive_int, default=1536)
     p.add_argument("--kl-cont", type=positive_int, default=64)
     p.add_argument("--threads", type=positive_int, default=1)
+    p.add_argument("--device", default="cpu", help="where the model runs (cpu, cuda)")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--random-weights", metavar="FOLDER",
+                   help="SmolLM2 from FOLDER/config.json with random weights and random-token prompts (serving only)")
     p.add_argument("--seed", type=non_negative_int, default=0)
     p.add_argument("--quick", action="store_true", help="6 requests of 256-512 tokens, 2 KL examples of 512")
     args = p.parse_args(argv)
+    if args.random_weights and "kl" in args.figures:
+        p.error("--random-weights measures serving only: add --figures serving (a KL of random weights says nothing)")
     if args.quick:
         args.requests, args.prompt_min, args.prompt_max, args.new_min, args.new_max = 6, 256, 512, 16, 32
         args.cache_tokens, args.kl_examples, args.kl_prefix, args.kl_cont = 2048, 2, 512, 32
@@ -306,13 +328,19 @@ def parse_args(argv=None):
 def main(argv=None):
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
-    model, tokenizer = load_smollm2()
-    profile, profile_path = find_profile(model)
-    if profile is None:
-        raise SystemExit("no SmolLM2 profile: run `ripplekv profile` first")
+    if args.random_weights:
+        model, tokenizer, profile, profile_path = random_smollm2(args.random_weights, args.dtype)
+    else:
+        model, tokenizer = load_smollm2()
+        profile, profile_path = find_profile(model)
+        if profile is None:
+            raise SystemExit("no SmolLM2 profile: run `ripplekv profile` first")
+        model = model.to(getattr(torch, args.dtype))
+    model = model.to(args.device)
     import transformers
 
-    result = {"model": "SmolLM2-135M-Instruct", "profile": profile_path, "threads": args.threads,
+    result = {"model": "SmolLM2-135M-Instruct" + (" (random weights)" if args.random_weights else ""),
+              "profile": profile_path, "threads": args.threads, "device": args.device, "dtype": args.dtype,
               "command": " ".join([Path(sys.argv[0]).name] + (argv if argv is not None else sys.argv[1:])),
               "torch": torch.__version__, "transformers": transformers.__version__,
               "machine": platform.processor() or platform.machine()}
@@ -336,6 +364,21 @@ def main(argv=None):
     write_json_atomic(args.out, result)
     print_tables(result)
     print(f"wrote {args.out} ({result['seconds']:.0f} s)")
+
+
+def random_smollm2(folder, dtype: str):
+    """(model, None, profile, path): SmolLM2's architecture with random weights, and the shipped profile (measured
+    on the real weights: here it only sets the per-layer budgets)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from ripplekv_ext.eval.models import DEFAULT_MODEL, shipped_profile_path
+    from ripplekv_ext.profile_file import load_profile
+
+    config = AutoConfig.from_pretrained(folder)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, dtype=getattr(torch, dtype)).eval()
+    path = shipped_profile_path(DEFAULT_MODEL)
+    return model, None, load_profile(path), str(path)
 
 
 def print_tables(result):
