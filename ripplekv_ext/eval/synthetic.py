@@ -21,7 +21,7 @@ import random
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
-from ripplekv_ext.eval.example import Example, encode, render_prompt
+from ripplekv_ext.eval.example import Example, context_token_count, encode, render_prompt
 
 SYNTHETIC_TASKS = ("passkey", "multikey", "kv_retrieval", "variable_tracking")
 
@@ -239,5 +239,7 @@ def make_synthetic(task: str, tokenizer, length: int | None = None, num_examples
         examples.append(Example(
             task=task, id=f"{task}-{length}-s{seed}-{i}", prompt=prompt, input_ids=ids, answers=layout.answers,
             max_new_tokens=layout.max_new_tokens, metric="contains_all",
-            meta={"length": length, "seed": seed, "depths": layout.depths, "needles": layout.needles}))
+            meta={"length": length, "seed": seed, "depths": layout.depths, "needles": layout.needles},
+            # Protocol "after": everything before the question is the context, compressed before it is asked.
+            context_tokens=context_token_count(tokenizer, prompt, ids, layout.question)))
     return examples
