@@ -5,6 +5,10 @@ The protocol data (prompt templates, generation lengths, metrics, categories) sh
 prompts are truncated in the middle to ``max_prompt_tokens``; all datasets but ``NO_CHAT_DATASETS`` are wrapped in
 the model's chat template (when it has one); ``FIRST_LINE_DATASETS`` score only the first generated line; a sample
 scores the best over its answers; dataset scores are means x100, category scores means of dataset scores.
+
+For the "after" protocol (compress once, ask many) an example's context is its prompt up to the end of the template's
+``{context}``; the template's text after it (instructions, ``{input}``, answer cue) and the rest of the chat template
+follow the compressed cache (``Example.context_tokens``; None where truncation cut into that text).
 """
 
 from __future__ import annotations
@@ -15,7 +19,8 @@ from pathlib import Path
 from typing import Iterable, Optional
 
 from ripplekv_ext._jsonio import read_jsonl
-from ripplekv_ext.eval.example import Example, encode, has_chat_template, render_prompt, truncate_middle
+from ripplekv_ext.eval.example import (Example, context_token_count, encode, has_chat_template, render_prompt,
+                                       truncate_middle)
 from ripplekv_ext.eval.runner import EvalReport
 
 CONFIG_DIR = Path(__file__).resolve().parent / "longbench_config"
@@ -79,19 +84,23 @@ def load_longbench(folder, tokenizer, max_prompt_tokens: int, datasets: Optional
             raise FileNotFoundError(f"LongBench dataset {name!r}: expected {path}, not found")
         records = _read_jsonl(path)[:limit]
         for index, record in enumerate(records):
-            raw = config["prompt"][name].format(context=record["context"], input=record["input"] or "")
+            template = config["prompt"][name]
+            raw = template.format(context=record["context"], input=record["input"] or "")
+            question_text = template.split("{context}", 1)[1].format(input=record["input"] or "")
             # Truncate the raw prompt in token space, then decode: the chat template is added after, as in
             # LongBench, so truncation never cuts into the template.
             truncated = truncate_middle(encode(tokenizer, raw), max_prompt_tokens)
             text = tokenizer.decode(truncated, skip_special_tokens=True)
             text = render_prompt(tokenizer, text, chat=chat and name not in NO_CHAT_DATASETS)
             answers = record["answers"]
+            input_ids = encode(tokenizer, text)
             examples.append(Example(
-                task=name, id=str(record.get("_id", index)), prompt=text, input_ids=encode(tokenizer, text),
+                task=name, id=str(record.get("_id", index)), prompt=text, input_ids=input_ids,
                 answers=[answers] if isinstance(answers, str) else list(answers),
                 max_new_tokens=config["maxlen"][name], metric=config["metric"][name],
                 all_classes=record.get("all_classes"), first_line_only=name in FIRST_LINE_DATASETS,
-                meta={"category": config["category"][name], "truncated": len(truncated) < len(encode(tokenizer, raw))}))
+                meta={"category": config["category"][name], "truncated": len(truncated) < len(encode(tokenizer, raw))},
+                context_tokens=context_token_count(tokenizer, text, input_ids, question_text)))
     return examples
 
 
