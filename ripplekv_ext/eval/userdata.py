@@ -6,7 +6,8 @@ from pathlib import Path
 from typing import Optional
 
 from ripplekv_ext._jsonio import read_jsonl
-from ripplekv_ext.eval.example import Example, encode, has_chat_template, render_prompt, truncate_middle
+from ripplekv_ext.eval.example import (Example, context_token_count, encode, has_chat_template, render_prompt,
+                                       truncate_middle)
 
 # LongBench's multifieldqa_en template, with the field names of this format.
 DEFAULT_TEMPLATE = ("Read the following text and answer briefly.\n\n{context}\n\nNow, answer the following question "
@@ -30,6 +31,9 @@ def load_user_jsonl(path, tokenizer, max_prompt_tokens: Optional[int] = None, te
     if chat is None:
         chat = has_chat_template(tokenizer)
     task = task or path.stem
+    # Protocol "after": the context is the prompt up to the end of {context}, when the question comes after it.
+    after_context = template.split("{context}", 1)[1]
+    question_follows = "{question}" in after_context
     examples = []
     for line_number, record in read_jsonl(path, required=("context", "question", "answers")):
         where = f"{path}:{line_number}"
@@ -45,9 +49,13 @@ def load_user_jsonl(path, tokenizer, max_prompt_tokens: Optional[int] = None, te
             raw = tokenizer.decode(truncate_middle(encode(tokenizer, raw), max_prompt_tokens),
                                    skip_special_tokens=True)
         text = render_prompt(tokenizer, raw, chat=chat)
+        input_ids = encode(tokenizer, text)
+        question_text = (after_context.format(context=record["context"], question=record["question"])
+                         if question_follows else "")
         examples.append(Example(task=task, id=str(record.get("id", line_number)), prompt=text,
-                                input_ids=encode(tokenizer, text), answers=answers,
-                                max_new_tokens=max_new_tokens, metric=metric))
+                                input_ids=input_ids, answers=answers,
+                                max_new_tokens=max_new_tokens, metric=metric,
+                                context_tokens=context_token_count(tokenizer, text, input_ids, question_text)))
         if limit is not None and len(examples) >= limit:
             break
     if not examples:
