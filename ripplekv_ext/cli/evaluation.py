@@ -9,13 +9,16 @@ from pathlib import Path
 from ripplekv_ext.cli.common import (CliError, check_model_arg, check_output_file, check_output_folder,
                                      check_text_source, load_model_checked, load_profile_for, make_console)
 from ripplekv_ext.cli.profiling import budgets_table, profile_path_checked
-from ripplekv_ext.eval.models import default_profile_path, shipped_profile_path
+from ripplekv_ext.eval.models import default_profile_path
 
 # ---- eval --------------------------------------------------------------------------------------------
 
 GENERATION_TASKS = ("passkey", "multikey", "kv_retrieval", "variable_tracking")
-TASKS = ("fidelity",) + GENERATION_TASKS + ("longbench", "user")
+TASKS = ("fidelity",) + GENERATION_TASKS + ("needle", "longbench", "user")
 FILLER_MARGIN = 64  # tokens; more than any synthetic task's filler unit
+# Tasks whose prompts split into a context and a question, so that protocol "after" (compress once, ask many)
+# can compress the context before the question is asked.
+AFTER_TASKS = GENERATION_TASKS + ("longbench", "user")
 
 
 def shortest_prompt(args) -> int:
@@ -43,6 +46,12 @@ def check_eval_args(args) -> None:
     if "user" in args.tasks and not (args.user_jsonl and Path(args.user_jsonl).expanduser().is_file()):
         raise CliError(f"--user-jsonl must be a JSONL file of {{context, question, answers}}, got {args.user_jsonl!r}")
     check_output_folder("--out-dir", args.out_dir)
+    if "after" in getattr(args, "protocols", ["inside"]):
+        unsplit = [t for t in args.tasks if t not in AFTER_TASKS and t != "fidelity"]
+        if unsplit or not any(t in AFTER_TASKS for t in args.tasks):
+            raise CliError(f"--protocols after compresses a context before its question: it runs with the tasks "
+                           f"{', '.join(AFTER_TASKS)}, not {', '.join(unsplit) or 'fidelity alone'} (fidelity has no "
+                           "question and runs once); pass --protocols inside for the others")
     shortest = shortest_prompt(args)
     for option, value in (("--prefix-len", args.prefix_len if "fidelity" in args.tasks else None),
                           ("--length", args.length)):
@@ -75,6 +84,12 @@ def build_tasks(args, tokenizer):
                                f"{min(args.retentions):g} with window {args.window}; pass --length above {length}")
             examples += made
             settings[f"{task}_length"] = length
+    if "needle" in args.tasks:
+        from ripplekv_ext.eval.needle import DEFAULT_DEPTHS, DEFAULT_LENGTHS, make_needle
+
+        lengths = [args.length] if args.length else list(DEFAULT_LENGTHS)
+        examples += make_needle(tokenizer, lengths, DEFAULT_DEPTHS)
+        settings["needle_lengths"] = lengths
     if "longbench" in args.tasks:
         if not args.longbench_dir or not Path(args.longbench_dir).is_dir():
             raise CliError(f"--longbench-dir must be a folder of LongBench *.jsonl files, got {args.longbench_dir!r}")
@@ -94,16 +109,26 @@ def results_table(results: dict):
     cells = list(results["cells"].values())
     tasks = sorted({t for c in cells for t in c.get("tasks", {})})
     has_fidelity = any("fidelity" in c for c in cells)
-    table = Table(title="methods x retention (fidelity: lower KL is better; tasks: exact match x100)")
+    # Protocol "after" (the question after compression) sits next to "inside" (the question in the prompt).
+    protocols = [("", lambda c: c)] + ([(" after", lambda c: c.get("after", {}))]
+                                       if any("after" in c for c in cells) else [])
+    if not tasks and len(protocols) > 1:
+        tasks = sorted({t for c in cells for t in c.get("after", {}).get("tasks", {})})
+        protocols = protocols[1:]
+    title = "methods x retention (fidelity: lower KL is better; tasks: exact match x100"
+    if len(protocols) > 1 or protocols[0][0]:
+        title += "; after: the question asked after the context was compressed"
+    table = Table(title=title + ")")
     table.add_column("method")
     table.add_column("retention", justify="right")
     if has_fidelity:
         table.add_column("KL", justify="right")
         table.add_column("NLL", justify="right")
-    for task in tasks:
-        table.add_column(task, justify="right")
-    if tasks:
-        table.add_column("task mean", justify="right")
+    for suffix, _ in protocols:
+        for task in tasks:
+            table.add_column(task + suffix, justify="right")
+        if tasks:
+            table.add_column("task mean" + suffix, justify="right")
     table.add_column("s", justify="right")
     order = {m: i for i, m in enumerate(results["settings"]["methods"])}
     for c in sorted(cells, key=lambda c: (c["retention"] or 0, order.get(c["method"], 99))):
@@ -111,9 +136,11 @@ def results_table(results: dict):
         if has_fidelity:
             f = c.get("fidelity", {})
             row += [f"{f['kl']:.4f}" if f else "", f"{f['nll_compressed']:.3f}" if f else ""]
-        row += [f"{c['tasks'][t]:.0f}" if t in c.get("tasks", {}) else "" for t in tasks]
-        if tasks:
-            row.append(f"{c['task_mean']:.1f}" if "task_mean" in c else "")
+        for _, view in protocols:
+            scores = view(c)
+            row += [f"{scores['tasks'][t]:.0f}" if t in scores.get("tasks", {}) else "" for t in tasks]
+            if tasks:
+                row.append(f"{scores['task_mean']:.1f}" if "task_mean" in scores else "")
         row.append(f"{c['seconds']:.0f}")
         table.add_row(*row)
     return table
@@ -131,7 +158,7 @@ def run_eval(args, model, tokenizer, name, profile) -> dict:
     out = out_dir / "eval.json"
     results = run_grid(model, tokenizer, args.methods, args.retentions, profile=profile, fidelity_ids=fidelity_ids,
                        prefix_len=args.prefix_len, task_examples=examples, window=args.window, settings=settings,
-                       out_path=out)
+                       out_path=out, protocols=getattr(args, "protocols", ["inside"]))
     console = make_console()
     console.print(results_table(results))
     png = plot_eval(results, out_dir / "eval.png")
@@ -152,17 +179,36 @@ def cmd_eval(args) -> int:
 
 # ---- demo --------------------------------------------------------------------------------------------
 
-# Sized to finish in about 10 minutes on a 2-core CPU (see README): a short profile, then the six methods
-# at three retentions on fidelity and the four synthetic tasks.
+# Sized to finish in about 10 minutes on a 2-core CPU (see README): a short profile when none is cached, then the
+# results report (``ripplekv report``) at its prompt lengths on fewer examples: ``eval.report.DEMO_SIZES``.
 DEMO_PROFILE = dict(prefix_len=512, cont_len=32, num_examples=4)
 
 
+def demo_sizes(args):
+    """The demo's report sizes: ``DEMO_SIZES`` with the demo's options applied (``--examples`` sets the fidelity
+    and the passkey example counts; passkey and needle run at ``DEMO_SIZES.task_retentions``)."""
+    from ripplekv_ext.eval.report import PARTS, DEMO_SIZES, sizes_with
+
+    other = [t for t in args.tasks if t not in PARTS]
+    if other:
+        raise CliError(f"the demo runs the report's parts ({', '.join(PARTS)}), not {', '.join(other)}; "
+                       "use `ripplekv eval --tasks ...` for the other tasks")
+    return sizes_with(DEMO_SIZES, methods=tuple(args.methods), fidelity_methods=tuple(args.methods),
+                      retentions=tuple(args.retentions), fidelity_examples=args.examples,
+                      passkey_examples=args.examples, prefix_len=args.prefix_len, cont_len=args.cont_len,
+                      passkey_length=args.length, needle_lengths=(args.length,) if args.length else None,
+                      window=args.window, seed=args.seed, text=args.text)
+
+
 def cmd_demo(args) -> int:
+    from ripplekv_ext.cli.report import check_report_sizes, known_profile
     from ripplekv_ext.eval.plots import plot_profile
-    from ripplekv_ext.profile_file import ProfileError, load_profile
+    from ripplekv_ext.eval.report import run_report
     from ripplekv_ext.profiler import format_profile, profile_model
 
     check_eval_args(args)
+    sizes = demo_sizes(args)
+    check_report_sizes(sizes, args.tasks)
     # A profile measured here is cached: its folder must take it (RIPPLEKV_CACHE_DIR moves it).
     check_output_file("the profile cache", default_profile_path(args.model),
                       "set RIPPLEKV_CACHE_DIR to a writable folder")
@@ -173,33 +219,23 @@ def cmd_demo(args) -> int:
     console.print(f"{name}: {model.config.num_hidden_layers} layers, loaded in {time.perf_counter() - start:.0f} s")
 
     console.rule("2/3 sensitivity profile")
-    path = default_profile_path(args.model)
-    # A profile measured earlier on this very model (checked by fingerprint) saves the demo the profiling
-    # run: the user's cached one first, then the one that ships with the package (the bundled SmolLM2's).
-    shipped = shipped_profile_path(args.model)
-    candidates = [path] + ([shipped] if shipped is not None else [])
-    profile = None
-    for candidate in candidates if not args.reprofile else []:
-        if not candidate.is_file():
-            continue
-        try:
-            profile = load_profile(candidate, model=model)
-            console.print(f"reusing the profile {candidate} (pass --reprofile to measure again)")
-            break
-        except ProfileError as err:
-            console.print(f"profile {candidate} unusable ({err})")
+    # A profile measured earlier on this very model saves the demo the profiling run (--reprofile measures anew).
+    profile = known_profile(args.model, model, log=console.print, reprofile=args.reprofile)
     if profile is None:
-        profile = profile_model(model, tokenizer, None, seed=args.seed, out_path=path, model_name=name,
-                                **DEMO_PROFILE)
+        profile = profile_model(model, tokenizer, None, seed=args.seed, out_path=default_profile_path(args.model),
+                                model_name=name, **DEMO_PROFILE)
     print(format_profile(profile))
     plot_profile(profile, Path(args.out_dir) / "profile.png")
 
-    console.rule("3/3 methods x retentions")
-    table, layers = budgets_table(model, args.prefix_len, 0.2, ["uniform", "pyramidkv", "ripplekv"], profile,
-                                  args.window)
-    console.print(f"budgets at 20% of {args.prefix_len} tokens, layers {layers[0]}..{layers[-1]}:")
+    console.rule("3/3 methods x retentions: the results report on fewer examples")
+    table, layers = budgets_table(model, sizes.prefix_len, 0.2, ["uniform", "pyramidkv", "ripplekv"], profile,
+                                  sizes.window)
+    console.print(f"budgets at 20% of {sizes.prefix_len} tokens, layers {layers[0]}..{layers[-1]}:")
     for allocator, values in table.items():
         console.print(f"  {allocator:>9}: {values}")
-    run_eval(args, model, tokenizer, name, profile)
-    console.print(f"demo finished in {time.perf_counter() - start:.0f} s")
+    path = run_report(model, tokenizer, name, profile, Path(args.out_dir), sizes, parts=args.tasks,
+                      command="ripplekv demo", log=console.print)
+    console.print(path.read_text(encoding="utf-8"), markup=False, highlight=False)
+    console.print(f"demo finished in {time.perf_counter() - start:.0f} s; the full report: `ripplekv report` "
+                  "(16 fidelity examples, 20 passkey examples, a 3 x 5 needle grid, 5 methods)")
     return 0
