@@ -12,6 +12,15 @@ goes through ``compress_rows(layer_idx, queries, keys, values, lengths)``: each 
 alone, with the budgets of its own length (``row_budgets(lengths)``), and the layer's rows come back padded on the
 left to its longest row, with a key mask ``[B, C_max]`` marking the real slots (DESIGN.md §4, "Batches").
 
+Compression during decoding (``Policy(..., decode_every=K)``) is the same two calls again on the whole cache: every
+``K`` generated tokens, each layer's budget is ``decode_budgets(n_seen, n_prompt)[layer]`` (a fixed total, split for
+the length seen so far) and ``compress(layer, recent_queries, k, v, budget=...)`` (``compress_rows(..., budgets=...)``
+for a batch) keeps it, ``recent_queries`` being the post-RoPE queries of the layer's latest ``W`` tokens::
+
+    if generated % comp.policy.decode_every == 0:
+        plan = comp.decode_budgets(n_prompt + generated, n_prompt)
+        k, v = comp.compress(layer, recent_q, k, v, budget=plan[layer])
+
 ``on_compress`` observes every ``compress`` call (benchmarks time the step with it, tests check the budgets) with a
 ``CompressionStep``: the layer, the step's inputs and outputs, the budget and the seconds it took.
 """
@@ -95,6 +104,7 @@ class KVCompressor:
         self.compressible_layers = sorted(layers)
         self._slot = {layer: k for k, layer in enumerate(self.compressible_layers)}
         self._plans: dict[int, list[int]] = {}
+        self._decode_plan: Optional[tuple[tuple[int, int], list[int]]] = None  # (n_tokens, prompt_tokens), plan
 
     @classmethod
     def for_model(cls, model, policy: Policy, on_compress: Optional[CompressionObserver] = None) -> "KVCompressor":
@@ -126,36 +136,52 @@ class KVCompressor:
         slot = self._slot.get(layer_idx)
         return None if slot is None else self._plan(n_tokens)[slot]
 
+    def decode_budgets(self, n_tokens: int, prompt_tokens: int) -> list[Optional[int]]:
+        """Tokens each layer keeps when it re-selects during decoding (``policy.decode_every``), ``n_tokens``
+        (prompt + generated) having been seen after a ``prompt_tokens`` prompt; indexed by layer like ``budgets``.
+        The total over the layers is fixed for the whole generation (``Policy.decode_layer_budgets``)."""
+        key = (n_tokens, prompt_tokens)
+        if self._decode_plan is None or self._decode_plan[0] != key:  # every layer asks at the same step
+            plan = self.policy.decode_layer_budgets(len(self.compressible_layers), n_tokens, prompt_tokens,
+                                                    self.compressible_layers)
+            self._decode_plan = (key, plan)
+        out: list[Optional[int]] = [None] * self.num_layers
+        for layer, budget in zip(self.compressible_layers, self._decode_plan[1]):
+            out[layer] = budget
+        return out
+
     def select(self, layer_idx: int, queries: Tensor, keys: Tensor,
-               scale: Optional[float] = None) -> Optional[Tensor]:
+               scale: Optional[float] = None, budget: Optional[int] = None) -> Optional[Tensor]:
         """int64 ``[B, H_kv, C]`` ascending positions to keep, or ``None`` when the layer stays as it is.
 
         ``queries``: post-RoPE prompt queries ``[B, H_q, W', D]``: at least the last ``window`` positions for
         SnapKV, every prompt position for H2O (``policy.selector.needs_all_queries``), unused by StreamingLLM.
-        ``scale`` is the model's softmax scale (default ``1/sqrt(D)``).
+        ``scale`` is the model's softmax scale (default ``1/sqrt(D)``). ``budget``: tokens to keep (default: the
+        policy's for an ``N``-token prompt); during decoding, ``decode_budgets``'s.
         """
         if keys.dim() != 4:
             raise ValueError(f"keys must be 4-D [B, H_kv, N, D], got {keys.dim()}-D")
         n = keys.shape[2]
-        budget = self.layer_budget(layer_idx, n)
+        budget = self._budget(layer_idx, n, budget)
         if budget is None or budget >= n:
             return None
         return self.policy.selector.select(queries, keys, budget, self.policy.window, scale)
 
     def compress(self, layer_idx: int, queries: Tensor, keys: Tensor, values: Tensor,
-                 scale: Optional[float] = None) -> tuple[Tensor, Tensor]:
+                 scale: Optional[float] = None, budget: Optional[int] = None) -> tuple[Tensor, Tensor]:
         """``(keys_c, values_c)`` ``[B, H_kv, C, D]``: fresh compact tensors holding this layer's kept tokens, or
-        the inputs themselves when the layer is not compressed (budget >= N or not compressible)."""
+        the inputs themselves when the layer is not compressed (budget >= N or not compressible). ``budget`` as
+        in ``select``."""
         if values.shape != keys.shape:
             raise ValueError(f"values must have the shape of keys {list(keys.shape)}, got {list(values.shape)}")
         observed = self.on_compress is not None
         if observed:
             start = _clock(keys)
-        indices = self.select(layer_idx, queries, keys, scale)
+        indices = self.select(layer_idx, queries, keys, scale, budget)
         keys_c, values_c = (keys, values) if indices is None else gather_kv(keys, values, indices)
         if observed:
             seconds = _clock(keys) - start
-            budget = self.layer_budget(layer_idx, keys.shape[2])
+            budget = self._budget(layer_idx, keys.shape[2], budget)
             self.on_compress(CompressionStep(layer_idx, queries, keys, values, scale, budget, indices, keys_c,
                                              values_c, seconds))
         return keys_c, values_c
@@ -175,7 +201,7 @@ class KVCompressor:
         return [self.layer_budget(layer_idx, n) if n > 0 else 0 for n in _as_lengths(lengths)]
 
     def select_rows(self, layer_idx: int, queries: Tensor, keys: Tensor, lengths,
-                    scale: Optional[float] = None) -> Optional[Tensor]:
+                    scale: Optional[float] = None, budgets=None) -> Optional[Tensor]:
         """int64 ``[B, H_kv, C_max]`` positions to keep per row of a left-padded batch, or ``None`` when every row
         keeps all its real tokens.
 
@@ -183,17 +209,18 @@ class KVCompressor:
         ``C_b = min(budget_b, n_b)`` of them, ``budget_b`` being this layer's budget for ``n_b``, chosen exactly as
         ``select`` would choose them for that row alone. Its positions (in the padded layout, ascending) fill the
         *last* ``C_b`` slots; the first ``C_max - C_b`` are ``-1``. ``queries`` are the padded batch's queries
-        (``[B, H_q, W', D]``, its last ``W'`` positions), as ``select`` takes them.
+        (``[B, H_q, W', D]``, its last ``W'`` positions), as ``select`` takes them. ``budgets``: one per row
+        (default: the policy's for each row's length); during decoding, ``decode_budgets``'s for each row.
         """
         if keys.dim() != 4:
             raise ValueError(f"keys must be 4-D [B, H_kv, N, D], got {keys.dim()}-D")
         n = keys.shape[2]
         lengths = _check_lengths(lengths, keys.shape[0], n)
-        budgets = self.layer_row_budgets(layer_idx, lengths)
+        budgets = self._row_budgets(layer_idx, lengths, budgets)
         if budgets is None or all(budget >= length for budget, length in zip(budgets, lengths)):
             return None
-        if all(length == n for length in lengths):  # no padding: one batched call
-            return self.select(layer_idx, queries, keys, scale)
+        if all(length == n for length in lengths) and len(set(budgets)) == 1:  # no padding: one batched call
+            return self.select(layer_idx, queries, keys, scale, budgets[0])
         selector = self.policy.selector
         if hasattr(selector, "select_rows"):  # the per-row ops: one call for the whole batch
             as_tensor = functools.partial(torch.tensor, dtype=torch.int64, device=keys.device)
@@ -222,13 +249,13 @@ class KVCompressor:
         return indices
 
     def compress_rows(self, layer_idx: int, queries: Tensor, keys: Tensor, values: Tensor, lengths,
-                      scale: Optional[float] = None) -> tuple[Tensor, Tensor, Tensor]:
+                      scale: Optional[float] = None, budgets=None) -> tuple[Tensor, Tensor, Tensor]:
         """``(keys_c, values_c, key_mask)`` for a left-padded batch (see ``select_rows``).
 
         ``keys_c``/``values_c`` ``[B, H_kv, C_max, D]`` hold each row's kept tokens in its last ``C_b`` slots and
         zeros before them; ``key_mask`` (bool ``[B, C_max]``) is True on the real slots, and attention must apply
         it. When no row is cut, the inputs themselves come back (``C_max = N``) with the padding as the mask.
-        ``lengths``: int64 ``[B]`` tensor or sequence of ints, each in ``[0, N]``.
+        ``lengths``: int64 ``[B]`` tensor or sequence of ints, each in ``[0, N]``; ``budgets`` as in ``select_rows``.
         """
         if values.shape != keys.shape:
             raise ValueError(f"values must have the shape of keys {list(keys.shape)}, got {list(values.shape)}")
@@ -236,7 +263,7 @@ class KVCompressor:
         if observed:
             start = _clock(keys)
         lengths = _check_lengths(lengths, keys.shape[0], keys.shape[2] if keys.dim() == 4 else 0)
-        indices = self.select_rows(layer_idx, queries, keys, lengths, scale)
+        indices = self.select_rows(layer_idx, queries, keys, lengths, scale, budgets)
         if indices is None:
             keys_c, values_c = keys, values
             n = keys.shape[2]
@@ -245,12 +272,30 @@ class KVCompressor:
             keys_c, values_c, key_mask = _gather_rows(keys, values, indices)
         if observed:
             seconds = _clock(keys) - start
-            budgets = self.layer_row_budgets(layer_idx, lengths)
-            budget = None if budgets is None else self.layer_budget(layer_idx, max(max(lengths), 1))
+            budgets = self._row_budgets(layer_idx, lengths, budgets)
+            budget = None if budgets is None else max(budgets)
             self.on_compress(CompressionStep(layer_idx, queries, keys, values, scale, budget, indices, keys_c,
                                              values_c, seconds, lengths, None if budgets is None else tuple(budgets),
                                              key_mask))
         return keys_c, values_c, key_mask
+
+    def _budget(self, layer_idx: int, n_tokens: int, budget: Optional[int]) -> Optional[int]:
+        """The given budget (checked), or the policy's for an ``n_tokens`` prompt; None: layer not compressible."""
+        default = self.layer_budget(layer_idx, n_tokens)
+        if budget is None or default is None:
+            return default
+        return _check_budget("budget", budget, self.policy.window, n_tokens)
+
+    def _row_budgets(self, layer_idx: int, lengths: tuple[int, ...], budgets) -> Optional[list[int]]:
+        default = self.layer_row_budgets(layer_idx, lengths)
+        if budgets is None or default is None:
+            return default
+        budgets = list(_as_lengths(budgets))
+        if len(budgets) != len(lengths):
+            raise ValueError(f"budgets must hold one budget per row ({len(lengths)}), got {len(budgets)}")
+        for row, (budget, length) in enumerate(zip(budgets, lengths)):
+            _check_budget(f"budgets[{row}]", budget, self.policy.window, length)
+        return budgets
 
     def _check_layer(self, layer_idx: int) -> None:
         if isinstance(layer_idx, bool) or not isinstance(layer_idx, int) or not 0 <= layer_idx < self.num_layers:
@@ -271,6 +316,14 @@ def _as_lengths(lengths) -> tuple[int, ...]:
     if any(isinstance(x, bool) or not isinstance(x, numbers.Integral) for x in values):
         raise ValueError(f"lengths must be integers, got {list(values)}")
     return tuple(int(x) for x in values)
+
+
+def _check_budget(name: str, budget, window: int, n_tokens: int) -> int:
+    # A budget that covers the tokens keeps them all; one that cuts must still hold the window.
+    if isinstance(budget, bool) or not isinstance(budget, numbers.Integral) or (budget < window and budget < n_tokens):
+        raise ValueError(f"{name} must be an integer >= window = {window} (the newest window tokens are always kept) "
+                         f"or >= the tokens it covers ({n_tokens}), got {budget!r}")
+    return int(budget)
 
 
 def _check_lengths(lengths, batch: int, n_tokens: int) -> tuple[int, ...]:

@@ -15,6 +15,13 @@ registry works, with no per-model patching). That function
 A ``CompressedLayer`` still reports the number of tokens *seen* as its sequence length, so position ids and
 ``generate``'s input slicing stay those of the uncompressed sequence.
 
+Compression during decoding (``Policy(..., decode_every=K)``): every compressed layer also keeps the post-RoPE
+queries of its newest ``W`` tokens; once ``K`` tokens have been added since its last selection it selects down to
+its budget again over its whole cache (``KVCompressor.decode_budgets``: a fixed total, split for the length seen so
+far), with those queries as the window, right after the attention call that brought it there. A layer so never
+holds more than its budget plus ``K`` tokens (plus the rest of a multi-token chunk that crossed ``K``). Rows of a
+batch each get their own budgets, as at prefill.
+
 Batches (DESIGN.md §4): a left-padded batch (2-D ``attention_mask``, zeros only on the left of each row) is
 compressed row by row, each row with the budgets of its own real length ``n_b`` and its own last ``W`` real
 positions as the window (``KVCompressor.compress_rows``), so each row generates what that prompt generates alone.
@@ -83,6 +90,11 @@ def _compressed_layer_class():
                 raise ValueError(f"key_mask must be [B, C] = {[keys.shape[0], keys.shape[2]]}, got "
                                  f"{list(key_mask.shape)}")
             self.key_mask = key_mask
+            # Compression during decoding (Policy.decode_every), set up by the session after the prefill.
+            self.recent_queries: Optional[Tensor] = None  # [B, H_q, <= W, D] post-RoPE queries of the newest tokens
+            self.prompt_lengths: Optional[Tensor] = None  # int64 [B] (CPU): each row's real prompt tokens
+            self.prompt_tokens = self.seen_tokens  # tokens seen at the prefill (the padded prompt length)
+            self.since_selection = 0  # tokens added since the last selection
 
         @property
         def physical_length(self) -> int:
@@ -90,6 +102,7 @@ def _compressed_layer_class():
 
         def update(self, key_states, value_states, *args, **kwargs):
             self.seen_tokens += key_states.shape[-2]
+            self.since_selection += key_states.shape[-2]
             if self.key_mask is not None:  # new tokens are real
                 new = self.key_mask.new_ones(self.key_mask.shape[0], key_states.shape[-2])
                 self.key_mask = torch.cat([self.key_mask, new], dim=1)
@@ -116,22 +129,51 @@ def _compressed_layer_class():
             super().reset()
             self.seen_tokens = 0
             self.key_mask = None
+            self.recent_queries = self.prompt_lengths = None
+            self.prompt_tokens = self.since_selection = 0
+
+        def remember_queries(self, query: Tensor, window: int) -> None:
+            """Keep the newest ``window`` post-RoPE queries (the window of the next selection during decoding)."""
+            recent = query if self.recent_queries is None else torch.cat([self.recent_queries, query], dim=2)
+            # A copy, so the buffer never holds a whole prefill's queries alive.
+            self.recent_queries = recent[:, :, -window:].clone()
+
+        def seen_per_row(self) -> list[int]:
+            """Real tokens each row has seen (its prompt plus every token added since)."""
+            generated = self.seen_tokens - self.prompt_tokens
+            return [n + generated for n in self.prompt_lengths.tolist()]
+
+        def keep(self, keys: Tensor, values: Tensor, key_mask: Optional[Tensor]) -> None:
+            """Replace the held tokens by a selection of them (``key_mask`` as in the constructor)."""
+            self.keys, self.values, self.key_mask = keys, values, key_mask
+            self.since_selection = 0
+
+        def _reorder_decode_state(self, rows: Tensor) -> None:
+            if self.recent_queries is not None:
+                self.recent_queries = self.recent_queries.index_select(0, rows.to(self.recent_queries.device))
+                self.prompt_lengths = self.prompt_lengths.index_select(0, rows.cpu())
 
         # Batch reshuffles (beam search, contrastive search) move the key mask with its rows.
         def batch_repeat_interleave(self, repeats: int) -> None:
             super().batch_repeat_interleave(repeats)
             if self.key_mask is not None:
                 self.key_mask = self.key_mask.repeat_interleave(repeats, dim=0)
+            if self.prompt_lengths is not None:
+                self._reorder_decode_state(torch.arange(len(self.prompt_lengths)).repeat_interleave(repeats))
 
         def batch_select_indices(self, indices: Tensor) -> None:
             super().batch_select_indices(indices)
             if self.key_mask is not None:
                 self.key_mask = self.key_mask[indices]
+            if self.prompt_lengths is not None:
+                self._reorder_decode_state(torch.arange(len(self.prompt_lengths))[torch.as_tensor(indices).cpu()])
 
         def reorder_cache(self, beam_idx: Tensor) -> None:
             super().reorder_cache(beam_idx)
             if self.key_mask is not None:
                 self.key_mask = self.key_mask.index_select(0, beam_idx.to(self.key_mask.device))
+            if self.prompt_lengths is not None:
+                self._reorder_decode_state(beam_idx)
 
         def attention_mask(self, q_len: int, dtype: torch.dtype) -> Optional[Tensor]:
             """Additive mask for ``q_len`` new queries over this layer's keys: end-aligned causality and the key
@@ -227,7 +269,12 @@ class CompressionSession:
         if isinstance(layer, _compressed_layer_class()) and layer.keys is key:
             # The model-wide mask is sized for one layer; this layer's key length and padding slots are its own.
             mask = layer.attention_mask(query.shape[2], query.dtype)
-            return self.base(module, query, key, value, mask, **kwargs)
+            output = self.base(module, query, key, value, mask, **kwargs)
+            if layer.prompt_lengths is not None:  # compression during decoding
+                layer.remember_queries(query, self.policy.window)
+                if layer.since_selection >= self.policy.decode_every:
+                    self._reselect(layer, layer_idx, kwargs.get("scaling"))
+            return output
 
         output = self.base(module, query, key, value, attention_mask, **kwargs)
 
@@ -253,8 +300,32 @@ class CompressionSession:
             row_kept = key_mask.sum(dim=1).tolist()
             if bool(key_mask.all()):  # no padding slot left: the plain causal path
                 key_mask = None
-        cache.layers[layer_idx] = _compressed_layer_class()(keys_c, values_c, seen_tokens=n, key_mask=key_mask)
+        compressed = _compressed_layer_class()(keys_c, values_c, seen_tokens=n, key_mask=key_mask)
+        if self.policy.decode_every is not None:
+            compressed.remember_queries(query, self.policy.window)
+            compressed.prompt_lengths = (torch.full((key.shape[0],), n, dtype=torch.int64) if self.lengths is None
+                                         else self.lengths.cpu())
+        cache.layers[layer_idx] = compressed
         self.last_row_kept[layer_idx] = row_kept
+
+    def _reselect(self, layer, layer_idx: int, scaling: Optional[float]) -> None:
+        """Select a compressed layer down to its decode budget again (each row its own), newest window kept."""
+        budgets = [self.compressor.decode_budgets(seen, prompt)[layer_idx]
+                   for seen, prompt in zip(layer.seen_per_row(), layer.prompt_lengths.tolist())]
+        queries, keys, values = layer.recent_queries, layer.keys, layer.values
+        if layer.key_mask is None and len(set(budgets)) == 1:
+            keys_c, values_c = self.compressor.compress(layer_idx, queries, keys, values, scale=scaling,
+                                                        budget=budgets[0])
+            key_mask = None
+        else:
+            # A compressed layer stays left-padded: each row's real slots are its last ones.
+            held = ([keys.shape[2]] * keys.shape[0] if layer.key_mask is None
+                    else layer.key_mask.sum(dim=1).tolist())
+            keys_c, values_c, key_mask = self.compressor.compress_rows(layer_idx, queries, keys, values, held,
+                                                                       scale=scaling, budgets=budgets)
+            if bool(key_mask.all()):
+                key_mask = None
+        layer.keep(keys_c, values_c, key_mask)
 
 
 def _configs(model) -> list:

@@ -7,6 +7,9 @@ allocator and selector is written once, there. Any other allocator x selector pa
 
 from __future__ import annotations
 
+import dataclasses
+from typing import Optional
+
 from ripplekv_ext.allocation import PyramidKVAllocator, RippleKVAllocator, UniformAllocator
 from ripplekv_ext.policies import H2OSelector, Policy, SnapKVSelector, StreamingLLMSelector
 
@@ -54,15 +57,23 @@ def make_allocator(name: str, profile=None, ratio: float = 1.5):
     raise ValueError(f"unknown allocator {name!r}: expected one of {ALLOCATORS}")
 
 
-def make_policy(method: str, retention: float, profile=None, window: int = 32, ratio: float = 1.5) -> Policy:
-    """The policy a method name stands for at ``retention`` (Full ignores the retention)."""
+def make_policy(method: str, retention: float, profile=None, window: int = 32, ratio: float = 1.5,
+                decode_every: Optional[int] = None, decode_budget: Optional[int] = None) -> Policy:
+    """The policy a method name stands for at ``retention`` (Full ignores the retention and the decode options).
+
+    ``decode_every``/``decode_budget``: compression during decoding (``Policy``), off by default.
+    """
     name = check_method(method)
     if name == "full":
         return Policy.full()
     if name == "ripplekv":
         make_allocator(name, profile)  # the same clear error when the profile is missing
-        return Policy.ripplekv(profile, retention, window, ratio=ratio)
-    if name in PUBLISHED:
-        return PUBLISHED[name](retention, window)
-    allocator, _, selector = name.partition("+")
-    return Policy(make_allocator(allocator, profile, ratio), SELECTORS[selector](), retention, window)
+        policy = Policy.ripplekv(profile, retention, window, ratio=ratio)
+    elif name in PUBLISHED:
+        policy = PUBLISHED[name](retention, window)
+    else:
+        allocator, _, selector = name.partition("+")
+        policy = Policy(make_allocator(allocator, profile, ratio), SELECTORS[selector](), retention, window)
+    if decode_every is None and decode_budget is None:
+        return policy
+    return dataclasses.replace(policy, decode_every=decode_every, decode_budget=decode_budget)

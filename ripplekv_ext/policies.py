@@ -4,6 +4,12 @@ Any allocator combines with any selector: ``Policy(PyramidKVAllocator(), H2OSele
 valid as the published pairings. ``Policy.full()`` (no allocator, no selector) compresses nothing.
 
 Budgets are tokens kept per KV head, observation window included (DESIGN.md §3).
+
+Compression during decoding (``decode_every=K``): after every ``K`` generated tokens each layer selects down to its
+budget again, over its whole cache (prompt + generated), with its latest ``W`` queries as the window. The budget is
+a fixed total: the average per-layer budget is ``decode_budget`` tokens if given, else the prompt's
+(``round(retention * n_prompt)``, fixed at prefill), and the allocator splits it over the layers for the length
+seen so far (``decode_layer_budgets``), so every allocator holds the same total memory for the whole generation.
 """
 
 from __future__ import annotations
@@ -160,6 +166,11 @@ def _accepts_layers(allocator) -> bool:
     return _accepts_layers_of(type(allocator).budgets) if hasattr(type(allocator), "budgets") else False
 
 
+def _check_n_tokens(name: str, value) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+
+
 @dataclass(frozen=True)
 class Policy:
     """``allocator x selector`` at a retention ratio, or Full (both ``None``: nothing is compressed).
@@ -173,12 +184,21 @@ class Policy:
             one call (without it, ``KVCompressor`` selects each row alone with ``.select``).
         retention: fraction of the prompt kept on average over the compressible layers, in ``(0, 1]``.
         window: observation window ``W``: the last ``W`` prompt positions are always kept.
+        decode_every: ``K``, compression during decoding: after every ``K`` new tokens each layer selects down to
+            its budget again (the newest ``W`` tokens always kept), so a layer never holds more than its budget plus
+            ``K`` tokens however long the generation. ``None`` (default): only the prompt is compressed.
+        decode_budget: with ``decode_every``, the average tokens per layer held during the whole generation (window
+            included, ``> window``); it also caps the prompt's compression. ``None`` (default): the prompt's average
+            budget ``round(retention * n_prompt)``, i.e. the memory the prefill left. Give it for short prompts
+            with long generations (a prompt too short for its retention is otherwise never compressed).
     """
 
     allocator: object = None
     selector: object = None
     retention: float = 1.0
     window: int = DEFAULT_WINDOW
+    decode_every: Optional[int] = None
+    decode_budget: Optional[int] = None
 
     def __post_init__(self):
         if (self.allocator is None) != (self.selector is None):
@@ -189,6 +209,28 @@ class Policy:
             raise ValueError(f"retention must be in (0, 1], got {self.retention!r}")
         if isinstance(self.window, bool) or not isinstance(self.window, int) or self.window < 1:
             raise ValueError(f"window must be an integer >= 1, got {self.window!r}")
+        self._check_decode_options()
+
+    def _check_decode_options(self) -> None:
+        if self.decode_every is None:
+            if self.decode_budget is not None:
+                raise ValueError(f"decode_budget={self.decode_budget!r} needs decode_every (compress every K "
+                                 "generated tokens); set decode_every=K too, or drop decode_budget")
+            return
+        if isinstance(self.decode_every, bool) or not isinstance(self.decode_every, int) or self.decode_every < 1:
+            raise ValueError(f"decode_every must be an integer >= 1 (generated tokens between re-selections, e.g. "
+                             f"128) or None (off), got {self.decode_every!r}")
+        if self.is_full:
+            raise ValueError("decode_every needs a compressing policy (Policy.full() keeps every token); use e.g. "
+                             "Policy.snapkv(0.2, decode_every=128)")
+        if getattr(self.selector, "needs_all_queries", False):
+            raise ValueError(f"decode_every is not supported with {self.selector!r}: it scores with every query of "
+                             "the sequence, which a compressed cache no longer has; use SnapKV or StreamingLLM")
+        if self.decode_budget is not None and (isinstance(self.decode_budget, bool)
+                                               or not isinstance(self.decode_budget, int)
+                                               or self.decode_budget <= self.window):
+            raise ValueError(f"decode_budget must be an integer > window = {self.window} (the newest window tokens "
+                             f"plus at least one more), got {self.decode_budget!r}")
 
     @property
     def is_full(self) -> bool:
@@ -198,7 +240,12 @@ class Policy:
     def name(self) -> str:
         if self.is_full:
             return "full"
-        return f"{self.allocator.name}+{self.selector.name}@{self.retention:g}"
+        name = f"{self.allocator.name}+{self.selector.name}@{self.retention:g}"
+        if self.decode_every is not None:
+            name += f",decode_every={self.decode_every}"
+        if self.decode_budget is not None:
+            name += f",decode_budget={self.decode_budget}"
+        return name
 
     def layer_budgets(self, num_layers: int, n_tokens: int, layers: Optional[Sequence[int]] = None) -> list[int]:
         """Budget of each of ``num_layers`` compressible layers for an ``n_tokens`` prompt.
@@ -211,11 +258,12 @@ class Policy:
         exceed the window): that last case warns (``PromptTooShortWarning``, once per call site) instead of
         failing in the middle of a generation.
         """
-        if isinstance(n_tokens, bool) or not isinstance(n_tokens, int) or n_tokens < 1:
-            raise ValueError(f"n_tokens must be an integer >= 1, got {n_tokens!r}")
+        _check_n_tokens("n_tokens", n_tokens)
         if self.is_full or n_tokens <= self.window:
             return [n_tokens] * num_layers
         avg = average_budget(self.retention, n_tokens)
+        if self.decode_budget is not None:  # the generation's budget holds from the prefill on
+            avg = min(avg, self.decode_budget)
         if avg >= n_tokens:
             return [n_tokens] * num_layers
         if avg <= self.window:
@@ -223,6 +271,36 @@ class Policy:
                           f"tokens, not more than the window ({self.window}): the prompt is left uncompressed",
                           PromptTooShortWarning, stacklevel=2)
             return [n_tokens] * num_layers
+        return self._allocate(num_layers, n_tokens, avg, layers)
+
+    def decode_average_budget(self, prompt_tokens: int) -> int:
+        """Average tokens per layer held while generating after a ``prompt_tokens`` prompt (``decode_every`` on):
+        ``decode_budget``, or else the prompt's own average budget. Not above the window: nothing is compressed."""
+        if self.decode_every is None:
+            raise ValueError(f"policy {self.name} does not compress during decoding: build it with decode_every=K")
+        _check_n_tokens("prompt_tokens", prompt_tokens)
+        if self.decode_budget is not None:
+            return self.decode_budget
+        return average_budget(self.retention, prompt_tokens)
+
+    def decode_layer_budgets(self, num_layers: int, n_tokens: int, prompt_tokens: int,
+                             layers: Optional[Sequence[int]] = None) -> list[int]:
+        """Budget of each compressible layer when it re-selects during decoding, ``n_tokens`` (prompt + generated)
+        having been seen after a ``prompt_tokens`` prompt: the allocator's split of ``decode_average_budget`` for
+        ``n_tokens``, so the total is the same at every step and for every allocator. ``n_tokens`` for a layer
+        means it keeps everything (the sequence is still within the budget, or the prompt was too short for
+        its retention and no ``decode_budget`` was given).
+        """
+        _check_n_tokens("n_tokens", n_tokens)
+        avg = self.decode_average_budget(prompt_tokens)
+        if n_tokens < prompt_tokens:
+            raise ValueError(f"n_tokens (prompt + generated) must be >= prompt_tokens = {prompt_tokens}, "
+                             f"got {n_tokens}")
+        if avg >= n_tokens or avg <= self.window:
+            return [n_tokens] * num_layers
+        return self._allocate(num_layers, n_tokens, avg, layers)
+
+    def _allocate(self, num_layers: int, n_tokens: int, avg: int, layers: Optional[Sequence[int]]) -> list[int]:
         if layers is not None and _accepts_layers(self.allocator):
             budgets = self.allocator.budgets(num_layers, n_tokens, avg, self.window, layers=list(layers))
         else:
@@ -236,23 +314,30 @@ class Policy:
     def full(cls) -> "Policy":
         return cls()
 
+    # ``decode_every``/``decode_budget``: compression during decoding (see the class docstring).
     @classmethod
-    def snapkv(cls, retention: float, window: int = DEFAULT_WINDOW, **selector_options) -> "Policy":
-        return cls(UniformAllocator(), SnapKVSelector(**selector_options), retention, window)
+    def snapkv(cls, retention: float, window: int = DEFAULT_WINDOW, *, decode_every: Optional[int] = None,
+               decode_budget: Optional[int] = None, **selector_options) -> "Policy":
+        return cls(UniformAllocator(), SnapKVSelector(**selector_options), retention, window, decode_every,
+                   decode_budget)
 
     @classmethod
-    def pyramidkv(cls, retention: float, window: int = DEFAULT_WINDOW, beta: int = 20) -> "Policy":
-        return cls(PyramidKVAllocator(beta), SnapKVSelector(), retention, window)
+    def pyramidkv(cls, retention: float, window: int = DEFAULT_WINDOW, beta: int = 20, *,
+                  decode_every: Optional[int] = None, decode_budget: Optional[int] = None) -> "Policy":
+        return cls(PyramidKVAllocator(beta), SnapKVSelector(), retention, window, decode_every, decode_budget)
 
     @classmethod
     def ripplekv(cls, profile_or_sensitivity, retention: float, window: int = DEFAULT_WINDOW,
-                 ratio: float = 1.5, normalize: str = "zscore") -> "Policy":
-        return cls(RippleKVAllocator(profile_or_sensitivity, ratio, normalize), SnapKVSelector(), retention, window)
+                 ratio: float = 1.5, normalize: str = "zscore", *, decode_every: Optional[int] = None,
+                 decode_budget: Optional[int] = None) -> "Policy":
+        return cls(RippleKVAllocator(profile_or_sensitivity, ratio, normalize), SnapKVSelector(), retention, window,
+                   decode_every, decode_budget)
 
     @classmethod
     def h2o(cls, retention: float, window: int = DEFAULT_WINDOW, chunk_size: int = 1024) -> "Policy":
         return cls(UniformAllocator(), H2OSelector(chunk_size), retention, window)
 
     @classmethod
-    def streamingllm(cls, retention: float, window: int = DEFAULT_WINDOW, sink: int = 4) -> "Policy":
-        return cls(UniformAllocator(), StreamingLLMSelector(sink), retention, window)
+    def streamingllm(cls, retention: float, window: int = DEFAULT_WINDOW, sink: int = 4, *,
+                     decode_every: Optional[int] = None, decode_budget: Optional[int] = None) -> "Policy":
+        return cls(UniformAllocator(), StreamingLLMSelector(sink), retention, window, decode_every, decode_budget)
