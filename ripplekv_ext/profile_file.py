@@ -99,14 +99,32 @@ def config_sha256(model) -> str:
 
 def weight_sample(model, num_tensors: int = 16, per_tensor: int = 8) -> list[float]:
     """The first few elements of evenly spaced parameter tensors, as floats (dtype-independent)."""
-    params = [p for _, p in model.named_parameters()]
-    if not params:
+    named = list(model.named_parameters())
+    if not named:
         return []
-    step = max(1, len(params) // num_tensors)
+    step = max(1, len(named) // num_tensors)
     out = []
-    for p in params[::step][:num_tensors]:
+    for name, p in named[::step][:num_tensors]:
+        if p.device.type == "meta":  # offloaded by accelerate: the values live in its hook's weights map
+            p = _offloaded_weight(model, name)
         out.extend(float(f"{x:.6g}") for x in p.detach().flatten()[:per_tensor].float().tolist())
     return out
+
+
+def _offloaded_weight(model, name: str):
+    """The stored values of parameter `name` of a model whose weights accelerate offloaded (device_map with "cpu"
+    or "disk" entries, cpu_offload): its hooks keep them in a weights map under names relative to the module."""
+    parts = name.split(".")
+    for cut in range(len(parts) - 1, -1, -1):  # the innermost module holding a weights map first
+        module = model.get_submodule(".".join(parts[:cut]))
+        weights = getattr(getattr(module, "_hf_hook", None), "weights_map", None)
+        if weights is not None:
+            try:
+                return weights[".".join(parts[cut:])]
+            except KeyError:
+                continue
+    raise ValueError(f"parameter {name} is on the meta device and no accelerate offload hook holds its values; "
+                     "load the model's weights before describing or profiling it")
 
 
 def _samples_match(a, b) -> bool:
