@@ -53,6 +53,35 @@ def decoder_layers(model):
     return None
 
 
+def input_device(model) -> torch.device:
+    """Where the model's input ids go: its embedding's device, or, when accelerate offloads the embedding (its
+    weight then sits on "meta"), the device the offload hook runs it on."""
+    embedding = model.get_input_embeddings()
+    hook = getattr(embedding, "_hf_hook", None)
+    if getattr(hook, "execution_device", None) is not None:
+        return torch.device(hook.execution_device)
+    return embedding.weight.device
+
+
+@contextlib.contextmanager
+def _forwards_replaced(replacements: dict):
+    """Layers run the given functions instead of their forward inside the block.
+
+    An instance attribute shadows the class's forward. accelerate's offload hooks are themselves an instance
+    `forward`, so the one in place is put back afterwards rather than deleted."""
+    saved = {module: module.__dict__.get("forward") for module in replacements}
+    for module, forward in replacements.items():
+        module.forward = forward
+    try:
+        yield
+    finally:
+        for module, forward in saved.items():
+            if forward is None:
+                del module.forward
+            else:
+                module.forward = forward
+
+
 def _output_cache(output):
     cache = getattr(output, "cache", None)
     return cache if cache is not None else getattr(output, "past_key_values", None)
@@ -68,7 +97,7 @@ class ContinuationRunner:
 
     def __init__(self, model, ids: torch.Tensor, prefix_len: int, reuse: bool = True):
         self.model = model
-        device = next(model.parameters()).device
+        device = input_device(model)
         ids = ids.to(device).view(1, -1)
         self.prefix_len = prefix_len
         self.prefix, self.cont = ids[:, :prefix_len], ids[:, prefix_len:]
@@ -94,7 +123,7 @@ class ContinuationRunner:
         # the profiler changes no attention computation (the perturbation is applied to the cache beforehand); it
         # records and replays each layer's *output* hidden states, which only a layer-level hook can see or replace.
         cache = self._fresh_cache()
-        handles, patched = [], []
+        handles = []
         if record:
             self.recorded = [None] * len(self.layers)
 
@@ -103,17 +132,14 @@ class ContinuationRunner:
                     self.recorded[i] = output
                 return hook
             handles = [layer.register_forward_hook(make_hook(i)) for i, layer in enumerate(self.layers)]
-        for i in range(replay_below):
-            # An instance attribute shadows the class's forward: the layer returns its recorded output.
-            self.layers[i].forward = (lambda out: (lambda *a, **k: out))(self.recorded[i])
-            patched.append(self.layers[i])
+        # Layers below `replay_below` return their recorded output.
+        replay = {self.layers[i]: (lambda out: (lambda *a, **k: out))(self.recorded[i]) for i in range(replay_below)}
         try:
-            out = self.model(input_ids=self.cont, position_ids=self.position_ids, cache=cache, use_cache=True)
+            with _forwards_replaced(replay):
+                out = self.model(input_ids=self.cont, position_ids=self.position_ids, cache=cache, use_cache=True)
         finally:
             for h in handles:
                 h.remove()
-            for layer in patched:
-                del layer.forward
         if cache.get_seq_length() != self.prefix_len + self.cont.shape[1] and replay_below == 0:
             raise RuntimeError("the continuation did not extend the cache as expected")
         logits = out.logits[0]
@@ -167,18 +193,13 @@ class ContinuationRunner:
                 parts.append(entry)
             cache_layer.keys = torch.cat([p.keys for p in parts])
             cache_layer.values = torch.cat([p.values for p in parts])
-        patched = []
+        replay = {}
         if self.reuse:
-            for i, layer_module in enumerate(self.layers):
-                if active[i] < batch:
-                    layer_module.forward = _rows_replaying(layer_module.forward, self.recorded[i], active[i], batch)
-                    patched.append(layer_module)
-        try:
+            replay = {module: _rows_replaying(module.forward, self.recorded[i], active[i], batch)
+                      for i, module in enumerate(self.layers) if active[i] < batch}
+        with _forwards_replaced(replay):
             out = self.model(input_ids=self.cont.expand(batch, -1), position_ids=self.position_ids, cache=cache,
                              use_cache=True)
-        finally:
-            for layer_module in patched:
-                del layer_module.forward
         logits = out.logits
         kls = self.kl_per_position(torch.log_softmax(logits.to(torch.promote_types(logits.dtype, torch.float32)),
                                                      dim=-1))
@@ -296,7 +317,7 @@ def fisher_example(model, ids: torch.Tensor, prefix_len: int, layers: Sequence[i
     that for every layer at once (cross-position terms have expectation zero: each position's score has mean
     zero and the draws are independent). `samples` draws average several such backward passes.
     """
-    device = next(model.parameters()).device
+    device = input_device(model)
     ids = ids.to(device).view(1, -1)
     prefix, cont = ids[:, :prefix_len], ids[:, prefix_len:]
     with torch.no_grad():
@@ -420,7 +441,7 @@ def profile_model(model, tokenizer=None, texts=None, *, examples: torch.Tensor |
     if partial and resume and partial.is_file():
         per_example, reused_flags, seconds_before = _load_partial(partial, run_key)
 
-    device = next(model.parameters()).device
+    device = input_device(model)
     start = time.perf_counter()
     bar = _progress_bar(progress, total=cap * len(layers), done=len(per_example) * len(layers))
     try:

@@ -1,0 +1,164 @@
+"""Issue 18: what a stable SmolLM2 profile costs, and which estimator buys stability cheapest.
+
+    # 1. collect per-example, per-layer KLs of several estimator / P / T settings (resumable, 1 thread):
+    .venv/bin/python bench/profile_cost.py sweep --runs fisher:1024:64:12 fisher:512:64:16 perturb:256:64:16
+    # 2. tables from what was collected (no model runs): stability, agreement with today's 16-example
+    #    profile and the diagnostic's damage, for each setting at every example count, with its token cost:
+    .venv/bin/python bench/profile_cost.py analyze
+    # 3. the cost model checked against timed profiles on two model sizes, and batched vs one-at-a-time:
+    .venv/bin/python bench/profile_cost.py cost
+
+Run kinds in `sweep`: `perturb:P:T:N` is the profiler's estimator (hidden-state reuse, one draw; per-layer KLs
+are saved for every T' in {16, 32, T} from the same run, since continuation position t sees only tokens up to
+t); `antithetic:P:T:N` adds the negated draw of the same noise; `fisher:P:T:N` is `estimator="fisher"`.
+Everything runs with 1 thread; results go to bench/results/profile_sweep.json after every example.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from ripplekv_ext._jsonio import write_json_atomic  # noqa: E402
+from ripplekv_ext.stats import spearman, split_half_spearman  # noqa: E402
+
+RESULTS = ROOT / "bench" / "results"
+SWEEP = RESULTS / "profile_sweep.json"
+REFERENCE = RESULTS / "e2e_profile.json"           # today's 16-example profile (P=1024, T=64)
+DIAGNOSTIC = RESULTS / "smollm2_diagnostic_P1024_T64_n8.json"  # isolated damage per layer at r = 0.1, 0.2, 0.3
+SUB_T = (16, 32)
+SIGMA, SEED = 0.1, 0
+
+
+def _load(path: Path) -> dict:
+    return json.loads(path.read_text()) if path.is_file() else {}
+
+
+def _parse_run(spec: str):
+    kind, p, t, n = spec.split(":")
+    if kind not in ("perturb", "antithetic", "fisher"):
+        raise ValueError(f"run kind must be perturb, antithetic or fisher, got {kind!r} in {spec!r}")
+    return kind, int(p), int(t), int(n)
+
+
+def _perturbation_rows(model, ids, prefix_len, layers, example, signs, batch_rows):
+    """[layers, T] per-position KLs (mean over `signs`), batched as the profiler's batch_rows does."""
+    from ripplekv_ext.profiler import ContinuationRunner, _perturber
+
+    with torch.inference_mode():
+        runner = ContinuationRunner(model, ids, prefix_len)
+        runs = [(l, _perturber("values", SIGMA, SEED, example, l, 0, s)) for l in layers for s in signs]
+        kls = torch.cat([runner.kl_rows(runs[i:i + batch_rows]) for i in range(0, len(runs), batch_rows)])
+    return kls.view(len(layers), len(signs), -1).mean(1)
+
+
+def sweep(args) -> None:
+    from ripplekv_ext.eval.corpus import kjv_text, token_examples
+    from ripplekv_ext.eval.models import load_smollm2
+    from ripplekv_ext.profiler import fisher_example
+
+    model, tokenizer = load_smollm2()
+    layers = list(range(model.config.num_hidden_layers))
+    data = _load(SWEEP) or {"model": "SmolLM2-135M-Instruct fp32", "sigma": SIGMA, "seed": SEED,
+                            "source": "kjv:calibration", "threads": 1, "runs": {}}
+    for spec in args.runs:
+        kind, p, t, n = _parse_run(spec)
+        key = f"{kind}/P{p}/T{t}"
+        run = data["runs"].setdefault(key, {"per_example": {}, "seconds": [], "load": []})
+        examples = token_examples(tokenizer, [kjv_text("calibration")], p, t, n)
+        for e in range(len(run["seconds"]), n):
+            start = time.perf_counter()
+            if kind == "fisher":
+                values = fisher_example(model, examples[e], p, layers, sigma=SIGMA, seed=SEED, samples=1,
+                                        target="values", example_index=e)
+                run["per_example"].setdefault(str(t), []).append(values)
+            else:
+                signs = (1.0, -1.0) if kind == "antithetic" else (1.0,)
+                kls = _perturbation_rows(model, examples[e], p, layers, e, signs, args.batch_rows)
+                for sub in (*[s for s in SUB_T if s < t], t):
+                    run["per_example"].setdefault(str(sub), []).append(kls[:, :sub].mean(1).tolist())
+                if kind == "antithetic":  # also the + draw alone, to compare with the pair
+                    plus = _perturbation_rows(model, examples[e], p, layers, e, (1.0,), args.batch_rows)
+                    run["per_example"].setdefault(f"{t}+", []).append(plus.mean(1).tolist())
+            run["seconds"].append(time.perf_counter() - start)
+            run["load"].append(os.getloadavg()[0])
+            write_json_atomic(SWEEP, data)
+            print(f"{key}: example {e + 1}/{n} in {run['seconds'][-1]:.1f} s (load {run['load'][-1]:.1f})",
+                  file=sys.stderr)
+
+
+# ---- analysis (no model runs) ---------------------------------------------------------------------------
+
+def tokens_per_example(kind: str, p: int, t: int, num_layers: int = 30, draws: int = 1) -> float:
+    """The profiler's own count (profiler._tokens_processed) for one example of all `num_layers` layers."""
+    from ripplekv_ext.profiler import _tokens_processed
+
+    return _tokens_processed(1, p, t, list(range(num_layers)), draws, num_layers, [kind != "fisher"],
+                             estimator="fisher" if kind == "fisher" else "perturbation",
+                             antithetic=kind == "antithetic")
+
+
+def diagnostic_spearman(sensitivity) -> float:
+    """Mean |Spearman| of `sensitivity` with the stored isolated damage at each retention (the diagnostic's
+    summary number, recomputed for another profile without rerunning the damage)."""
+    diag = _load(DIAGNOSTIC)
+    return float(np.mean([abs(spearman(sensitivity, r["damage"])) for r in diag["retentions"].values()]))
+
+
+def analyze(args) -> dict:
+    data = _load(SWEEP)
+    reference = _load(REFERENCE)["figures"]["profile"]["sensitivity"]
+    table = {"reference": "e2e_profile.json: 16 examples, P=1024, T=64, perturbation",
+             "reference_diagnostic_spearman": diagnostic_spearman(reference), "rows": []}
+    for key, run in data.get("runs", {}).items():
+        kind, p, _ = key.split("/")
+        for t_key, rows in run["per_example"].items():
+            t = int(t_key.rstrip("+"))
+            label_kind = "perturb" if t_key.endswith("+") else kind
+            for n in range(2, len(rows) + 1):
+                mean = np.mean(rows[:n], axis=0).tolist()
+                table["rows"].append({
+                    "estimator": label_kind, "P": int(p[1:]), "T": t, "examples": n,
+                    "tokens": int(n * tokens_per_example(label_kind, int(p[1:]), t)),
+                    "split_half": split_half_spearman(rows[:n]), "vs_reference": spearman(mean, reference),
+                    "diagnostic": diagnostic_spearman(mean)})
+    write_json_atomic(RESULTS / "profile_stability.json", table)
+    budget = args.tokens
+    print(f"reference diagnostic Spearman (16-example profile): {table['reference_diagnostic_spearman']:.3f}")
+    print(f"{'estimator':>10} {'P':>5} {'T':>3} {'n':>3} {'tokens':>7} {'split':>6} {'vs16':>6} {'diag':>6}")
+    for r in table["rows"]:
+        if r["tokens"] <= budget or args.all:
+            print(f"{r['estimator']:>10} {r['P']:>5} {r['T']:>3} {r['examples']:>3} {r['tokens']:>7} "
+                  f"{r['split_half'] or float('nan'):6.3f} {r['vs_reference']:6.3f} {r['diagnostic']:6.3f}")
+    return table
+
+
+def main(argv=None) -> int:
+    torch.set_num_threads(1)
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="what", required=True)
+    p = sub.add_parser("sweep", help="collect per-example KLs of several settings (resumable)")
+    p.add_argument("--runs", nargs="+", required=True, help="kind:P:T:N, kind in perturb, antithetic, fisher")
+    p.add_argument("--batch-rows", type=int, default=30, help="perturbed rows per batched continuation")
+    p.set_defaults(func=sweep)
+    p = sub.add_parser("analyze", help="stability / agreement tables from the sweep (no model runs)")
+    p.add_argument("--tokens", type=int, default=9000, help="show settings within this token budget")
+    p.add_argument("--all", action="store_true", help="show every example count")
+    p.set_defaults(func=analyze)
+    args = parser.parse_args(argv)
+    args.func(args)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
