@@ -192,3 +192,81 @@ def test_bad_inputs_are_clear_errors():
     with pytest.raises(TypeError, match="builds \\['attention_mask'\\] itself"):
         continue_context(model, cache, _ids(n=4), attention_mask=torch.ones(1, 100), max_new_tokens=1)
     assert cache.get_seq_length() == 96  # no failed call touched it
+
+
+# --- The evaluation harness: protocols "inside" and "after" ---------------------------------------------------
+
+class _DigitsTokenizer:
+    """The little a generate_fn needs of a tokenizer: an EOS id and decode (ids as text)."""
+
+    eos_token_id = 2
+
+    def decode(self, ids, skip_special_tokens=True):
+        return " ".join(str(int(i)) for i in ids)
+
+
+def _split_example(seed=0, n=96, q=6):
+    from ripplekv_ext.eval.example import Example
+
+    ids = _ids(n=n + q, seed=seed)[0].tolist()
+    return Example(task="toy", id=f"toy-{seed}", prompt="", input_ids=ids, answers=["1"], max_new_tokens=4,
+                   metric="contains_all", context_tokens=n)
+
+
+def test_evaluate_passes_the_split_and_refuses_examples_without_one():
+    from ripplekv_ext.eval.runner import evaluate
+
+    seen = []
+    report = evaluate([_split_example()], lambda ids, n, context_tokens: seen.append((ids.shape, context_tokens))
+                      or "1", progress=False, protocol="after")
+    assert seen == [((1, 102), 96)] and report.results[0].protocol == "after" and report.results[0].score == 1.0
+    with pytest.raises(ValueError, match="protocol 'after' needs each example's context/question split.*toy/toy-0"):
+        evaluate([dataclasses.replace(_split_example(), context_tokens=None)], lambda ids, n, context_tokens: "",
+                 progress=False, protocol="after")
+    with pytest.raises(ValueError, match="protocol must be one of"):
+        evaluate([_split_example()], lambda ids, n: "", progress=False, protocol="before")
+    with pytest.raises(ValueError, match=r"context_tokens must leave a context and a question.*\[1, 101\], got 102"):
+        dataclasses.replace(_split_example(), context_tokens=102)
+
+
+def test_grid_reports_both_protocols_side_by_side(tmp_path):
+    from ripplekv_ext.cli.evaluation import results_table
+    from ripplekv_ext.eval.grid import run_grid
+
+    model, examples = tiny_model("llama"), [_split_example(0), _split_example(1)]
+    results = run_grid(model, _DigitsTokenizer(), ["full", "snapkv"], [0.3], task_examples=examples, window=WINDOW,
+                       out_path=tmp_path / "eval.json", progress=False, log=lambda *a: None,
+                       protocols=["inside", "after"])
+    assert results["settings"]["protocols"] == ["inside", "after"]
+    full, snapkv = results["cells"]["full"], results["cells"]["snapkv@0.3"]
+    # Full: the context and the question prefilled apart decode what the whole prompt decodes.
+    assert [p["prediction"] for p in full["after"]["predictions"]] == [p["prediction"] for p in full["predictions"]]
+    # SnapKV "after": the context compressed alone (its tail the window), then the question, as continue_context.
+    policy = Policy.snapkv(0.3, window=WINDOW)
+    for example, predicted in zip(examples, snapkv["after"]["predictions"]):
+        ids = torch.tensor([example.input_ids])
+        out = continue_context(model, compress_context(model, ids[:, :96], policy), ids[:, 96:], max_new_tokens=4,
+                               **dict(GREEDY, pad_token_id=2), eos_token_id=[2])
+        assert predicted["prediction"] == _DigitsTokenizer().decode(out[0, 102:])
+    from rich.console import Console
+
+    console = Console(record=True, width=200)
+    console.print(results_table(results))
+    header = console.export_text().splitlines()
+    assert any("toy" in line and "toy after" in line and "task mean after" in line for line in header)
+
+
+def test_smollm2_passkey_under_both_protocols():
+    from ripplekv_ext.eval import make_synthetic
+    from ripplekv_ext.eval.models import load_smollm2
+    from ripplekv_ext.eval.runner import evaluate, protocol_generate_fn
+
+    torch.set_num_threads(1)
+    model, tokenizer = load_smollm2()
+    [example] = make_synthetic("passkey", tokenizer, length=256, num_examples=1)
+    context = tokenizer.decode(example.input_ids[:example.context_tokens])
+    assert "pass key is" in context and "What is the pass key?" not in context  # the needle is in, the question not
+    reports = {protocol: evaluate([example], protocol_generate_fn(protocol, model, tokenizer, Policy.full()),
+                                  progress=False, protocol=protocol) for protocol in ("inside", "after")}
+    assert reports["inside"].results[0].score == reports["after"].results[0].score == 1.0
+    assert reports["inside"].results[0].prediction == reports["after"].results[0].prediction
