@@ -61,11 +61,11 @@ def check_text_source(option: str, source) -> None:
 
 def check_model_arg(model_arg: str) -> None:
     """``--model`` must be the bundled model or a folder whose config.json is a JSON object naming a model type."""
-    from ripplekv_ext.eval.models import DEFAULT_MODEL
+    from ripplekv_ext.eval.models import GGUF_MODELS, model_arg_usage
 
-    if model_arg == DEFAULT_MODEL:
+    if model_arg in GGUF_MODELS:
         return
-    usage = f"--model must be '{DEFAULT_MODEL}' or a local transformers model folder with a config.json"
+    usage = model_arg_usage()
     config = Path(model_arg).expanduser() / "config.json"
     if not config.is_file():
         raise CliError(f"{usage}, got {model_arg!r}")

@@ -184,7 +184,8 @@ class OneLineErrorParser(argparse.ArgumentParser):
 
 def _add_model(p):
     p.add_argument("--model", default=DEFAULT_MODEL,
-                   help=f"'{DEFAULT_MODEL}' (bundled SmolLM2-135M-Instruct) or a local transformers model folder")
+                   help=f"'{DEFAULT_MODEL}' (bundled SmolLM2-135M-Instruct), 'gemma3-270m' (optional: "
+                        "`make gemma3`) or a local transformers model folder")
 
 
 def _add_profile(p):
@@ -258,18 +259,30 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("profile", help="measure the per-layer sensitivity profile")
     _add_model(p)
     p.add_argument("--text", default=None, help="calibration text: kjv (default), a .txt or .jsonl file")
-    p.add_argument("--prefix-len", type=positive_int, default=1024)
-    p.add_argument("--cont-len", type=positive_int, default=64)
-    p.add_argument("--examples", type=positive_int, default=8)
+    # --fast changes the defaults of the options marked (fast: ...); an option given explicitly always wins.
+    p.add_argument("--fast", action="store_true",
+                   help="the cheap stable profile of docs/profiling.md: Fisher estimator, shorter examples, adds "
+                        "examples until stable (sets the defaults marked 'fast:' below)")
+    p.add_argument("--prefix-len", type=positive_int, default=None, help="default 1024 (fast: 512)")
+    p.add_argument("--cont-len", type=positive_int, default=None, help="default 64 (fast: 64)")
+    p.add_argument("--examples", type=positive_int, default=None, help="default 8 (fast: 6, the first stability check)")
     p.add_argument("--sigma", type=positive_float, default=0.1, help="noise scale, relative to each vector's norm")
     p.add_argument("--seed", type=non_negative_int, default=0)
-    p.add_argument("--draws", type=positive_int, default=1)
+    p.add_argument("--draws", type=positive_int, default=1,
+                   help="noise draws per layer (with --estimator fisher: sampled tokens per position)")
     p.add_argument("--layers", type=non_negative_int, nargs="+", default=None,
                    help="layer indices to profile (default: the compressible layers)")
     p.add_argument("--target", choices=("values", "keys", "both"), default="values")
-    p.add_argument("--until-stable", action="store_true", help="add examples until split-half Spearman >= threshold")
+    p.add_argument("--estimator", choices=("perturbation", "fisher"), default=None,
+                   help="perturbation (default: one noisy continuation per layer) or fisher (every layer from one "
+                        "backward pass; fast: fisher)")
+    p.add_argument("--antithetic", action="store_true", help="each draw also runs its negated noise")
+    p.add_argument("--batch-rows", type=positive_int, default=1,
+                   help="perturbed continuations per batched forward pass (same profile; more memory)")
+    p.add_argument("--until-stable", action="store_true",
+                   help="add examples until split-half Spearman >= threshold (fast: on)")
     p.add_argument("--stability-threshold", type=correlation, default=0.9)
-    p.add_argument("--max-examples", type=positive_int, default=64)
+    p.add_argument("--max-examples", type=positive_int, default=None, help="default 64 (fast: 12)")
     p.add_argument("--out", default=None, help="profile JSON (default: the model's cached profile)")
     p.add_argument("--no-resume", action="store_true", help="ignore a partial file of an interrupted run")
     p.add_argument("--no-reuse", action="store_true",
