@@ -1,0 +1,281 @@
+"""Compression during decoding (issue 15): ``Policy(..., decode_every=K)`` keeps every layer within its budget.
+
+Oracles: Full (while nothing was cut, the logits must be Full's), a prefill compression of the same tokens (the
+first decode-time selection must pick what a prefill of that sequence picks), layer 0's keys (they depend only on
+the token and its position, so teacher-forced StreamingLLM must hold Full's layer-0 keys at exactly the sink and
+recent positions), each prompt alone (a left-padded batch), the allocator (budget totals) and the reference ops.
+"""
+
+from __future__ import annotations
+
+import gc
+
+import pytest
+import torch
+
+import ripplekv_ref
+from ripplekv_ext import KVCompressor, Policy, compress
+from ripplekv_ext.eval.models import tiny_model
+
+transformers = pytest.importorskip("transformers")
+psutil = pytest.importorskip("psutil")
+
+from ripplekv_ext._compat import cache_argument, output_cache  # noqa: E402
+
+CACHE = cache_argument()
+WINDOW = 8
+SENSITIVITY = [1.0, 3.0]  # two layers: RippleKV gives them unequal budgets
+
+
+def _random_ids(n, seed=0, batch=1):
+    return torch.randint(3, 512, (batch, n), generator=torch.Generator().manual_seed(seed))
+
+
+@torch.no_grad()
+def _decode(model, policy, ids, steps, forced=None, on_step=None, on_compress=None):
+    """Prefill ``ids`` then ``steps`` one-token forwards (greedy, or the ``forced`` tokens): the last-position
+    logits of every forward (prefill first). ``on_step(t, cache)`` runs after forward ``t`` (0: the prefill)."""
+    block = compress(model, policy, on_compress=on_compress) if policy is not None else _nothing()
+    logits = []
+    with block:
+        out = model(ids, use_cache=True)
+        cache = output_cache(out)
+        for t in range(steps + 1):
+            logits.append(out.logits[:, -1].clone())
+            if on_step is not None:
+                on_step(t, cache)
+            if t == steps:
+                break
+            token = out.logits[:, -1:].argmax(-1) if forced is None else forced[:, t:t + 1]
+            out = model(token, use_cache=True, **{CACHE: cache})
+    return torch.stack(logits, dim=1)
+
+
+class _nothing:
+    def __enter__(self):
+        return None
+
+    def __exit__(self, *exc):
+        return False
+
+
+# ---- the issue's budget and memory test: 4,096 generated tokens ------------------------------------------------
+
+PROMPT = 256
+DECODE_EVERY = 64
+KV_HEADS, HEAD_DIM = 8, 256  # 16 KiB of K+V per token per layer: Full's growth is plain to see in RSS
+
+
+@pytest.mark.parametrize("generated", [1024, pytest.param(4096, marks=pytest.mark.soak)])
+def test_cache_stays_within_budgets_plus_k_and_memory_is_flat(generated):
+    """Every step: each layer holds at most its budget + the tokens since its last selection (<= K), the cache's
+    bytes at most the budgets + K tokens per layer, and the budgets' total is the prompt's at every selection; RSS
+    flat over the second half. 4,096 tokens (the issue's length) run under ``make soak``: about a minute on a loaded
+    machine; 1,024 in the default suite."""
+    model = tiny_model("llama", num_layers=2, num_attention_heads=KV_HEADS, num_key_value_heads=KV_HEADS,
+                       head_dim=HEAD_DIM, max_position_embeddings=8192)
+    policy = Policy.ripplekv(SENSITIVITY, 0.25, window=WINDOW, decode_every=DECODE_EVERY)
+    compressor = KVCompressor.for_model(model, policy)
+    layers = compressor.compressible_layers
+    prefill_budgets = compressor.budgets(PROMPT)
+    assert len(set(prefill_budgets)) == 2  # unequal: RippleKV's split is what is held
+    total = sum(prefill_budgets)  # the fixed total: the prompt's average budget on every layer
+    bytes_per_token = 2 * KV_HEADS * HEAD_DIM * 4  # K and V, fp32
+    selections = []
+    rss = {}
+
+    def check(t, cache):
+        last = t - t % DECODE_EVERY  # tokens generated at the last selection (0: the prefill's)
+        budgets = prefill_budgets if last == 0 else compressor.decode_budgets(PROMPT + last, PROMPT)
+        held = [cache.layers[layer].keys.shape[2] for layer in layers]
+        cache_bytes = sum(cache.layers[layer].keys.nbytes + cache.layers[layer].values.nbytes for layer in layers)
+        assert cache_bytes <= (sum(budgets[layer] for layer in layers) + len(layers) * DECODE_EVERY) * bytes_per_token
+        for layer, n in zip(layers, held):
+            assert n <= budgets[layer] + (t - last), (t, layer, n, budgets[layer])
+        if t % DECODE_EVERY == 0:  # just selected: exactly the budgets, the same total at every selection
+            assert held == [budgets[layer] for layer in layers], (t, held)
+            assert sum(held) == total
+        if t in (generated // 2, generated):
+            gc.collect()
+            rss[t] = psutil.Process().memory_info().rss
+
+    _decode(model, policy, _random_ids(PROMPT), generated, on_step=check,
+            on_compress=lambda step: selections.append(step.layer_idx))
+    assert len(selections) == len(layers) * (1 + generated // DECODE_EVERY)  # prefill + every K tokens
+    growth = rss[generated] - rss[generated // 2]
+    full_growth = len(layers) * (generated // 2) * bytes_per_token
+    assert growth < full_growth / 4, (f"RSS grew {growth / 2**20:.1f} MiB over the second half (Full's cache: "
+                                      f"{full_growth / 2**20:.0f} MiB)")
+
+
+# ---- under budget: Full's logits; the first cut: what a prefill of the same tokens keeps ------------------------
+
+@pytest.fixture(scope="module")
+def under_budget_run():
+    """A prompt within ``decode_budget`` (retention 1.0: the prefill keeps it all), decoded past the budget."""
+    model = tiny_model("llama", num_layers=2)
+    ids = _random_ids(40, seed=1)
+    policy = Policy.ripplekv(SENSITIVITY, 1.0, window=WINDOW, decode_every=16, decode_budget=96)
+    steps, held = [], {}
+
+    def record(t, cache):
+        held[t] = [layer.keys.shape[2] for layer in cache.layers]
+
+    compressed = _decode(model, policy, ids, 100, on_step=record, on_compress=steps.append)
+    tokens = compressed[0].argmax(-1)
+    full = _decode(model, None, ids, 100, forced=tokens[None, :-1])
+    return model, ids, policy, compressed, full, tokens, held, steps
+
+
+def test_logits_equal_full_while_the_cache_is_under_budget(under_budget_run):
+    _, ids, _, compressed, full, tokens, held, _ = under_budget_run
+    seen = {t: ids.shape[1] + t for t in held}
+    first_cut = min(t for t, sizes in held.items() if min(sizes) < seen[t])
+    # Selections at 16, 32, 48 generated tokens (56..88 seen <= 96) keep everything; 64 (104 seen) cuts.
+    assert first_cut == 64
+    torch.testing.assert_close(compressed[:, :first_cut + 1], full[:, :first_cut + 1], atol=1e-5, rtol=1e-5)
+    assert torch.equal(full[0, :first_cut + 1].argmax(-1), tokens[:first_cut + 1])
+    assert not torch.allclose(compressed[:, first_cut + 1:], full[:, first_cut + 1:], atol=1e-5)  # it did cut
+
+
+def test_first_decode_selection_keeps_what_a_prefill_of_the_same_tokens_keeps(under_budget_run):
+    model, ids, policy, _, _, tokens, _, steps = under_budget_run
+    at_first, first = next((i, step) for i, step in enumerate(steps) if step.indices is not None)
+    n_seen = first.n_tokens
+    assert n_seen == ids.shape[1] + 64
+    # The same sequence as one prompt, at the retention whose average budget is the decode budget.
+    sequence = torch.cat([ids, tokens[None, :64]], dim=1)
+    prefill_policy = Policy.ripplekv(SENSITIVITY, 96 / n_seen, window=WINDOW)
+    prefill_steps = []
+    with compress(model, prefill_policy, on_compress=prefill_steps.append), torch.no_grad():
+        model(sequence, use_cache=True)
+    decode_steps = steps[at_first:at_first + 2]  # this step's selections: one per layer, in layer order
+    assert [s.layer_idx for s in decode_steps] == [s.layer_idx for s in prefill_steps] == [0, 1]
+    for got, want in zip(decode_steps, prefill_steps):
+        assert got.budget == want.budget  # the allocator's split of the same total for the same length
+        torch.testing.assert_close(got.queries, want.queries[:, :, -WINDOW:], atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(got.keys, want.keys, atol=1e-5, rtol=1e-5)
+        assert (got.indices is None) == (want.indices is None)
+        assert got.indices is None or torch.equal(got.indices, want.indices)
+    # Layer 1's share (1.33x of 96) exceeds the 104 tokens: it keeps them all, layer 0 gets the rest.
+    assert [s.budget for s in decode_steps] == [88, 104]
+
+
+def test_streamingllm_holds_the_sinks_and_the_newest_tokens():
+    # Teacher-forced, layer 0's keys are a function of token and position alone: they must be Full's, at the
+    # positions StreamingLLM keeps (4 sinks + the newest budget - 4 at the last selection + every token since).
+    model = tiny_model("llama", num_layers=2)
+    ids, forced = _random_ids(50, seed=2), _random_ids(70, seed=3)
+    budget, every = 24, 16
+    policy = Policy.streamingllm(0.4, window=WINDOW, decode_every=every, decode_budget=budget)
+    layer0_keys = []
+
+    def keep_layer0(t, cache):
+        if t == 70:
+            layer0_keys.append(cache.layers[0].keys.clone())
+
+    _decode(model, policy, ids, 70, forced=forced, on_step=keep_layer0)
+    _decode(model, None, ids, 70, forced=forced, on_step=keep_layer0)
+    compressed_keys, full_keys = layer0_keys
+    last_selection = 50 + 64  # seen tokens at the last selection (64 generated)
+    positions = list(range(4)) + list(range(last_selection - (budget - 4), 50 + 70))
+    torch.testing.assert_close(compressed_keys, full_keys[:, :, positions], atol=1e-5, rtol=1e-5)
+
+
+# ---- batches: each row generates what it generates alone ---------------------------------------------------------
+
+def _batch_policies():
+    return {
+        "ripplekv": Policy.ripplekv(SENSITIVITY, 0.3, window=WINDOW, decode_every=16),
+        "streamingllm": Policy.streamingllm(0.3, window=WINDOW, decode_every=16),
+        "snapkv+decode_budget": Policy.snapkv(0.3, window=WINDOW, decode_every=16, decode_budget=24),
+    }
+
+
+@pytest.mark.filterwarnings("ignore::ripplekv_ext.policies.PromptTooShortWarning")
+@pytest.mark.parametrize("name", list(_batch_policies()))
+def test_left_padded_batch_generates_what_each_row_generates_alone(name):
+    policy = _batch_policies()[name]
+    model = tiny_model("llama", num_layers=2)
+    lengths = (60, 100, 20)  # 20: too short for its retention (kept whole unless decode_budget is given)
+    prompts = [_random_ids(n, seed=10 + n)[0] for n in lengths]
+    width = max(lengths)
+    ids = torch.zeros(len(prompts), width, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for row, p in enumerate(prompts):
+        ids[row, width - len(p):], mask[row, width - len(p):] = p, 1
+    settings = dict(max_new_tokens=40, min_new_tokens=40, do_sample=False, return_dict_in_generate=True,
+                    output_logits=True, pad_token_id=0)
+    batch_steps = []
+    with compress(model, policy, on_compress=batch_steps.append), torch.no_grad():
+        batch = model.generate(ids, attention_mask=mask, **settings)
+    # The batch really re-selected its rows during decoding (after the prefill's one step per layer), row by row.
+    decode_cuts = [s for s in batch_steps[2:] if s.indices is not None]
+    assert decode_cuts and any(s.lengths is not None for s in decode_cuts)
+    for row, prompt in enumerate(prompts):
+        with compress(model, policy), torch.no_grad():
+            alone = model.generate(prompt[None], **settings)
+        assert torch.equal(batch.sequences[row, width:], alone.sequences[0, len(prompt):]), (name, row)
+        torch.testing.assert_close(torch.stack(batch.logits)[:, row], torch.stack(alone.logits)[:, 0],
+                                   atol=1e-4, rtol=1e-4)
+
+
+# ---- budgets, the KVCompressor API, bad input ----------------------------------------------------------------
+
+@pytest.mark.parametrize("policy", [Policy.ripplekv([1.0, 5.0, 2.0, 0.5], 0.2, window=8, decode_every=64),
+                                    Policy.pyramidkv(0.2, window=8, decode_every=64)], ids=["ripplekv", "pyramidkv"])
+def test_decode_budgets_hold_the_prompts_total_at_every_length(policy):
+    compressor = KVCompressor(policy, num_layers=4)
+    avg = round(0.2 * 1000)
+    for n_seen in (1000, 1064, 3000, 9000):
+        budgets = compressor.decode_budgets(n_seen, 1000)
+        assert sum(budgets) == 4 * avg, (n_seen, budgets)
+        assert budgets == policy.allocator.budgets(4, n_seen, avg, 8)
+    assert compressor.decode_budgets(150, 30) == [150] * 4  # a prompt too short for its retention stays whole
+    assert KVCompressor(Policy.snapkv(0.2, window=8, decode_every=64, decode_budget=50), 4).decode_budgets(
+        3000, 20) == [50] * 4
+
+
+def test_compress_with_an_explicit_budget_matches_the_reference():
+    g = torch.Generator().manual_seed(4)
+    q, k, v = (torch.randn(2, 4, n, 16, generator=g) for n in (WINDOW, 90, 90))
+    compressor = KVCompressor(Policy.snapkv(0.2, window=WINDOW, decode_every=16), num_layers=1)
+    keys_c, values_c = compressor.compress(0, q, k, v, budget=30)
+    scores = ripplekv_ref.snapkv_scores(q, k)
+    want = ripplekv_ref.select_topk(scores, 30, WINDOW)
+    torch.testing.assert_close(keys_c, ripplekv_ref.gather_kv(k, v, want)[0])
+    torch.testing.assert_close(values_c, ripplekv_ref.gather_kv(k, v, want)[1])
+    keys_r, _, key_mask = compressor.compress_rows(0, q, k, v, [90, 60], budgets=[30, 20])
+    assert key_mask.sum(dim=1).tolist() == [30, 20]
+    alone = compressor.compress(0, q[1:], k[1:, :, 30:], v[1:, :, 30:], budget=20)[0]
+    torch.testing.assert_close(keys_r[1:, :, 10:], alone)
+
+
+@pytest.mark.parametrize("build, message", [
+    (lambda: Policy.snapkv(0.2, decode_every=0), "decode_every must be an integer >= 1"),
+    (lambda: Policy.snapkv(0.2, decode_every=-64), "decode_every must be an integer >= 1"),
+    (lambda: Policy.snapkv(0.2, decode_every=1.5), "decode_every must be an integer >= 1"),
+    (lambda: Policy.snapkv(0.2, decode_every=True), "decode_every must be an integer >= 1"),
+    (lambda: Policy.snapkv(0.2, window=32, decode_every=64, decode_budget=32), "decode_budget must be an integer > "
+                                                                               "window = 32"),
+    (lambda: Policy.snapkv(0.2, window=32, decode_every=64, decode_budget=8), "decode_budget must be an integer >"),
+    (lambda: Policy.snapkv(0.2, decode_budget=256), "decode_budget=256 needs decode_every"),
+    (lambda: Policy(decode_every=64), "decode_every needs a compressing policy"),
+    (lambda: Policy(Policy.h2o(0.2).allocator, Policy.h2o(0.2).selector, 0.2, decode_every=64),
+     "decode_every is not supported with H2OSelector"),
+    (lambda: Policy.snapkv(0.2).decode_layer_budgets(4, 100, 100), "does not compress during decoding"),
+    (lambda: KVCompressor(Policy.snapkv(0.2, window=8), 1).compress(0, *(torch.zeros(1, 1, n, 4) for n in
+                                                                          (8, 50, 50)), budget=4),
+     "budget must be an integer >= window = 8"),
+    (lambda: KVCompressor(Policy.snapkv(0.2, window=8), 1).compress_rows(
+        0, *(torch.zeros(2, 1, n, 4) for n in (8, 50, 50)), [50, 40], budgets=[20]),
+     r"budgets must hold one budget per row \(2\), got 1"),
+])
+def test_bad_decode_options_raise_clear_errors(build, message):
+    with pytest.raises(ValueError, match=message):
+        build()
+
+
+def test_policy_name_and_default_stay_as_they_were():
+    assert Policy.snapkv(0.2).decode_every is None and Policy.snapkv(0.2).name == "uniform+snapkv@0.2"
+    assert Policy.snapkv(0.2, decode_every=128).name == "uniform+snapkv@0.2,decode_every=128"
