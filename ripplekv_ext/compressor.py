@@ -104,7 +104,7 @@ class KVCompressor:
         self.compressible_layers = sorted(layers)
         self._slot = {layer: k for k, layer in enumerate(self.compressible_layers)}
         self._plans: dict[int, list[int]] = {}
-        self._decode_plan: Optional[tuple[tuple[int, int], list[int]]] = None  # (n_tokens, prompt_tokens), plan
+        self._decode_plans: dict[tuple[int, int], list[int]] = {}  # (n_tokens, prompt_tokens) -> plan
 
     @classmethod
     def for_model(cls, model, policy: Policy, on_compress: Optional[CompressionObserver] = None) -> "KVCompressor":
@@ -141,12 +141,15 @@ class KVCompressor:
         (prompt + generated) having been seen after a ``prompt_tokens`` prompt; indexed by layer like ``budgets``.
         The total over the layers is fixed for the whole generation (``Policy.decode_layer_budgets``)."""
         key = (n_tokens, prompt_tokens)
-        if self._decode_plan is None or self._decode_plan[0] != key:  # every layer asks at the same step
+        plan = self._decode_plans.get(key)
+        if plan is None:  # every layer (and every row of equal length) asks for the same plan at a step
+            if len(self._decode_plans) >= 256:  # lengths only grow: old plans are not asked for again
+                self._decode_plans.clear()
             plan = self.policy.decode_layer_budgets(len(self.compressible_layers), n_tokens, prompt_tokens,
                                                     self.compressible_layers)
-            self._decode_plan = (key, plan)
+            self._decode_plans[key] = plan
         out: list[Optional[int]] = [None] * self.num_layers
-        for layer, budget in zip(self.compressible_layers, self._decode_plan[1]):
+        for layer, budget in zip(self.compressible_layers, plan):
             out[layer] = budget
         return out
 
@@ -281,21 +284,27 @@ class KVCompressor:
 
     def _budget(self, layer_idx: int, n_tokens: int, budget: Optional[int]) -> Optional[int]:
         """The given budget (checked), or the policy's for an ``n_tokens`` prompt; None: layer not compressible."""
-        default = self.layer_budget(layer_idx, n_tokens)
-        if budget is None or default is None:
-            return default
+        if budget is None:
+            return self.layer_budget(layer_idx, n_tokens)
+        if not self._is_compressible(layer_idx):
+            return None
         return _check_budget("budget", budget, self.policy.window, n_tokens)
 
     def _row_budgets(self, layer_idx: int, lengths: tuple[int, ...], budgets) -> Optional[list[int]]:
-        default = self.layer_row_budgets(layer_idx, lengths)
-        if budgets is None or default is None:
-            return default
+        if budgets is None:
+            return self.layer_row_budgets(layer_idx, lengths)
+        if not self._is_compressible(layer_idx):
+            return None
         budgets = list(_as_lengths(budgets))
         if len(budgets) != len(lengths):
             raise ValueError(f"budgets must hold one budget per row ({len(lengths)}), got {len(budgets)}")
         for row, (budget, length) in enumerate(zip(budgets, lengths)):
             _check_budget(f"budgets[{row}]", budget, self.policy.window, length)
         return budgets
+
+    def _is_compressible(self, layer_idx: int) -> bool:
+        self._check_layer(layer_idx)
+        return layer_idx in self._slot
 
     def _check_layer(self, layer_idx: int) -> None:
         if isinstance(layer_idx, bool) or not isinstance(layer_idx, int) or not 0 <= layer_idx < self.num_layers:

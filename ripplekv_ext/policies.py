@@ -256,7 +256,7 @@ class Policy:
         ``n_tokens`` for a layer means it is left uncompressed: always for Full, for a prompt no longer than the
         window or the average budget, and for a prompt too short for the policy (its average budget would not
         exceed the window): that last case warns (``PromptTooShortWarning``, once per call site) instead of
-        failing in the middle of a generation.
+        failing in the middle of a generation. A ``decode_budget`` caps the average budget of the prompt too.
         """
         _check_n_tokens("n_tokens", n_tokens)
         if self.is_full or n_tokens <= self.window:

@@ -279,3 +279,21 @@ def test_bad_decode_options_raise_clear_errors(build, message):
 def test_policy_name_and_default_stay_as_they_were():
     assert Policy.snapkv(0.2).decode_every is None and Policy.snapkv(0.2).name == "uniform+snapkv@0.2"
     assert Policy.snapkv(0.2, decode_every=128).name == "uniform+snapkv@0.2,decode_every=128"
+
+
+def test_batch_reshuffles_move_the_decode_state_with_the_rows():
+    # Beam search and sampled repeats reorder a compressed layer's rows: the newest queries and the prompt lengths
+    # that set each row's budgets must follow them.
+    from ripplekv_ext.hook import CompressedLayer
+
+    keys = torch.arange(3.0)[:, None, None, None].expand(3, 1, 5, 2).contiguous()
+    layer = CompressedLayer(keys, keys.clone(), seen_tokens=5)
+    layer.remember_queries(torch.arange(3.0)[:, None, None, None].expand(3, 2, 6, 2), window=4)
+    layer.prompt_lengths = torch.tensor([5, 4, 3])
+    assert layer.recent_queries.shape == (3, 2, 4, 2)
+    layer.reorder_cache(torch.tensor([2, 0, 1]))
+    assert layer.prompt_lengths.tolist() == [3, 5, 4] and layer.recent_queries[:, 0, 0, 0].tolist() == [2, 0, 1]
+    layer.batch_select_indices(torch.tensor([0, 2]))
+    assert layer.prompt_lengths.tolist() == [3, 4] and layer.keys[:, 0, 0, 0].tolist() == [2, 1]
+    layer.batch_repeat_interleave(2)
+    assert layer.prompt_lengths.tolist() == [3, 3, 4, 4] and layer.recent_queries[:, 0, 0, 0].tolist() == [2, 2, 1, 1]
