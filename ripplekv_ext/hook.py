@@ -390,7 +390,8 @@ def compress(model, policy: Policy, attention: Optional[str] = None,
         policy: ``Policy`` (``Policy.full()`` leaves the cache whole).
         attention: ``"sdpa"`` or ``"eager"``; default: eager if the model is set to eager, SDPA otherwise.
         on_compress: called with a ``ripplekv_ext.CompressionStep`` after each layer's compression at the end of a
-            prefill (layer, queries/keys/values in, kept keys/values/indices out, budget, seconds).
+            prefill (layer, queries/keys/values in, kept keys/values/indices out, budget, seconds), and after each
+            re-selection during decoding when the policy has ``decode_every``.
 
     Yields the ``CompressionSession`` (``.compressor.budgets(n)`` is the plan; ``.last_budgets`` what the last
     prefill kept). On exit, even after an exception, the model's attention implementation is restored, the
