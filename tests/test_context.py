@@ -270,3 +270,16 @@ def test_smollm2_passkey_under_both_protocols():
                                   progress=False, protocol=protocol) for protocol in ("inside", "after")}
     assert reports["inside"].results[0].score == reports["after"].results[0].score == 1.0
     assert reports["inside"].results[0].prediction == reports["after"].results[0].prediction
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--protocols", "inside,before"], "protocols must be distinct names among inside, after"),
+    (["--protocols", "after,after"], "protocols must be distinct names among inside, after"),
+    (["--protocols", "after", "--tasks", "fidelity"], "--protocols after compresses a context before its question"),
+    (["--protocols", "inside,after", "--tasks", "passkey,needle"], "not needle"),
+])
+def test_protocols_option_errors(argv, message, capsys):
+    from ripplekv_ext import cli
+
+    code = cli.main(["eval", *argv])
+    assert code != 0 and message in capsys.readouterr().err
