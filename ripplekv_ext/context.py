@@ -99,14 +99,20 @@ def _check_budget(policy: Policy, lengths: list[int], probe_tokens: int) -> None
         if budget < total and budget <= window:
             too_small.append((row, n, budget))
     if too_small:
-        row, n, budget = too_small[0]
-        what = (f"the probe's {probe_tokens} tokens (the probe is the window)" if probe_tokens
-                else f"the window ({policy.window})")
-        raise ValueError(f"retention {policy.retention:g} of a {n}-token context"
-                         f"{f' plus its {probe_tokens}-token probe' if probe_tokens else ''} is an average budget of "
-                         f"{budget} tokens, not above {what}; rows {[r for r, _, _ in too_small]} are affected. Raise "
-                         f"the retention, use a {'shorter probe' if probe_tokens else 'smaller window'}, or a longer "
-                         f"context")
+        _, n, budget = too_small[0]
+        probe = f" plus its {probe_tokens}-token probe" if probe_tokens else ""
+        limit = (f"the probe's {probe_tokens} tokens (the probe is the window)" if probe_tokens
+                 else f"the window ({policy.window})")
+        fix = "a shorter probe" if probe_tokens else "a smaller window"
+        raise ValueError(f"retention {policy.retention:g} of a {n}-token context{probe} is an average budget of "
+                         f"{budget} tokens, not above {limit}; rows {[row for row, _, _ in too_small]} are affected. "
+                         f"Raise the retention, use {fix}, or a longer context")
+
+
+def _check_model(model) -> None:
+    if not (hasattr(model, "config") and hasattr(model, "generate")):
+        raise TypeError(f"model must be a transformers causal LM (with .config and .generate), got "
+                        f"{type(model).__name__}")
 
 
 def _prefill_kwargs(model) -> dict:
@@ -135,6 +141,7 @@ def compress_context(model, context_ids: Tensor, policy: Policy, *, attention_ma
     Raises ``ValueError`` when a row's average budget would not exceed the window (the context would be kept
     whole or reduced to its window): raise the retention, shrink the window or the probe, or give a longer context.
     """
+    _check_model(model)
     if not isinstance(policy, Policy):
         raise TypeError(f"policy must be a ripplekv_ext.Policy, got {type(policy).__name__}")
     context_ids = _check_ids("context_ids", context_ids)
@@ -189,13 +196,13 @@ def compress_context(model, context_ids: Tensor, policy: Policy, *, attention_ma
 
 
 def check_context(model, cache) -> ContextStamp:
-    """The cache's ``ContextStamp``, after checking that it came from ``compress_context`` on this very model."""
+    """The cache's ``ContextStamp``, after checking that ``compress_context`` made it on this model: same architecture,
+    layer and head counts, config and weight sample (``model_identity``), so a replica of the model may continue it."""
     stamp = getattr(cache, STAMP_ATTRIBUTE, None)
     if not isinstance(stamp, ContextStamp):
         raise TypeError(f"cache must be what ripplekv_ext.compress_context returned, got {type(cache).__name__} "
                         "without a context stamp")
-    if not (hasattr(model, "config") and hasattr(model, "generate")):
-        raise TypeError(f"model must be a transformers model, got {type(model).__name__}")
+    _check_model(model)
     mine = model_identity(model)
     differ = [key for key in _IDENTITY_FIELDS if mine[key] != stamp.model[key]]
     if differ:

@@ -167,6 +167,8 @@ def test_bad_inputs_are_clear_errors():
         compress_context(model, context, Policy.snapkv(0.05, window=WINDOW))
     with pytest.raises(ValueError, match="not above the probe's 50 tokens"):
         compress_context(model, context, policy, probe_ids=_ids(n=50))
+    with pytest.raises(TypeError, match="model must be a transformers causal LM"):
+        compress_context(object(), context, policy)
     with pytest.raises(TypeError, match="policy must be a ripplekv_ext.Policy"):
         compress_context(model, context, "snapkv")
     with pytest.raises(TypeError, match="context_ids must be a torch.Tensor"):
