@@ -7,8 +7,6 @@ Environment variables:
   TORCH_CUDA_ARCH_LIST     GPU architectures (default "8.0;9.0+PTX": sm_80 and sm_90 code, plus compute_90 PTX
                            that newer GPUs (sm_100, sm_120) compile at load time, as CMake's "80;90" does).
   MAX_JOBS                 parallel compile jobs (ninja).
-  RIPPLEKV_CXX_STD         C++ standard, 20 (default: torch 2.14's headers require it) or 17 (the sources are C++17
-                           too; for an older torch built as C++17, whose inline c10 code C++20 may lay out differently).
 The decision never depends on a GPU being present, so CI machines without one compile the CUDA code.
 """
 
@@ -76,10 +74,7 @@ def extension_modules(config):
     # csrc/cuda holds only .cu files; the CPU sources and python_module.cpp build either way.
     cuda_sources = sorted(str(p.relative_to(ROOT)) for p in (ROOT / "csrc" / "cuda").rglob("*.cu"))
     include_dirs = [str(ROOT / "include"), str(ROOT / "csrc")]
-    standard = os.environ.get("RIPPLEKV_CXX_STD", "20")
-    if standard not in ("17", "20"):
-        raise SystemExit(f"RIPPLEKV_CXX_STD must be 17 or 20, got {standard!r}")
-    cxx_flags = ["-O3", f"-std=c++{standard}", "-fopenmp"]
+    cxx_flags = ["-O3", "-std=c++20", "-fopenmp"]
     if not config["with_cuda"]:
         return [cpp_extension.CppExtension(
             "ripplekv_ext._C", cpp_sources, include_dirs=include_dirs,
@@ -90,7 +85,7 @@ def extension_modules(config):
         "ripplekv_ext._C", cpp_sources + cuda_sources, include_dirs=include_dirs,
         define_macros=[("RIPPLEKV_WITH_CUDA", "1"), ("RIPPLEKV_CUDA_VERSION", str(major * 1000 + minor * 10))],
         extra_compile_args={"cxx": cxx_flags,
-                            "nvcc": ["-O3", f"-std=c++{standard}", "--expt-relaxed-constexpr", "-lineinfo"]},
+                            "nvcc": ["-O3", "-std=c++20", "--expt-relaxed-constexpr", "-lineinfo"]},
         extra_link_args=["-fopenmp"])]
 
 
