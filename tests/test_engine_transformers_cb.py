@@ -213,6 +213,24 @@ def test_memory_pressure_soft_resets_and_the_rest_stay_exact(model):
         assert list(outputs.values())[i].generated_tokens == reference_tokens(model, session.policy, texts[i], 30)
 
 
+# -- the packed batch's mask ---------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("q_lengths, k_lengths", [([1, 1, 1], [5, 9, 1]), ([4], [4]), ([3, 1, 7, 2], [3, 30, 12, 2])],
+                         ids=["decode", "one-prefill", "mixed"])
+def test_block_diagonal_mask_is_each_requests_end_aligned_causal_mask(q_lengths, k_lengths):
+    from ripplekv_ext.engines._paged_cache import block_diagonal_causal_mask
+    from ripplekv_ext.masks import end_aligned_causal_mask
+
+    cu_q, cu_k = [0], [0]
+    for q, k in zip(q_lengths, k_lengths):
+        cu_q.append(cu_q[-1] + q)
+        cu_k.append(cu_k[-1] + k)
+    expected = torch.full((1, 1, cu_q[-1], cu_k[-1]), torch.finfo(torch.float32).min)
+    for r, (q, k) in enumerate(zip(q_lengths, k_lengths)):  # one block per request, nothing across requests
+        expected[..., cu_q[r]:cu_q[r + 1], cu_k[r]:cu_k[r + 1]] = end_aligned_causal_mask(q, k, torch.float32, "cpu")
+    assert torch.equal(block_diagonal_causal_mask(cu_q, cu_k, torch.float32, "cpu"), expected)
+
+
 # -- tiers ---------------------------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("n_tokens, retention", [(1000, 0.2), (333, 0.1), (4096, 0.3)])

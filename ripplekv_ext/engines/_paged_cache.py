@@ -8,13 +8,13 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import itertools
 import math
 from typing import TYPE_CHECKING, Optional
 
 import torch
 from torch import Tensor
 
-from ripplekv_ext.masks import end_aligned_causal_mask
 
 if TYPE_CHECKING:
     from ripplekv_ext.engines.transformers_cb import ServingSession
@@ -45,6 +45,24 @@ class PrefillCompression:
     @property
     def pages_freed(self) -> int:
         return (self.blocks_before - self.blocks_after) * self.pages_per_block
+
+
+def block_diagonal_causal_mask(cu_q: list[int], cu_k: list[int], dtype: torch.dtype, device) -> Tensor:
+    """Additive mask ``[1, 1, cu_q[-1], cu_k[-1]]`` of a packed batch: request ``r``'s queries ``cu_q[r]:cu_q[r+1]``
+    see only its keys ``cu_k[r]:cu_k[r+1]``, query ``i`` of it sitting at key ``k_len - q_len + i`` (its new tokens
+    are its last keys). A fixed number of tensor operations whatever the number of requests: on a GPU a mask built
+    request by request costs several kernel launches per request, every forward."""
+    q_lengths = torch.tensor(cu_q, device=device).diff()
+    k_lengths = torch.tensor(cu_k, device=device).diff()
+    requests = torch.arange(len(q_lengths), device=device)
+    q_owner = torch.repeat_interleave(requests, q_lengths, output_size=cu_q[-1])
+    k_owner = torch.repeat_interleave(requests, k_lengths, output_size=cu_k[-1])
+    q_local = torch.arange(cu_q[-1], device=device) - (q_lengths.cumsum(0) - q_lengths)[q_owner]
+    k_local = torch.arange(cu_k[-1], device=device) - (k_lengths.cumsum(0) - k_lengths)[k_owner]
+    q_position = q_local + (k_lengths - q_lengths)[q_owner]
+    allowed = (q_owner[:, None] == k_owner[None, :]) & (k_local[None, :] <= q_position[:, None])
+    mask = torch.zeros(cu_q[-1], cu_k[-1], dtype=dtype, device=device)
+    return mask.masked_fill_(~allowed, torch.finfo(dtype).min)[None, None]
 
 
 @functools.lru_cache(maxsize=None)
@@ -118,6 +136,21 @@ def engine_classes():
             ps = self.tokens_per_page
             rows = (table[:, None] * self.block_physical_stride + torch.arange(ps)[None, :]).flatten()
             return rows[start:stop]
+
+        def batch_rows(self, tier: int, request_ids: list[str], held: list[int], lengths: list[int]):
+            """(reads, writes) of a batch in one tier: the rows of each request's slots ``[0, lengths[i])`` and of
+            its new slots ``[held[i], lengths[i])``, request after request (as ``rows`` per request would give
+            them, in a fixed number of tensor operations rather than a few per request: this runs every forward)."""
+            ps = self.tokens_per_page
+            pages = [self.tables[r][tier][:math.ceil(n / ps)] for r, n in zip(request_ids, lengths)]
+            blocks = torch.tensor([block for request_pages in pages for block in request_pages], dtype=torch.int64)
+            slots = (blocks[:, None] * self.block_physical_stride + torch.arange(ps)[None, :]).flatten()
+            slots_per_request = torch.tensor([len(request_pages) * ps for request_pages in pages])
+            owner = torch.repeat_interleave(torch.arange(len(pages)), slots_per_request)
+            local = torch.arange(len(slots)) - (slots_per_request.cumsum(0) - slots_per_request)[owner]
+            read = local < torch.tensor(lengths)[owner]
+            write = read & (local >= torch.tensor(held)[owner])
+            return slots[read], slots[write]
 
         def held_blocks(self, request_id: str) -> int:
             return sum(len(table) for table in self.tables.get(request_id, []))
@@ -202,28 +235,27 @@ def engine_classes():
         # -- the forward ----------------------------------------------------------------------------------------------
         def _build_batch(self) -> None:
             allocator, num_tiers = self.allocator, len(self.session.tiers)
-            writes, reads = [[] for _ in range(num_tiers)], [[] for _ in range(num_tiers)]
-            cu_q, cu_k = [0], [[0] for _ in range(num_tiers)]
+            request_ids = [request_id for request_id, _, _ in self._pending]
+            query_lengths = [q for _, _, q in self._pending]
+            cu_q = [0, *itertools.accumulate(query_lengths)]
+            writes, reads, cu_k = [], [], []
+            for t in range(num_tiers):
+                held = [past - allocator.dropped[request_id][t] for request_id, past, _ in self._pending]
+                lengths = [h + q for h, q in zip(held, query_lengths)]
+                tier_reads, tier_writes = allocator.batch_rows(t, request_ids, held, lengths)
+                reads.append(tier_reads.to(self.device))
+                writes.append(tier_writes.to(self.device))
+                cu_k.append([0, *itertools.accumulate(lengths)])
             finishing, prefilling = [], []
             for i, (request_id, past, q) in enumerate(self._pending):
                 state = self._states[request_id]
-                dropped = allocator.dropped[request_id]
-                for t in range(num_tiers):
-                    held = past - dropped[t]
-                    rows = allocator.rows(request_id, t, 0, held + q)
-                    writes[t].append(rows[held:])
-                    reads[t].append(rows)
-                    cu_k[t].append(cu_k[t][-1] + held + q)
-                cu_q.append(cu_q[-1] + q)
                 if state.generated_len() == 0:
                     if past + q == len(state.initial_tokens):
                         finishing.append((i, request_id, past + q))
                     else:
                         prefilling.append((i, request_id))
             self._batch = dict(
-                writes=[torch.cat(w).to(self.device) for w in writes],
-                reads=[torch.cat(r).to(self.device) for r in reads],
-                cu_q=cu_q, cu_k=cu_k,
+                writes=writes, reads=reads, cu_q=cu_q, cu_k=cu_k,
                 cu_k_tensors=[torch.tensor(c, dtype=torch.int32, device=self.device) for c in cu_k],
                 max_k=[max(c[j + 1] - c[j] for j in range(len(c) - 1)) for c in cu_k],
                 finishing=finishing, prefilling=prefilling, masks={})
@@ -246,19 +278,12 @@ def engine_classes():
 
         def tier_mask(self, tier: int, dtype: torch.dtype, device) -> Tensor:
             """Additive block-diagonal mask ``[1, 1, total_q, total_k]`` of a tier: each request's queries see its
-            own cached tokens and its new tokens up to themselves."""
+            own cached tokens and its new tokens up to themselves. Built once per forward and tier."""
             batch = self._batch
             key = (tier, dtype)
-            mask = batch["masks"].get(key)
-            if mask is None:
-                cu_q, cu_k = batch["cu_q"], batch["cu_k"][tier]
-                mask = torch.full((1, 1, cu_q[-1], cu_k[-1]), torch.finfo(dtype).min, dtype=dtype, device=device)
-                for j in range(len(cu_q) - 1):
-                    q_len, k_len = cu_q[j + 1] - cu_q[j], cu_k[j + 1] - cu_k[j]
-                    mask[..., cu_q[j]:cu_q[j + 1], cu_k[j]:cu_k[j + 1]] = end_aligned_causal_mask(
-                        q_len, k_len, dtype, device)
-                batch["masks"][key] = mask
-            return mask
+            if key not in batch["masks"]:
+                batch["masks"][key] = block_diagonal_causal_mask(batch["cu_q"], batch["cu_k"][tier], dtype, device)
+            return batch["masks"][key]
 
         def after_attention(self, layer_idx: int, query: Tensor, key: Tensor, value: Tensor,
                             scaling: Optional[float]) -> None:
