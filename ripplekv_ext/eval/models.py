@@ -142,23 +142,33 @@ def converted_folder(name: str) -> Path:
 
 
 def load_gguf_reference(name: str, dtype: torch.dtype = torch.float32):
-    """(model, tokenizer) read straight from the GGUF by transformers (slow): the reference the conversion is
-    checked against."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    gguf = gguf_path(name)
-    folder, file = str(gguf.parent), gguf.name
-    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=file)
-    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=file, dtype=dtype)
-    return model.eval(), tokenizer
-
-
-def _convert_to_cache(name: str, target: Path) -> None:
+    """The model read straight from the GGUF by transformers (slow): what the conversion is checked against."""
     from transformers import AutoModelForCausalLM
 
     gguf = gguf_path(name)
+    return AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=dtype).eval()
+
+
+REFERENCE_PROMPT = "In the beginning God created the heaven and the"
+REFERENCE_LOGITS = "gguf_reference_logits.pt"
+
+
+def write_reference_logits(gguf_model, tokenizer, folder: Path) -> None:
+    """Save the GGUF-loaded model's logits on ``REFERENCE_PROMPT`` next to the converted weights, so tests can check
+    the cache against the GGUF without reading the GGUF again (transformers takes minutes to parse it)."""
+    ids = tokenizer(REFERENCE_PROMPT, return_tensors="pt").input_ids
+    with torch.no_grad():
+        logits = gguf_model(ids).logits[0].float()
+    torch.save({"prompt": REFERENCE_PROMPT, "input_ids": ids[0], "logits": logits}, folder / REFERENCE_LOGITS)
+
+
+def _convert_to_cache(name: str, target: Path) -> None:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    gguf = gguf_path(name)
     print(f"converting {gguf} to {target} once (minutes)", flush=True)
-    gguf_model, tokenizer = load_gguf_reference(name)
+    tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+    gguf_model = load_gguf_reference(name)
     # transformers refuses save_pretrained on a GGUF-loaded model: rebuild a plain model from its config.
     config = copy.deepcopy(gguf_model.config)
     if hasattr(config, "quantization_config"):
@@ -176,6 +186,7 @@ def _convert_to_cache(name: str, target: Path) -> None:
     try:
         model.save_pretrained(tmp, safe_serialization=True)
         tokenizer.save_pretrained(tmp)
+        write_reference_logits(gguf_model, tokenizer, tmp)
         try:
             os.rename(tmp, target)
         except OSError:
