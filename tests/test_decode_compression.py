@@ -300,3 +300,26 @@ def test_batch_reshuffles_move_the_decode_state_with_the_rows():
     assert layer.prompt_lengths.tolist() == [3, 4] and layer.keys[:, 0, 0, 0].tolist() == [2, 1]
     layer.batch_repeat_interleave(2)
     assert layer.prompt_lengths.tolist() == [3, 3, 4, 4] and layer.recent_queries[:, 0, 0, 0].tolist() == [2, 2, 1, 1]
+
+
+@torch.no_grad()
+def _chunked_logits(model, policy, ids, continuation, chunk):
+    with compress(model, policy):
+        out = model(ids, use_cache=True)
+        cache = output_cache(out)
+        logits = [out.logits[:, -1:]]
+        for start in range(0, continuation.shape[1], chunk):
+            logits.append(model(continuation[:, start:start + chunk], use_cache=True, **{CACHE: cache}).logits)
+    return torch.cat(logits, dim=1)
+
+
+def test_teacher_forcing_in_chunks_that_divide_k_gives_the_token_by_token_logits():
+    # What bench/e2e_decode_compression.py relies on: between selections a layer only grows, so a chunk's logits
+    # are those of its tokens fed one by one, and the selection after a chunk ending at K is the same.
+    model = tiny_model("llama", num_layers=2)
+    ids, continuation = _random_ids(60, seed=5), _random_ids(64, seed=6)
+    policy = Policy.ripplekv(SENSITIVITY, 0.3, window=WINDOW, decode_every=16)
+    one_by_one = _chunked_logits(model, policy, ids, continuation, 1)
+    torch.testing.assert_close(_chunked_logits(model, policy, ids, continuation, 8), one_by_one, atol=1e-5, rtol=1e-5)
+    # A chunk that does not divide K selects later: different logits (the test can tell them apart).
+    assert not torch.allclose(_chunked_logits(model, policy, ids, continuation, 24), one_by_one, atol=1e-5)
