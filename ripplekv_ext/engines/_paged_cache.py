@@ -50,19 +50,21 @@ class PrefillCompression:
 def block_diagonal_causal_mask(cu_q: list[int], cu_k: list[int], dtype: torch.dtype, device) -> Tensor:
     """Additive mask ``[1, 1, cu_q[-1], cu_k[-1]]`` of a packed batch: request ``r``'s queries ``cu_q[r]:cu_q[r+1]``
     see only its keys ``cu_k[r]:cu_k[r+1]``, query ``i`` of it sitting at key ``k_len - q_len + i`` (its new tokens
-    are its last keys). A fixed number of tensor operations whatever the number of requests: on a GPU a mask built
-    request by request costs several kernel launches per request, every forward."""
+    are its last keys), so each query row sees one contiguous range of keys. A fixed number of tensor operations
+    whatever the number of requests: on a GPU a mask built request by request costs several kernel launches per
+    request, every forward."""
     q_lengths = torch.tensor(cu_q, device=device).diff()
+    k_starts = torch.tensor(cu_k[:-1], device=device)
     k_lengths = torch.tensor(cu_k, device=device).diff()
-    requests = torch.arange(len(q_lengths), device=device)
-    q_owner = torch.repeat_interleave(requests, q_lengths, output_size=cu_q[-1])
-    k_owner = torch.repeat_interleave(requests, k_lengths, output_size=cu_k[-1])
-    q_local = torch.arange(cu_q[-1], device=device) - (q_lengths.cumsum(0) - q_lengths)[q_owner]
-    k_local = torch.arange(cu_k[-1], device=device) - (k_lengths.cumsum(0) - k_lengths)[k_owner]
-    q_position = q_local + (k_lengths - q_lengths)[q_owner]
-    allowed = (q_owner[:, None] == k_owner[None, :]) & (k_local[None, :] <= q_position[:, None])
-    mask = torch.zeros(cu_q[-1], cu_k[-1], dtype=dtype, device=device)
-    return mask.masked_fill_(~allowed, torch.finfo(dtype).min)[None, None]
+    owner = torch.repeat_interleave(torch.arange(len(q_lengths), device=device), q_lengths, output_size=cu_q[-1])
+    # Query i of request r: its position within r, then the last key it sees: start + (k_len - q_len) + position.
+    position = torch.arange(cu_q[-1], device=device) - (q_lengths.cumsum(0) - q_lengths)[owner]
+    first = k_starts[owner][:, None]
+    last = (k_starts + k_lengths - q_lengths)[owner][:, None] + position[:, None]
+    keys = torch.arange(cu_k[-1], device=device)[None, :]
+    allowed = (keys >= first) & (keys <= last)
+    zero = torch.zeros((), dtype=dtype, device=device)
+    return torch.where(allowed, zero, torch.finfo(dtype).min)[None, None]
 
 
 @functools.lru_cache(maxsize=None)
