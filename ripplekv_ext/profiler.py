@@ -352,8 +352,8 @@ def fisher_example(model, ids: torch.Tensor, prefix_len: int, layers: Sequence[i
 # fast settings; an option given explicitly overrides either).
 PLAIN_SETTINGS = {"estimator": "perturbation", "prefix_len": 1024, "cont_len": 64, "num_examples": 8,
                   "until_stable": False, "max_examples": 64}
-FAST_SETTINGS = {"estimator": "fisher", "prefix_len": 512, "cont_len": 64, "num_examples": 6,
-                 "until_stable": True, "max_examples": 12}
+FAST_SETTINGS = {"estimator": "fisher", "prefix_len": 256, "cont_len": 64, "num_examples": 8,
+                 "until_stable": True, "max_examples": 20}  # at most 20 * (256 + 3 * 64) = 8,960 tokens
 
 def _check_options(prefix_len, cont_len, num_examples, sigma, draws, target, until_stable, stability_threshold,
                    max_examples, estimator="perturbation", antithetic=False, batch_rows=1):

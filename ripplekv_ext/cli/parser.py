@@ -263,9 +263,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--fast", action="store_true",
                    help="the cheap stable profile of docs/profiling.md: Fisher estimator, shorter examples, adds "
                         "examples until stable (sets the defaults marked 'fast:' below)")
-    p.add_argument("--prefix-len", type=positive_int, default=None, help="default 1024 (fast: 512)")
+    p.add_argument("--prefix-len", type=positive_int, default=None, help="default 1024 (fast: 256)")
     p.add_argument("--cont-len", type=positive_int, default=None, help="default 64 (fast: 64)")
-    p.add_argument("--examples", type=positive_int, default=None, help="default 8 (fast: 6, the first stability check)")
+    p.add_argument("--examples", type=positive_int, default=None, help="default 8 (fast: 8, the first stability check)")
     p.add_argument("--sigma", type=positive_float, default=0.1, help="noise scale, relative to each vector's norm")
     p.add_argument("--seed", type=non_negative_int, default=0)
     p.add_argument("--draws", type=positive_int, default=1,
@@ -282,7 +282,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--until-stable", action="store_true",
                    help="add examples until split-half Spearman >= threshold (fast: on)")
     p.add_argument("--stability-threshold", type=correlation, default=0.9)
-    p.add_argument("--max-examples", type=positive_int, default=None, help="default 64 (fast: 12)")
+    p.add_argument("--max-examples", type=positive_int, default=None, help="default 64 (fast: 20)")
     p.add_argument("--out", default=None, help="profile JSON (default: the model's cached profile)")
     p.add_argument("--no-resume", action="store_true", help="ignore a partial file of an interrupted run")
     p.add_argument("--no-reuse", action="store_true",
