@@ -147,9 +147,11 @@ def compress_context(model, context_ids: Tensor, policy: Policy, *, attention_ma
     context_ids = _check_ids("context_ids", context_ids)
     batch, n = context_ids.shape
     if attention_mask is not None:
-        if not isinstance(attention_mask, Tensor) or tuple(attention_mask.shape) != (batch, n):
-            raise ValueError(f"attention_mask must be a [batch, tokens] = {[batch, n]} tensor like context_ids, got "
-                             f"{list(attention_mask.shape) if isinstance(attention_mask, Tensor) else attention_mask!r}")
+        if not isinstance(attention_mask, Tensor):
+            raise TypeError(f"attention_mask must be a torch.Tensor (or None), got {type(attention_mask).__name__}")
+        if tuple(attention_mask.shape) != (batch, n):
+            raise ValueError(f"attention_mask must be [batch, tokens] = {[batch, n]} like context_ids, got "
+                             f"{list(attention_mask.shape)}")
     lengths = row_lengths(attention_mask)  # checks the left padding
     lengths = [n] * batch if lengths is None else lengths.tolist()
 
