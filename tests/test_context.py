@@ -258,13 +258,49 @@ def test_grid_reports_both_protocols_side_by_side(tmp_path):
     assert any("toy" in line and "toy after" in line and "task mean after" in line for line in header)
 
 
-def test_smollm2_passkey_under_both_protocols():
-    from ripplekv_ext.eval import make_synthetic
+@pytest.fixture(scope="module")
+def smollm2():
     from ripplekv_ext.eval.models import load_smollm2
-    from ripplekv_ext.eval.runner import evaluate, protocol_generate_fn
 
     torch.set_num_threads(1)
-    model, tokenizer = load_smollm2()
+    return load_smollm2()
+
+
+def test_longbench_and_user_prompts_split_before_the_question(smollm2, tmp_path):
+    import json
+
+    from ripplekv_ext.eval import load_longbench, load_user_jsonl
+
+    tokenizer = smollm2[1]
+    records = {"hotpotqa": {"input": "Who wrote it?", "context": " ".join(f"w{i}" for i in range(600)),
+                            "answers": ["Ann"], "_id": "h0"},
+               "gov_report": {"input": "", "context": "Report text. " * 40, "answers": ["x"], "_id": "g0"}}
+    for name, record in records.items():
+        (tmp_path / f"{name}.jsonl").write_text(json.dumps(record) + "\n")
+    (tmp_path / "mine.jsonl").write_text(json.dumps({"context": "Ann wrote it.", "question": "Who wrote it?",
+                                                     "answers": ["Ann"]}) + "\n")
+    examples = load_longbench(tmp_path, tokenizer, max_prompt_tokens=300) + load_user_jsonl(tmp_path / "mine.jsonl",
+                                                                                               tokenizer)
+    # The context ends with the document (cut in the middle); the template's text after {context} follows it.
+    expected = {"h0": ("w599", "Answer the question based on the given passages. Only give me the answer and do "
+                               "not output any other words.\n\nQuestion: Who wrote it?\nAnswer:"),
+                "g0": ("Report text.", "Now, write a one-page summary of the report.\n\nSummary:"),
+                "1": ("Ann wrote it.", "Now, answer the following question based on the above text, only give me "
+                                       "the answer and do not output any other words.\n\nQuestion: Who wrote it?")}
+    assert sorted(e.id for e in examples) == sorted(expected)
+    for example in examples:
+        tail, question_part = expected[example.id]
+        context = tokenizer.decode(example.input_ids[:example.context_tokens])
+        question = tokenizer.decode(example.input_ids[example.context_tokens:])
+        assert context.startswith("<|im_start|>system") and context.rstrip().endswith(tail), example.id
+        assert question.strip().startswith(question_part) and question.rstrip().endswith("assistant"), example.id
+
+
+def test_smollm2_passkey_under_both_protocols(smollm2):
+    from ripplekv_ext.eval import make_synthetic
+    from ripplekv_ext.eval.runner import evaluate, protocol_generate_fn
+
+    model, tokenizer = smollm2
     [example] = make_synthetic("passkey", tokenizer, length=256, num_examples=1)
     context = tokenizer.decode(example.input_ids[:example.context_tokens])
     assert "pass key is" in context and "What is the pass key?" not in context  # the needle is in, the question not
