@@ -53,14 +53,14 @@ def _parse_run(spec: str):
 
 
 def _perturbation_rows(model, ids, prefix_len, layers, example, signs, batch_rows):
-    """[layers, T] per-position KLs (mean over `signs`), batched as the profiler's batch_rows does."""
+    """[layers, signs, T] per-position KLs, batched as the profiler's batch_rows does."""
     from ripplekv_ext.profiler import ContinuationRunner, _perturber
 
     with torch.inference_mode():
         runner = ContinuationRunner(model, ids, prefix_len)
         runs = [(l, _perturber("values", SIGMA, SEED, example, l, 0, s)) for l in layers for s in signs]
         kls = torch.cat([runner.kl_rows(runs[i:i + batch_rows]) for i in range(0, len(runs), batch_rows)])
-    return kls.view(len(layers), len(signs), -1).mean(1)
+    return kls.view(len(layers), len(signs), -1)
 
 
 def sweep(args) -> None:
@@ -85,12 +85,12 @@ def sweep(args) -> None:
                 run["per_example"].setdefault(str(t), []).append(values)
             else:
                 signs = (1.0, -1.0) if kind == "antithetic" else (1.0,)
-                kls = _perturbation_rows(model, examples[e], p, layers, e, signs, args.batch_rows)
+                per_sign = _perturbation_rows(model, examples[e], p, layers, e, signs, args.batch_rows)
+                kls = per_sign.mean(1)
                 for sub in (*[s for s in SUB_T if s < t], t):
                     run["per_example"].setdefault(str(sub), []).append(kls[:, :sub].mean(1).tolist())
-                if kind == "antithetic":  # also the + draw alone, to compare with the pair
-                    plus = _perturbation_rows(model, examples[e], p, layers, e, (1.0,), args.batch_rows)
-                    run["per_example"].setdefault(f"{t}+", []).append(plus.mean(1).tolist())
+                if kind == "antithetic":  # also the + draw alone (the plain estimator), to compare with the pair
+                    run["per_example"].setdefault(f"{t}+", []).append(per_sign[:, 0].mean(1).tolist())
             run["seconds"].append(time.perf_counter() - start)
             run["load"].append(os.getloadavg()[0])
             write_json_atomic(SWEEP, data)

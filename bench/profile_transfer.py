@@ -148,11 +148,9 @@ def evaluate(args, model, tokenizer) -> None:
     from ripplekv_ext.methods import make_policy
     from ripplekv_ext.profile_file import load_profile
 
-    data = summarize()
-    profiles = {d: load_profile(profile_file(d)) for d in data["profiles"]}
-    results = data.setdefault("kl", {})
-    data["evaluation"] = {"prefix_len": args.eval_prefix_len, "cont_len": args.eval_cont_len,
-                          "examples": args.eval_examples, "retention": args.retention, "method": "ripplekv"}
+    profiles = {d: load_profile(profile_file(d)) for d in summarize()["profiles"]}
+    settings = {"prefix_len": args.eval_prefix_len, "cont_len": args.eval_cont_len, "examples": args.eval_examples,
+                "retention": args.retention, "method": "ripplekv"}
     full_logits, saved = continuation_logits_fn(model), {}
 
     def full(prefix, continuation):  # the uncompressed run of a window, once for all profiles
@@ -164,16 +162,18 @@ def evaluate(args, model, tokenizer) -> None:
     for text_domain in args.domains:
         ids = token_examples(tokenizer, domain_texts(text_domain, "evaluation"), args.eval_prefix_len,
                              args.eval_cont_len, args.eval_examples)
-        row = results.setdefault(text_domain, {})
         for profile_domain, prof in profiles.items():
-            if profile_domain in row:
+            if profile_domain in _load(OUT).get("kl", {}).get(text_domain, {}):
                 continue
             policy = make_policy("ripplekv", args.retention, prof)
             compressed = continuation_logits_fn(model, lambda: compress(model, policy))
             report = evaluate_fidelity(ids, args.eval_prefix_len, full, compressed, progress=False)
-            row[profile_domain] = {"kl": float(np.mean(report.kl)), "per_example": report.kl}
+            data = _load(OUT)  # reread: evaluations of other texts may run beside this one
+            data["evaluation"] = settings
+            data.setdefault("kl", {}).setdefault(text_domain, {})[profile_domain] = {
+                "kl": float(np.mean(report.kl)), "per_example": report.kl}
             write_json_atomic(OUT, data)
-            print(f"text {text_domain}, profile {profile_domain}: KL {row[profile_domain]['kl']:.4f}",
+            print(f"text {text_domain}, profile {profile_domain}: KL {float(np.mean(report.kl)):.4f}",
                   file=sys.stderr)
 
 
@@ -188,7 +188,7 @@ def main(argv=None) -> int:
     parser.add_argument("--examples", type=int, default=8)
     parser.add_argument("--eval-prefix-len", type=int, default=512)
     parser.add_argument("--eval-cont-len", type=int, default=32)
-    parser.add_argument("--eval-examples", type=int, default=2)
+    parser.add_argument("--eval-examples", type=int, default=1)
     parser.add_argument("--retention", type=float, default=0.2)
     parser.add_argument("--chat-tokens", type=int, default=512)
     parser.add_argument("--chat-batch", type=int, default=8)

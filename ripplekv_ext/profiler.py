@@ -10,8 +10,14 @@ Cost: layers before `l` never see the perturbation, so their outputs on the cont
 once in the reference pass and replayed; only layers `l..L-1` run. This is checked against a full forward
 pass on the first example and falls back to full passes if the model's layers cannot be replayed.
 
+Cheaper ways to the same ranking (docs/profiling.md has what each costs and buys): `batch_rows` runs many
+perturbed continuations as one batch (each row enters at its own layer; same numbers); `antithetic` adds each
+draw's negated noise; `estimator="fisher"` gets every layer from one backward pass (`fisher_example`). `--fast`
+(FAST_SETTINGS) is the Fisher estimator on short examples, stopping by itself once the profile is stable.
+
     ripplekv profile --model smollm2 --prefix-len 1024 --cont-len 64 --examples 8 \
         --out bench/results/smollm2_profile.json
+    ripplekv profile --model smollm2 --fast
 """
 
 from __future__ import annotations
