@@ -130,7 +130,7 @@ def plot_accuracy_by_depth(by_depth: dict[str, dict], path, title: str = "") -> 
     ax.set_ylabel("accuracy")
     ax.set_ylim(-0.05, 1.05)
     n = max(len(s) for groups in by_depth.values() for s in groups.values())
-    ax.set_title(f"{title} ({n} examples per depth, 95% Wilson CI)", fontsize=9)
+    ax.set_title(f"{title} (n = {n} per depth, 95% Wilson CI)", fontsize=9)
     ax.legend(fontsize=8)
     ax.grid(alpha=0.3)
     return _save(fig, path)
