@@ -162,10 +162,11 @@ def evaluate(args, model, tokenizer) -> None:
     for text_domain in args.domains:
         ids = token_examples(tokenizer, domain_texts(text_domain, "evaluation"), args.eval_prefix_len,
                              args.eval_cont_len, args.eval_examples)
-        for profile_domain, prof in profiles.items():
+        # Every domain's profile, and SnapKV's uniform budgets (no profile) for scale.
+        for profile_domain, prof in [*profiles.items(), ("none (uniform SnapKV)", None)]:
             if profile_domain in _load(OUT).get("kl", {}).get(text_domain, {}):
                 continue
-            policy = make_policy("ripplekv", args.retention, prof)
+            policy = make_policy("ripplekv" if prof is not None else "snapkv", args.retention, prof)
             compressed = continuation_logits_fn(model, lambda: compress(model, policy))
             report = evaluate_fidelity(ids, args.eval_prefix_len, full, compressed, progress=False)
             data = _load(OUT)  # reread: evaluations of other texts may run beside this one
