@@ -1,12 +1,15 @@
 """Issue 18: what a stable SmolLM2 profile costs, and which estimator buys stability cheapest.
 
     # 1. collect per-example, per-layer KLs of several estimator / P / T settings (resumable, 1 thread):
-    .venv/bin/python bench/profile_cost.py sweep --runs fisher:1024:64:12 fisher:512:64:16 perturb:256:64:16
+    .venv/bin/python bench/profile_cost.py sweep --runs fisher:1024:64:12 fisher:256:64:20 fisher:256:128:14 \
+        perturb:256:64:6 antithetic:256:64:2
     # 2. tables from what was collected (no model runs): stability, agreement with today's 16-example
     #    profile and the diagnostic's damage, for each setting at every example count, with its token cost:
     .venv/bin/python bench/profile_cost.py analyze
     # 3. the cost model checked against timed profiles on two model sizes, and batched vs one-at-a-time:
     .venv/bin/python bench/profile_cost.py cost
+    # 4. the formula projected to Llama-3.1-8B / 70B on one H200 (a stated projection, no runs):
+    .venv/bin/python bench/profile_cost.py project
 
 Run kinds in `sweep`: `perturb:P:T:N` is the profiler's estimator (hidden-state reuse, one draw; per-layer KLs
 are saved for every T' in {16, 32, T} from the same run, since continuation position t sees only tokens up to
