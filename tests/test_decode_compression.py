@@ -32,23 +32,25 @@ def _random_ids(n, seed=0, batch=1):
 
 
 @torch.no_grad()
-def _decode(model, policy, ids, steps, forced=None, on_step=None, on_compress=None):
+def _decode(model, policy, ids, steps, forced=None, on_step=None, on_compress=None, keep_logits=True):
     """Prefill ``ids`` then ``steps`` one-token forwards (greedy, or the ``forced`` tokens): the last-position
-    logits of every forward (prefill first). ``on_step(t, cache)`` runs after forward ``t`` (0: the prefill)."""
+    logits of every forward (prefill first; None with ``keep_logits=False``, which memory tests use, since the
+    logits grow with the steps). ``on_step(t, cache)`` runs after forward ``t`` (0: the prefill)."""
     block = compress(model, policy, on_compress=on_compress) if policy is not None else _nothing()
     logits = []
     with block:
         out = model(ids, use_cache=True)
         cache = output_cache(out)
         for t in range(steps + 1):
-            logits.append(out.logits[:, -1].clone())
+            if keep_logits:
+                logits.append(out.logits[:, -1].clone())
             if on_step is not None:
                 on_step(t, cache)
             if t == steps:
                 break
             token = out.logits[:, -1:].argmax(-1) if forced is None else forced[:, t:t + 1]
             out = model(token, use_cache=True, **{CACHE: cache})
-    return torch.stack(logits, dim=1)
+    return torch.stack(logits, dim=1) if keep_logits else None
 
 
 class _nothing:
@@ -100,13 +102,13 @@ def test_cache_stays_within_budgets_plus_k_and_memory_is_flat(generated):
             rss[t] = psutil.Process().memory_info().rss
 
     _decode(model, policy, _random_ids(PROMPT), generated, on_step=check,
-            on_compress=lambda step: selections.append(step.layer_idx))
+            on_compress=lambda step: selections.append(step.layer_idx), keep_logits=False)
     assert len(selections) == len(layers) * (1 + generated // DECODE_EVERY)  # prefill + every K tokens
     growth = rss[generated] - rss[generated // 2]
     full_growth = len(layers) * (generated // 2) * bytes_per_token
     report = f"RSS grew {growth / 2**20:.2f} MiB over the second half (Full's cache: {full_growth / 2**20:.0f} MiB)"
     print(report)
-    assert growth < full_growth / 4, report
+    assert growth < min(full_growth / 4, 4 * 2**20), report  # flat: a few MiB at most, far below Full's growth
 
 
 # ---- under budget: Full's logits; the first cut: what a prefill of the same tokens keeps ------------------------
