@@ -198,6 +198,10 @@ def serve(model, policy: Policy, tiers: Optional[int] = None, on_compress: Optio
     if not policy.is_full and policy.selector.needs_all_queries:
         raise ValueError(f"selector {policy.selector.name} needs every prompt query, which chunked prefills do not "
                          "keep; use a SnapKV or StreamingLLM policy under serve")
+    if policy.decode_every is not None:
+        raise ValueError(f"decode_every={policy.decode_every} (compression during decoding) is not supported under "
+                         "serve: the engine compresses each request once, after its prefill. Use a policy without "
+                         "decode_every (dataclasses.replace(policy, decode_every=None, decode_budget=None))")
     layers = compressible_layers(model)
     config = text_config(model)
     if len(layers) != config.num_hidden_layers:
