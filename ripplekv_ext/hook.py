@@ -101,6 +101,13 @@ def _compressed_layer_class():
             return self.keys.shape[-2]
 
         def update(self, key_states, value_states, *args, **kwargs):
+            if not _active_sessions:
+                # Outside a block the model's own attention runs with masks sized for the uncompressed sequence:
+                # with per-layer budgets it fails on a shape, with equal ones it silently misaligns the keys.
+                raise RuntimeError("a ripplekv_ext-compressed cache can only be continued inside "
+                                   "`with ripplekv_ext.compress(model, policy):` (or with "
+                                   "ripplekv_ext.continue_context): outside it the model's masks do not fit the "
+                                   "kept tokens")
             self.seen_tokens += key_states.shape[-2]
             self.since_selection += key_states.shape[-2]
             if self.key_mask is not None:  # new tokens are real

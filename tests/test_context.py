@@ -117,6 +117,16 @@ def test_questions_do_not_affect_each_other():
     assert cache.get_seq_length() == 96 + 6 + 3
 
 
+def test_continuing_outside_a_compress_block_is_refused():
+    """Outside compress() the model's masks are sized for the uncompressed sequence: with equal budgets they would
+    silently misalign the kept keys, so the compressed layer refuses the new tokens."""
+    model = tiny_model("llama")
+    cache = compress_context(model, _ids(), Policy.snapkv(0.3, window=WINDOW))
+    with pytest.raises(RuntimeError, match="only be continued inside"):
+        model.generate(torch.cat([_ids(), _ids(n=6, seed=1)], dim=1), **{CACHE: cache}, max_new_tokens=2,
+                       **GREEDY)
+
+
 def test_probe_is_the_window_then_dropped():
     model = tiny_model("llama")
     policy = Policy.snapkv(0.3, window=WINDOW)
