@@ -75,23 +75,24 @@ def method_list(text: str) -> list[str]:
     return names
 
 
+def names_among(text: str, choices, what: str) -> list[str]:
+    """Comma-separated names, each one of ``choices``; ``what`` names them in the error (e.g. "task")."""
+    names = name_list(text)
+    unknown = [n for n in names if n not in choices]
+    if unknown:
+        raise argparse.ArgumentTypeError(f"unknown {what}(s) {', '.join(unknown)}: expected some of "
+                                         f"{', '.join(choices)}")
+    return names
+
+
 def allocator_list(text: str) -> list[str]:
     from ripplekv_ext.methods import ALLOCATORS
 
-    names = name_list(text)
-    unknown = [n for n in names if n not in ALLOCATORS]
-    if unknown:
-        raise argparse.ArgumentTypeError(f"unknown allocator(s) {', '.join(unknown)}: expected some of "
-                                         f"{', '.join(ALLOCATORS)}")
-    return names
+    return names_among(text, ALLOCATORS, "allocator")
 
 
 def task_list(text: str) -> list[str]:
-    names = name_list(text)
-    unknown = [n for n in names if n not in TASKS]
-    if unknown:
-        raise argparse.ArgumentTypeError(f"unknown task(s) {', '.join(unknown)}: expected some of {', '.join(TASKS)}")
-    return names
+    return names_among(text, TASKS, "task")
 
 
 def protocol_list(text: str) -> list[str]:
@@ -157,11 +158,7 @@ def percent_list(text: str) -> list[float]:
 def part_list(text: str) -> list[str]:
     from ripplekv_ext.eval.report import PARTS
 
-    names = name_list(text)
-    unknown = [n for n in names if n not in PARTS]
-    if unknown:
-        raise argparse.ArgumentTypeError(f"unknown part(s) {', '.join(unknown)}: expected some of {', '.join(PARTS)}")
-    return names
+    return names_among(text, PARTS, "part")
 
 
 def correlation(text: str) -> float:
