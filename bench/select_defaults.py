@@ -16,7 +16,7 @@ run resumes where it stopped (a file written with other settings is refused, not
   with the shipped profile's larger run), each scored with RippleKV at the library's default R and normalisation.
   Profiles are cached under ``$RIPPLEKV_CACHE_DIR/select_defaults/`` and resume too.
 
-    OMP_NUM_THREADS=1 .venv/bin/python bench/select_defaults.py --examples 3
+    OMP_NUM_THREADS=1 .venv/bin/python bench/select_defaults.py --examples 3 --profile-examples 3
 
 Runs with one thread (the machine is shared); the results file records the load average at each cell.
 """
@@ -55,7 +55,7 @@ def parse_args(argv=None):
     p.add_argument("--sigmas", default="0.05,0.1,0.3")
     p.add_argument("--profile-prefix-len", type=int, default=512)
     p.add_argument("--profile-cont-len", type=int, default=32)
-    p.add_argument("--profile-examples", type=int, default=4)
+    p.add_argument("--profile-examples", type=int, default=3)
     p.add_argument("--stages", default="allocation,profile")
     p.add_argument("--out", type=Path, default=RESULTS)
     args = p.parse_args(argv)
