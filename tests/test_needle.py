@@ -143,3 +143,18 @@ def test_synthetic_depths_bad_inputs(tokenizer):
         make_synthetic("multikey", tokenizer, length=300, num_examples=2, depths=[0.5])
     with pytest.raises(ValueError, match=r"fractions in \[0, 1\]"):
         make_synthetic("passkey", tokenizer, length=300, num_examples=2, depths=[50])
+
+
+def test_base_model_tokenizers_get_plain_prompts_by_default(tokenizer):
+    """A tokenizer without a chat template (a base model's) gets the plain prompt, not an error; one with a template
+    gets the chat prompt."""
+    import copy
+
+    from ripplekv_ext.eval.synthetic import make_synthetic
+
+    base = copy.copy(tokenizer)
+    base.chat_template = None
+    assert make_needle(base, (400,), (50,))[0].prompt == make_needle(tokenizer, (400,), (50,), chat=False)[0].prompt
+    assert make_needle(tokenizer, (400,), (50,))[0].prompt == make_needle(tokenizer, (400,), (50,), chat=True)[0].prompt
+    assert (make_synthetic("passkey", base, 300, num_examples=1)[0].prompt
+            == make_synthetic("passkey", tokenizer, 300, num_examples=1, chat=False)[0].prompt)

@@ -21,6 +21,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from ripplekv_ext import _compat
+
 LogitsFn = Callable[[Tensor, Tensor], Tensor]
 
 
@@ -36,8 +38,11 @@ def continuation_logits_fn(model, compression: Optional[Callable[[], ContextMana
         device = next(model.parameters()).device
         context = compression() if compression is not None else contextlib.nullcontext()
         with context, torch.inference_mode():
-            prefill = model(prefix_ids.to(device), use_cache=True)
-            rest = model(continuation_ids.to(device), cache=prefill.cache, use_cache=True)
+            # Only the prefix's last position is scored: its [n, vocab] logits would be most of the prefill's
+            # memory (about 1 GB for gemma-3-270m's 262K-token vocabulary at 1K tokens).
+            prefill = model(prefix_ids.to(device), use_cache=True, logits_to_keep=1)
+            rest = model(continuation_ids.to(device), **{_compat.cache_argument(): _compat.output_cache(prefill)},
+                         use_cache=True)
         # The prefix's last position predicts continuation token 0; continuation position t predicts t + 1.
         return torch.cat([prefill.logits[0, -1:], rest.logits[0, :-1]]).float()
 

@@ -23,7 +23,7 @@ from __future__ import annotations
 import functools
 import importlib.util
 from pathlib import Path
-from typing import Sequence
+from typing import Optional, Sequence
 
 from ripplekv_ext.eval.example import Example, encode, has_chat_template
 
@@ -116,9 +116,12 @@ def _needle_prompt(tokenizer, length: int, depth_percent: float, chat: bool) -> 
 
 
 def make_needle(tokenizer, lengths: Sequence[int] = DEFAULT_LENGTHS, depths: Sequence[float] = DEFAULT_DEPTHS,
-                chat: bool = True) -> list[Example]:
+                chat: Optional[bool] = None) -> list[Example]:
     """One example per (context length, depth percent) cell, lengths in tokens (the whole prompt), depths in
-    [0, 100]. Scored with ``phrase_recall`` (the fraction of :data:`KEY_PHRASES` in the answer)."""
+    [0, 100]. Scored with ``phrase_recall`` (the fraction of :data:`KEY_PHRASES` in the answer). ``chat``: wrap
+    the prompt in the tokenizer's chat template (default: when it has one; a base model gets the plain prompt)."""
+    if chat is None:
+        chat = has_chat_template(tokenizer)
     if not lengths or not depths:
         raise ValueError(f"lengths and depths must be non-empty, got lengths={list(lengths)} depths={list(depths)}")
     bad = [d for d in depths if not 0 <= d <= 100]

@@ -21,7 +21,7 @@ import random
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
-from ripplekv_ext.eval.example import Example, context_token_count, encode, render_prompt
+from ripplekv_ext.eval.example import Example, context_token_count, encode, has_chat_template, render_prompt
 
 SYNTHETIC_TASKS = ("passkey", "multikey", "kv_retrieval", "variable_tracking")
 
@@ -208,16 +208,18 @@ def even_depths(count: int) -> list[float]:
 
 
 def make_synthetic(task: str, tokenizer, length: int | None = None, num_examples: int = 10, seed: int = 0,
-                   chat: bool = True, depths: Sequence[float] | None = None) -> list[Example]:
+                   chat: bool | None = None, depths: Sequence[float] | None = None) -> list[Example]:
     """``num_examples`` examples of ``task`` whose prompts are at most ``length`` tokens (and within one filler
     unit of it). ``length`` defaults to :data:`DEFAULT_LENGTHS`; ``chat`` wraps the prompt in the tokenizer's
-    chat template.
+    chat template (default: when it has one; a base model gets the plain prompt).
 
     ``depths`` (fractions of the context in [0, 1], e.g. :func:`even_depths`) places the needle of a single-needle
     task: example ``i`` at ``depths[i % len(depths)]``, so every depth gets the same number of examples when
     ``num_examples`` is a multiple of ``len(depths)``. By default each example draws its depth at random, which
     leaves some depths unsampled in small runs (a 512-token prompt once had both needles of the demo in its last
     150 tokens)."""
+    if chat is None:
+        chat = has_chat_template(tokenizer)
     if task not in _BUILDERS:
         raise ValueError(f"task must be one of {SYNTHETIC_TASKS}, got {task!r}")
     if length is None:
