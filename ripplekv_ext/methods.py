@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Optional
 
-from ripplekv_ext.allocation import PyramidKVAllocator, RippleKVAllocator, UniformAllocator
+from ripplekv_ext.allocation import DEFAULT_RATIO, PyramidKVAllocator, RippleKVAllocator, UniformAllocator
 from ripplekv_ext.policies import H2OSelector, Policy, SnapKVSelector, StreamingLLMSelector
 
 __all__ = ["PUBLISHED", "DEFAULT_METHODS", "ALLOCATORS", "SELECTORS", "check_method", "is_full", "needs_profile",
@@ -45,7 +45,7 @@ def needs_profile(method: str) -> bool:
     return check_method(method).partition("+")[0] == "ripplekv"
 
 
-def make_allocator(name: str, profile=None, ratio: float = 1.5):
+def make_allocator(name: str, profile=None, ratio: float = DEFAULT_RATIO):
     if name == "uniform":
         return UniformAllocator()
     if name == "pyramidkv":
@@ -57,7 +57,7 @@ def make_allocator(name: str, profile=None, ratio: float = 1.5):
     raise ValueError(f"unknown allocator {name!r}: expected one of {ALLOCATORS}")
 
 
-def make_policy(method: str, retention: float, profile=None, window: int = 32, ratio: float = 1.5,
+def make_policy(method: str, retention: float, profile=None, window: int = 32, ratio: float = DEFAULT_RATIO,
                 decode_every: Optional[int] = None, decode_budget: Optional[int] = None) -> Policy:
     """The policy a method name stands for at ``retention`` (Full ignores the retention and the decode options).
 

@@ -22,8 +22,8 @@ from typing import Optional, Sequence
 
 from torch import Tensor
 
-from ripplekv_ext.allocation import (PyramidKVAllocator, RippleKVAllocator, UniformAllocator,
-                                     average_budget)
+from ripplekv_ext.allocation import (DEFAULT_NORMALIZE, DEFAULT_RATIO, PyramidKVAllocator, RippleKVAllocator,
+                                     UniformAllocator, average_budget)
 # The product runs the compiled ops only; the pure-PyTorch reference (ripplekv_ref) is for tests and benchmarks.
 from ripplekv_ext.ops import h2o_scores, select_topk, select_topk_rows, snapkv_scores, streaming_indices
 
@@ -328,8 +328,8 @@ class Policy:
 
     @classmethod
     def ripplekv(cls, profile_or_sensitivity, retention: float, window: int = DEFAULT_WINDOW,
-                 ratio: float = 1.5, normalize: str = "zscore", *, decode_every: Optional[int] = None,
-                 decode_budget: Optional[int] = None) -> "Policy":
+                 ratio: float = DEFAULT_RATIO, normalize: str = DEFAULT_NORMALIZE, *,
+                 decode_every: Optional[int] = None, decode_budget: Optional[int] = None) -> "Policy":
         return cls(RippleKVAllocator(profile_or_sensitivity, ratio, normalize), SnapKVSelector(), retention, window,
                    decode_every, decode_budget)
 
