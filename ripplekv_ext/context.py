@@ -22,7 +22,6 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
-import inspect
 from dataclasses import dataclass
 from typing import Optional
 
@@ -115,12 +114,6 @@ def _check_model(model) -> None:
                         f"{type(model).__name__}")
 
 
-def _prefill_kwargs(model) -> dict:
-    # Only the cache matters: ask for the last position's logits, not [n, vocab] of them, where the model allows it.
-    accepts = inspect.signature(model.forward).parameters
-    return {"logits_to_keep": 1} if "logits_to_keep" in accepts else {}
-
-
 def compress_context(model, context_ids: Tensor, policy: Policy, *, attention_mask: Optional[Tensor] = None,
                      probe_ids: Optional[Tensor] = None, attention: Optional[str] = None):
     """Prefill ``context_ids`` under ``compress(model, policy)`` and return the compressed cache.
@@ -176,7 +169,8 @@ def compress_context(model, context_ids: Tensor, policy: Policy, *, attention_ma
     _check_budget(policy, lengths, probe_tokens)
 
     device = next(model.parameters()).device
-    inputs = {"input_ids": prefill_ids.to(device), "use_cache": True, **_prefill_kwargs(model)}
+    # Only the cache matters: the last position's logits, not [n, vocab] of them (as the profiler's prefill).
+    inputs = {"input_ids": prefill_ids.to(device), "use_cache": True, "logits_to_keep": 1}
     if prefill_mask is not None:
         # Positions as generate gives them: each row counts its own real tokens, so a padded row is positioned as
         # if alone (and as continue_context's generate will continue it).

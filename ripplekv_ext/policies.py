@@ -166,11 +166,6 @@ def _accepts_layers(allocator) -> bool:
     return _accepts_layers_of(type(allocator).budgets) if hasattr(type(allocator), "budgets") else False
 
 
-def _check_n_tokens(name: str, value) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
-
-
 @dataclass(frozen=True)
 class Policy:
     """``allocator x selector`` at a retention ratio, or Full (both ``None``: nothing is compressed).
@@ -207,8 +202,7 @@ class Policy:
         if isinstance(self.retention, bool) or not (isinstance(self.retention, (int, float))
                                                     and 0.0 < float(self.retention) <= 1.0):
             raise ValueError(f"retention must be in (0, 1], got {self.retention!r}")
-        if isinstance(self.window, bool) or not isinstance(self.window, int) or self.window < 1:
-            raise ValueError(f"window must be an integer >= 1, got {self.window!r}")
+        _check_option_int("window", self.window, 1)
         self._check_decode_options()
 
     def _check_decode_options(self) -> None:
@@ -258,7 +252,7 @@ class Policy:
         exceed the window): that last case warns (``PromptTooShortWarning``, once per call site) instead of
         failing in the middle of a generation. A ``decode_budget`` caps the average budget of the prompt too.
         """
-        _check_n_tokens("n_tokens", n_tokens)
+        _check_option_int("n_tokens", n_tokens, 1)
         if self.is_full or n_tokens <= self.window:
             return [n_tokens] * num_layers
         avg = average_budget(self.retention, n_tokens)
@@ -278,7 +272,7 @@ class Policy:
         ``decode_budget``, or else the prompt's own average budget. Not above the window: nothing is compressed."""
         if self.decode_every is None:
             raise ValueError(f"policy {self.name} does not compress during decoding: build it with decode_every=K")
-        _check_n_tokens("prompt_tokens", prompt_tokens)
+        _check_option_int("prompt_tokens", prompt_tokens, 1)
         if self.decode_budget is not None:
             return self.decode_budget
         return average_budget(self.retention, prompt_tokens)
@@ -291,7 +285,7 @@ class Policy:
         means it keeps everything (the sequence is still within the budget, or the prompt was too short for
         its retention and no ``decode_budget`` was given).
         """
-        _check_n_tokens("n_tokens", n_tokens)
+        _check_option_int("n_tokens", n_tokens, 1)
         avg = self.decode_average_budget(prompt_tokens)
         if n_tokens < prompt_tokens:
             raise ValueError(f"n_tokens (prompt + generated) must be >= prompt_tokens = {prompt_tokens}, "

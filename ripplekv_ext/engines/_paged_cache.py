@@ -132,17 +132,11 @@ def engine_classes():
             self.block_table[request_id] = [block for t in self.tables[request_id] for block in t]
             return freed
 
-        def rows(self, request_id: str, tier: int, start: int, stop: int) -> Tensor:
-            """Physical token rows of slots ``[start, stop)`` of a request's tier (into ``_kv_token_views``)."""
-            table = torch.tensor(self.tables[request_id][tier], dtype=torch.int64)
-            ps = self.tokens_per_page
-            rows = (table[:, None] * self.block_physical_stride + torch.arange(ps)[None, :]).flatten()
-            return rows[start:stop]
-
         def batch_rows(self, tier: int, request_ids: list[str], held: list[int], lengths: list[int]):
-            """(reads, writes) of a batch in one tier: the rows of each request's slots ``[0, lengths[i])`` and of
-            its new slots ``[held[i], lengths[i])``, request after request (as ``rows`` per request would give
-            them, in a fixed number of tensor operations rather than a few per request: this runs every forward)."""
+            """(reads, writes) of a batch in one tier: the physical token rows (into ``_kv_token_views``) of each
+            request's slots ``[0, lengths[i])`` and of its new slots ``[held[i], lengths[i])``, request after
+            request, in a fixed number of tensor operations rather than a few per request: this runs every
+            forward."""
             ps = self.tokens_per_page
             pages = [self.tables[r][tier][:math.ceil(n / ps)] for r, n in zip(request_ids, lengths)]
             blocks = torch.tensor([block for request_pages in pages for block in request_pages], dtype=torch.int64)
@@ -317,7 +311,8 @@ def engine_classes():
             if kept >= n:
                 return
             # Slot j of every head now holds that head's j-th kept token (heads keep different positions).
-            rows = self.allocator.rows(request_id, self.allocator.tier_of[layer_idx], 0, kept).to(self.device)
+            rows, _ = self.allocator.batch_rows(self.allocator.tier_of[layer_idx], [request_id], [kept], [kept])
+            rows = rows.to(self.device)
             k_cache, v_cache = self.allocator._kv_token_views[layer_idx]
             k_cache.index_copy_(0, rows, kept_keys[0].transpose(0, 1))
             v_cache.index_copy_(0, rows, kept_values[0].transpose(0, 1))
