@@ -70,6 +70,34 @@ def test_token_examples_cut_by_tokens():
         token_examples(CharTokenizer(), ["abc"], 0, 1, 1)
 
 
+class BosCharTokenizer(CharTokenizer):
+    """Adds a BOS (id 1) in front of any text by default, as Gemma's tokenizer does."""
+
+    def __call__(self, text, add_special_tokens=True):
+        return {"input_ids": ([1] if add_special_tokens else []) + [ord(c) for c in text]}
+
+
+def test_token_examples_start_every_window_with_the_tokenizers_bos():
+    ex = token_examples(BosCharTokenizer(), ["abcdef", "ghij"], prefix_len=3, cont_len=1, num_examples=2)
+    # The stream a b c d e f <eos> g ... fills 3 tokens of each window after the BOS.
+    assert ex.tolist() == [[1, 97, 98, 99], [1, 100, 101, 102]]
+    with pytest.raises(ValueError, match="4 examples of prefix_len \\+ cont_len = 4 tokens need 16"):
+        token_examples(BosCharTokenizer(), ["abcdef"], 3, 1, 4)
+    with pytest.raises(ValueError, match="prefix_len must exceed the tokenizer's 1 leading special tokens, got 1"):
+        token_examples(BosCharTokenizer(), ["abcdef"], 1, 3, 1)
+
+
+def test_prompt_ids_add_the_bos_once():
+    from ripplekv_ext.eval.example import context_token_count, prompt_ids
+
+    assert prompt_ids(CharTokenizer(), "ab") == [97, 98]  # no BOS: nothing added (SmolLM2)
+    assert prompt_ids(BosCharTokenizer(), "ab") == [1, 97, 98]
+    assert prompt_ids(BosCharTokenizer(), "\x01ab") == [1, 97, 98]  # a template that wrote its own BOS
+    # The context/question split counts the BOS with the context.
+    ids = prompt_ids(BosCharTokenizer(), "ctx Q?")
+    assert context_token_count(BosCharTokenizer(), "ctx Q?", ids, "Q?") == 5
+
+
 def test_token_examples_reads_only_what_it_needs():
     long_doc = "word " * 200_000
     ex = token_examples(CharTokenizer(), [long_doc], prefix_len=10, cont_len=5, num_examples=3)

@@ -121,17 +121,24 @@ def load_texts(source) -> tuple[list[str], str]:
 def token_examples(tokenizer, texts: list[str], prefix_len: int, cont_len: int, num_examples: int):
     """Cut `num_examples` consecutive, non-overlapping windows of `prefix_len + cont_len` tokens.
 
-    Documents are tokenized (no special tokens) and joined by the tokenizer's EOS token into one stream.
-    Only as much text as needed is tokenized, so the whole bundled corpus is never encoded for a small run.
-    Returns a LongTensor `[num_examples, prefix_len + cont_len]`; raises if the text is too short.
+    Documents are tokenized (no special tokens) and joined by the tokenizer's EOS token into one stream; each
+    window starts with the tokenizer's leading special tokens (Gemma's BOS; none for SmolLM2), as a model input
+    does, and the stream fills the rest. Only as much text as needed is tokenized, so the whole bundled corpus is
+    never encoded for a small run. Returns a LongTensor `[num_examples, prefix_len + cont_len]`; raises if the
+    text is too short.
     """
     import torch
+
+    from ripplekv_ext.eval.example import leading_special_ids
 
     for name, value in (("prefix_len", prefix_len), ("cont_len", cont_len), ("num_examples", num_examples)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+    lead = leading_special_ids(tokenizer)
+    if len(lead) >= prefix_len:
+        raise ValueError(f"prefix_len must exceed the tokenizer's {len(lead)} leading special tokens, got {prefix_len}")
     length = prefix_len + cont_len
-    need = length * num_examples
+    need = (length - len(lead)) * num_examples
     sep = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
     stream: list[int] = []
     for doc in texts:
@@ -146,5 +153,6 @@ def token_examples(tokenizer, texts: list[str], prefix_len: int, cont_len: int, 
         stream.extend(sep)
     if len(stream) < need:
         raise ValueError(f"calibration text has {len(stream)} tokens; {num_examples} examples of "
-                         f"prefix_len + cont_len = {length} tokens need {need}")
-    return torch.tensor(stream[:need], dtype=torch.long).view(num_examples, length)
+                         f"prefix_len + cont_len = {length} tokens need {need + len(lead) * num_examples}")
+    text_ids = torch.tensor(stream[:need], dtype=torch.long).view(num_examples, length - len(lead))
+    return torch.cat([torch.tensor(lead, dtype=torch.long).expand(num_examples, len(lead)), text_ids], dim=1)

@@ -64,9 +64,23 @@ def render_prompt(tokenizer, user_text: str, chat: bool, answer_prefix: str = ""
 
 
 def encode(tokenizer, text: str) -> list[int]:
-    # The chat template already carries its special tokens; a base prompt gets none added either, so the
-    # token count is exactly what the prompt says (the sizing of synthetic tasks depends on it).
+    """A piece of text's ids, no special tokens added (haystacks, needles, raw prompts to truncate)."""
     return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
+def leading_special_ids(tokenizer) -> list[int]:
+    """The ids the tokenizer puts before any text by default: ``[bos]`` for Gemma or Llama-2, nothing for
+    SmolLM2. A model trained with a BOS token reads text without it as a different, worse-predicted input
+    (gemma-3-270m: 3.78 instead of 3.04 nats per token on held-out KJV text)."""
+    return list(tokenizer("", add_special_tokens=True)["input_ids"])
+
+
+def prompt_ids(tokenizer, text: str) -> list[int]:
+    """A whole model input's ids: ``text`` encoded, after the tokenizer's leading special tokens unless the text
+    already starts with them (a chat template that writes its own ``<bos>``). Token counts (the sizing of
+    synthetic and needle prompts) are counted on these ids, so they stay exact."""
+    ids, lead = encode(tokenizer, text), leading_special_ids(tokenizer)
+    return ids if ids[:len(lead)] == lead else lead + ids
 
 
 def truncate_middle(token_ids: Sequence[int], max_tokens: int) -> list[int]:
@@ -92,7 +106,7 @@ def context_token_count(tokenizer, prompt: str, input_ids: Sequence[int], questi
     if boundary <= 0:
         return None
     shared = 0
-    for context_id, prompt_id in zip(encode(tokenizer, prompt[:boundary]), input_ids):
+    for context_id, prompt_id in zip(prompt_ids(tokenizer, prompt[:boundary]), input_ids):
         if context_id != prompt_id:
             break
         shared += 1

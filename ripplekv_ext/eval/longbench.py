@@ -19,8 +19,8 @@ from pathlib import Path
 from typing import Iterable, Optional
 
 from ripplekv_ext._jsonio import read_jsonl
-from ripplekv_ext.eval.example import (Example, context_token_count, encode, has_chat_template, render_prompt,
-                                       truncate_middle)
+from ripplekv_ext.eval.example import (Example, context_token_count, encode, has_chat_template, prompt_ids,
+                                       render_prompt, truncate_middle)
 from ripplekv_ext.eval.runner import EvalReport
 
 CONFIG_DIR = Path(__file__).resolve().parent / "longbench_config"
@@ -93,7 +93,7 @@ def load_longbench(folder, tokenizer, max_prompt_tokens: int, datasets: Optional
             text = tokenizer.decode(truncated, skip_special_tokens=True)
             text = render_prompt(tokenizer, text, chat=chat and name not in NO_CHAT_DATASETS)
             answers = record["answers"]
-            input_ids = encode(tokenizer, text)
+            input_ids = prompt_ids(tokenizer, text)
             examples.append(Example(
                 task=name, id=str(record.get("_id", index)), prompt=text, input_ids=input_ids,
                 answers=[answers] if isinstance(answers, str) else list(answers),

@@ -25,7 +25,7 @@ import importlib.util
 from pathlib import Path
 from typing import Optional, Sequence
 
-from ripplekv_ext.eval.example import Example, encode, has_chat_template
+from ripplekv_ext.eval.example import Example, encode, has_chat_template, prompt_ids
 
 NEEDLE = "\nThe best thing to do in San Francisco is eat a sandwich and sit in Dolores Park on a sunny day.\n"
 QUESTION = "What is the best thing to do in San Francisco?"
@@ -102,12 +102,12 @@ def _needle_prompt(tokenizer, length: int, depth_percent: float, chat: bool) -> 
     haystack = _haystack_tokens(tokenizer, length)
     needle = encode(tokenizer, NEEDLE)
     periods = encode(tokenizer, ".")
-    overhead = len(encode(tokenizer, render_needle_prompt(tokenizer, "", chat)))
+    overhead = len(prompt_ids(tokenizer, render_needle_prompt(tokenizer, "", chat)))
     budget = length - overhead - len(needle)
     while budget > 0:
         context = tokenizer.decode(insert_needle(haystack[:budget], needle, depth_percent, periods))
         prompt = render_needle_prompt(tokenizer, context, chat)
-        ids = encode(tokenizer, prompt)
+        ids = prompt_ids(tokenizer, prompt)
         if len(ids) <= length:
             return prompt, ids
         budget -= len(ids) - length  # decoding and re-encoding may merge or split a few tokens at the seams

@@ -21,7 +21,8 @@ import random
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
-from ripplekv_ext.eval.example import Example, context_token_count, encode, has_chat_template, render_prompt
+from ripplekv_ext.eval.example import (Example, context_token_count, has_chat_template, prompt_ids,
+                                       render_prompt)
 
 SYNTHETIC_TASKS = ("passkey", "multikey", "kv_retrieval", "variable_tracking")
 
@@ -174,7 +175,7 @@ def _fit(layout: _Layout, tokenizer, length: int, chat: bool, task: str) -> tupl
 
     def build(n):
         text = render_prompt(tokenizer, layout.text(n), chat, layout.answer_prefix)
-        return text, encode(tokenizer, text)
+        return text, prompt_ids(tokenizer, text)
 
     best = build(0)
     if len(best[1]) > length:

@@ -6,8 +6,8 @@ from pathlib import Path
 from typing import Optional
 
 from ripplekv_ext._jsonio import read_jsonl
-from ripplekv_ext.eval.example import (Example, context_token_count, encode, has_chat_template, render_prompt,
-                                       truncate_middle)
+from ripplekv_ext.eval.example import (Example, context_token_count, encode, has_chat_template, prompt_ids,
+                                       render_prompt, truncate_middle)
 
 # LongBench's multifieldqa_en template, with the field names of this format.
 DEFAULT_TEMPLATE = ("Read the following text and answer briefly.\n\n{context}\n\nNow, answer the following question "
@@ -49,7 +49,7 @@ def load_user_jsonl(path, tokenizer, max_prompt_tokens: Optional[int] = None, te
             raw = tokenizer.decode(truncate_middle(encode(tokenizer, raw), max_prompt_tokens),
                                    skip_special_tokens=True)
         text = render_prompt(tokenizer, raw, chat=chat)
-        input_ids = encode(tokenizer, text)
+        input_ids = prompt_ids(tokenizer, text)
         question_text = (after_context.format(context=record["context"], question=record["question"])
                          if question_follows else "")
         examples.append(Example(task=task, id=str(record.get("id", line_number)), prompt=text,
