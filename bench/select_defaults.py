@@ -33,7 +33,7 @@ from pathlib import Path
 
 import torch
 
-from ripplekv_ext import _compat, allocation, compress
+from ripplekv_ext import allocation, compress
 from ripplekv_ext.policies import Policy
 
 RESULTS = Path(__file__).resolve().parent / "results" / "select_defaults.json"
@@ -99,23 +99,16 @@ def cut_examples(tokenizer, source: str, args, skip_tokens: int) -> torch.Tensor
 
 
 class Scorer:
-    """KL of a policy against Full on fixed examples, each example's prompt read once.
-
-    Compression does not change what the prefill computes, only the cache it leaves: so each prompt is prefilled
-    once (Full's logits come from a plain run), the layers' full keys, values and window queries are kept, and
-    a candidate policy is scored by selecting from them with its ``KVCompressor`` and running only the
-    continuation against the cache that leaves -- what ``compress(model, policy)`` does inside a prefill.
-    ``check_against_hook`` confirms the two agree.
-    """
+    """KL of a policy against Full on fixed examples, each example's prompt read once
+    (``ripplekv_ext.eval.fidelity.SharedPrefill``); ``check_against_hook`` confirms the shortcut gives what plain
+    runs give."""
 
     def __init__(self, model, examples: torch.Tensor, prompt_len: int, retention: float, window: int):
-        from ripplekv_ext.eval.fidelity import continuation_logits_fn
+        from ripplekv_ext.eval.fidelity import SharedPrefill
 
         self.model, self.examples, self.prompt_len = model, examples, prompt_len
-        self.capture_policy = Policy.snapkv(retention, window)
-        self._full_fn = continuation_logits_fn(model)
+        self.shared = SharedPrefill(model, window, retention)
         self._full = [None] * len(examples)
-        self._prefills = [None] * len(examples)
 
     def _split(self, i):
         row = self.examples[i:i + 1]
@@ -123,45 +116,11 @@ class Scorer:
 
     def full_logits(self, i: int) -> torch.Tensor:
         if self._full[i] is None:
-            self._full[i] = self.compressed_logits(i, None)
+            self._full[i] = self.compressed_logits(i, Policy.full())
         return self._full[i]
 
-    def _prefill(self, i: int):
-        """(logits of the prompt's last position, cache after prefill, {layer: CompressionStep})."""
-        if self._prefills[i] is None:
-            steps = {}
-            with compress(self.model, self.capture_policy, on_compress=lambda s: steps.__setitem__(s.layer_idx, s)), \
-                    torch.inference_mode():
-                out = self.model(self._split(i)[0], use_cache=True)
-            self._prefills[i] = (out.logits[0, -1:].float(), _compat.output_cache(out), steps)
-        return self._prefills[i]
-
-    def compressed_logits(self, i: int, policy: Policy | None) -> torch.Tensor:
-        """The continuation's logits with the cache ``policy`` leaves (None: every layer keeps every token)."""
-        import copy
-
-        from ripplekv_ext.compressor import KVCompressor
-        from ripplekv_ext.hook import CompressedLayer
-
-        if policy is not None and (policy.window != self.capture_policy.window or policy.selector.needs_all_queries):
-            raise ValueError("candidates must select from the captured window queries (same window, SnapKV-like)")
-        last_logit, captured_cache, steps = self._prefill(i)
-        compressor = KVCompressor.for_model(self.model, policy) if policy is not None else None
-        cache = copy.copy(captured_cache)
-        # Layers the policy does not manage (sliding windows) are copied: the continuation appends to them.
-        cache.layers = [copy.deepcopy(layer) for layer in captured_cache.layers]
-        for layer_idx, step in steps.items():
-            if compressor is None:
-                keys_c, values_c = step.keys, step.values
-            else:
-                keys_c, values_c = compressor.compress(layer_idx, step.queries, step.keys, step.values,
-                                                       scale=step.scale)
-            cache.layers[layer_idx] = CompressedLayer(keys_c, values_c, seen_tokens=step.keys.shape[2])
-        policy = self.capture_policy if policy is None else policy
-        continuation = self._split(i)[1]
-        with compress(self.model, policy), torch.inference_mode():
-            rest = self.model(continuation, cache=cache, use_cache=True)
-        return torch.cat([last_logit, rest.logits[0, :-1].float()])
+    def compressed_logits(self, i: int, policy: Policy) -> torch.Tensor:
+        return self.shared.logits_fn(policy)(*self._split(i))
 
     def kl_per_example(self, policy: Policy) -> list[float]:
         from ripplekv_ext.eval.fidelity import kl_per_position

@@ -158,3 +158,51 @@ def test_example_validation():
         Example(task="t", id="0", prompt="", input_ids=[1], answers="a", max_new_tokens=1, metric="qa_f1")
     with pytest.raises(ValueError, match="max_new_tokens must be >= 1, got 0"):
         Example(task="t", id="0", prompt="", input_ids=[1], answers=["a"], max_new_tokens=0, metric="qa_f1")
+
+
+# ---- one prefill for many policies (the report's fidelity grid) ---------------------------------------------------
+
+def _shared_prefill_policies(num_layers):
+    from ripplekv_ext import Policy
+
+    sensitivity = [0.5 + (i % 3) for i in range(num_layers)]
+    return {f"{name}@{r}": make(r) for r in (0.25, 0.5) for name, make in {
+        "snapkv": lambda r: Policy.snapkv(r, window=8),
+        "pyramidkv": lambda r: Policy.pyramidkv(r, window=8),
+        "ripplekv": lambda r: Policy.ripplekv(sensitivity, r, window=8),
+        "streamingllm": lambda r: Policy.streamingllm(r, window=8)}.items()}
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])  # gemma3: sliding-window layers beside compressed ones
+def test_shared_prefill_gives_the_logits_of_plain_runs_under_the_hook(arch):
+    from ripplekv_ext import Policy, compress
+    from ripplekv_ext.eval.fidelity import SharedPrefill
+
+    model = tiny_model(arch, seed=1, num_layers=4)
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, model.config.vocab_size, (2, 96 + CONT), generator=g)
+    shared = SharedPrefill(model, window=8, capture_retention=0.25)
+    full = continuation_logits_fn(model)(ids[:1, :96], ids[:1, 96:])
+    torch.testing.assert_close(shared.logits_fn(Policy.full())(ids[:1, :96], ids[:1, 96:]), full, atol=1e-4, rtol=1e-4)
+    compressible = 4 if arch == "llama" else 2  # gemma3's tiny config: every second layer slides
+    for name, policy in _shared_prefill_policies(compressible).items():
+        for row in range(2):  # the second prefix is a second entry of the shared prefills
+            prefix, continuation = ids[row:row + 1, :96], ids[row:row + 1, 96:]
+            plain = continuation_logits_fn(model, lambda p=policy: compress(model, p))(prefix, continuation)
+            torch.testing.assert_close(shared.logits_fn(policy)(prefix, continuation), plain, atol=1e-4, rtol=1e-4,
+                                       msg=lambda m: f"{arch} {name} row {row}: {m}")
+            assert (plain - full).abs().max() > 1e-3, f"{arch} {name}: compression changed nothing (no power)"
+    assert len(shared._prefills) == 2  # one prefill per prompt, whatever the number of policies
+
+
+def test_shared_prefill_refuses_what_it_cannot_reproduce():
+    from ripplekv_ext import Policy
+    from ripplekv_ext.eval.fidelity import SharedPrefill
+
+    shared = SharedPrefill(tiny_model("llama"), window=8)
+    for policy in (Policy.h2o(0.2, window=8), Policy.snapkv(0.2, window=16),
+                   Policy.snapkv(0.2, window=8, decode_every=4)):
+        assert not shared.supports(policy)
+        with pytest.raises(ValueError, match="SharedPrefill needs window 8"):
+            shared.logits_fn(policy)
+    assert shared.supports(Policy.full()) and shared.supports(Policy.streamingllm(0.2, window=8))

@@ -49,6 +49,81 @@ def continuation_logits_fn(model, compression: Optional[Callable[[], ContextMana
     return logits_fn
 
 
+class SharedPrefill:
+    """Fidelity runs of many policies from one prefill per prompt.
+
+    Compression does not change what the prefill computes, only the cache it leaves. So each prefix is prefilled
+    once under a capturing SnapKV policy that keeps every compressed layer's full keys, values and window
+    queries (its ``on_compress`` steps); a policy's run then selects from those with its own ``KVCompressor`` --
+    what ``compress(model, policy)`` does inside the prefill -- and feeds only the continuation. A grid of M
+    methods x R retentions costs one prefill per example instead of M x R (the continuation is the cheap part).
+    ``tests/test_eval_fidelity.py`` checks the logits against plain runs under the hook for every kind of policy.
+
+    Policies it cannot serve (``supports``): a selector that needs every prompt query (H2O), another window, or
+    compression during decoding; use :func:`continuation_logits_fn` for those. Memory: each distinct prefix's
+    full cache and last logit stay held until :meth:`clear`.
+    """
+
+    def __init__(self, model, window: int = 32, capture_retention: float = 0.01):
+        from ripplekv_ext.policies import Policy
+
+        self.model, self.window = model, window
+        # The smallest retention: every layer the hook compresses at any larger retention is captured too.
+        self.capture_policy = Policy.snapkv(capture_retention, window)
+        self._prefills: dict = {}
+
+    def supports(self, policy) -> bool:
+        return (policy.is_full or (policy.window == self.window and not policy.selector.needs_all_queries
+                                   and policy.decode_every is None))
+
+    def clear(self) -> None:
+        self._prefills.clear()
+
+    def _prefill(self, prefix_ids: Tensor):
+        """(logit of the prefix's last position, cache after the prefill, {layer: CompressionStep})."""
+        from ripplekv_ext.hook import compress
+
+        key = prefix_ids.numpy().tobytes()
+        if key not in self._prefills:
+            steps = {}
+            device = next(self.model.parameters()).device
+            with compress(self.model, self.capture_policy, on_compress=lambda s: steps.__setitem__(s.layer_idx, s)), \
+                    torch.inference_mode():
+                out = self.model(prefix_ids.to(device), use_cache=True, logits_to_keep=1)
+            self._prefills[key] = (out.logits[0, -1:].float(), _compat.output_cache(out), steps)
+        return self._prefills[key]
+
+    def logits_fn(self, policy) -> LogitsFn:
+        """``logits_fn`` of ``policy`` (``Policy.full()``: every layer keeps every captured token)."""
+        import copy
+
+        from ripplekv_ext.compressor import KVCompressor
+        from ripplekv_ext.hook import CompressedLayer, compress
+
+        if not self.supports(policy):
+            raise ValueError(f"{policy.name}: SharedPrefill needs window {self.window}, a selector that reads only "
+                             "the window's queries and no decode_every; use continuation_logits_fn")
+        compressor = None if policy.is_full else KVCompressor.for_model(self.model, policy)
+        run_policy = self.capture_policy if policy.is_full else policy
+
+        def logits_fn(prefix_ids: Tensor, continuation_ids: Tensor) -> Tensor:
+            last_logit, captured, steps = self._prefill(prefix_ids)
+            cache = copy.copy(captured)
+            # Layers no policy manages (sliding windows) are copied too: the continuation appends to them.
+            cache.layers = [copy.deepcopy(layer) for layer in captured.layers]
+            for layer_idx, step in steps.items():
+                keys, values = step.keys, step.values
+                if compressor is not None:
+                    keys, values = compressor.compress(layer_idx, step.queries, keys, values, scale=step.scale)
+                cache.layers[layer_idx] = CompressedLayer(keys, values, seen_tokens=step.n_tokens)
+            device = next(self.model.parameters()).device
+            with compress(self.model, run_policy), torch.inference_mode():
+                rest = self.model(continuation_ids.to(device), **{_compat.cache_argument(): cache}, use_cache=True)
+            return torch.cat([last_logit, rest.logits[0, :-1].float()])
+
+        return logits_fn
+
+
 def kl_per_position(reference_logits: Tensor, other_logits: Tensor) -> Tensor:
     """``KL(softmax(reference) || softmax(other))`` per row, in nats, computed in fp32: ``[T, V] -> [T]``."""
     if reference_logits.shape != other_logits.shape or reference_logits.dim() != 2:

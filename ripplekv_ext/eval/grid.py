@@ -16,7 +16,7 @@ from typing import Optional, Sequence
 import torch
 
 from ripplekv_ext._jsonio import write_json_atomic
-from ripplekv_ext.eval.fidelity import continuation_logits_fn, evaluate_fidelity
+from ripplekv_ext.eval.fidelity import SharedPrefill, continuation_logits_fn, evaluate_fidelity
 from ripplekv_ext.eval.runner import evaluate, protocol_generate_fn
 from ripplekv_ext.hook import compress
 from ripplekv_ext.methods import is_full, make_policy
@@ -77,6 +77,8 @@ def run_grid(model, tokenizer, methods: Sequence[str], retentions: Sequence[floa
     cells = _load_resumable(out_path, settings)
     task_examples = list(task_examples)
     full_fn = _memoized(continuation_logits_fn(model)) if fidelity_ids is not None else None
+    # One prefill per fidelity example serves every method and retention that selects from the window's queries.
+    shared = SharedPrefill(model, window, min(retentions)) if fidelity_ids is not None and retentions else None
 
     plan = []
     for method in methods:
@@ -93,7 +95,12 @@ def run_grid(model, tokenizer, methods: Sequence[str], retentions: Sequence[floa
         start = time.perf_counter()
         cell = {"method": method, "retention": retention, "policy": policy.name}
         if fidelity_ids is not None:
-            compressed_fn = full_fn if policy.is_full else continuation_logits_fn(model, compression)
+            if policy.is_full:
+                compressed_fn = full_fn
+            elif shared.supports(policy):
+                compressed_fn = shared.logits_fn(policy)
+            else:
+                compressed_fn = continuation_logits_fn(model, compression)
             report = evaluate_fidelity(fidelity_ids, prefix_len, full_fn, compressed_fn, progress=progress)
             # JSON has no NaN: a standard error over one example is reported as null.
             cell["fidelity"] = {k: (None if isinstance(v, float) and math.isnan(v) else v)
