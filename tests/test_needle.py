@@ -155,6 +155,8 @@ def test_base_model_tokenizers_get_plain_prompts_by_default(tokenizer):
     base = copy.copy(tokenizer)
     base.chat_template = None
     assert make_needle(base, (400,), (50,))[0].prompt == make_needle(tokenizer, (400,), (50,), chat=False)[0].prompt
+    # The base model completes an answer instead of continuing the essays.
+    assert make_needle(base, (400,), (50,))[0].prompt.endswith("\nAnswer: The best thing to do in San Francisco is")
     assert make_needle(tokenizer, (400,), (50,))[0].prompt == make_needle(tokenizer, (400,), (50,), chat=True)[0].prompt
     assert (make_synthetic("passkey", base, 300, num_examples=1)[0].prompt
             == make_synthetic("passkey", tokenizer, 300, num_examples=1, chat=False)[0].prompt)

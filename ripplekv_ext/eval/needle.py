@@ -32,6 +32,7 @@ QUESTION = "What is the best thing to do in San Francisco?"
 SYSTEM_MESSAGE = "You are a helpful AI bot that answers questions for a user. Keep your response short and direct"
 QUESTION_SUFFIX = " Don't give information outside the document or repeat your findings"
 KEY_PHRASES = ("sandwich", "Dolores Park", "sunny day")
+BASE_ANSWER_PREFIX = "Answer: The best thing to do in San Francisco is"
 MAX_NEW_TOKENS = 48  # the needle's sentence is ~25 tokens; room for a short lead-in
 
 # The grid of ``ripplekv report`` for SmolLM2 (its passkey and this test are solved with the full cache up to 2K).
@@ -77,7 +78,9 @@ def insert_needle(context_tokens: list[int], needle_tokens: list[int], depth_per
 def render_needle_prompt(tokenizer, context: str, chat: bool) -> str:
     question = QUESTION + QUESTION_SUFFIX
     if not chat:
-        return f"{SYSTEM_MESSAGE}\n\n{context}\n\n{question}\n"
+        # A base model has no assistant turn to answer in: it would go on writing essays. The prompt ends with
+        # the start of an answer it completes (as LongBench's plain prompts end with "Answer:").
+        return f"{SYSTEM_MESSAGE}\n\n{context}\n\n{question}\n{BASE_ANSWER_PREFIX}"
     if not has_chat_template(tokenizer):
         raise ValueError("chat=True but the tokenizer has no chat_template; pass chat=False for a base model")
     messages = [{"role": "system", "content": SYSTEM_MESSAGE}, {"role": "user", "content": context},
