@@ -125,7 +125,7 @@ def test_ripplekv_weights_known_values():
     z = math.sqrt(1.5)
     raw = [2 ** -z, 1.0, 2 ** z]
     mean = sum(raw) / 3
-    assert ripplekv_weights([1, 2, 3], ratio=2, clip=False) == pytest.approx([r / mean for r in raw], rel=1e-12)
+    assert ripplekv_weights([1, 2, 3], ratio=2, normalize="zscore", clip=False) == pytest.approx([r / mean for r in raw], rel=1e-12)
     # minmax maps to [-1, 0, 1]: 2**z = [0.5, 1, 2], mean 7/6.
     assert ripplekv_weights([5, 6, 7], ratio=2, normalize="minmax", clip=False) == \
         pytest.approx([3 / 7, 6 / 7, 12 / 7], rel=1e-12)
