@@ -84,17 +84,21 @@ def plot_kl_vs_retention(results: dict, path) -> Path:
     plt = _pyplot()
     fig, ax = plt.subplots(figsize=(6, 4))
     cells = list(results["cells"].values())
-    for method in results["settings"]["methods"]:
+    methods = [m for m in results["settings"]["methods"]
+               if any(c["method"] == m and c["retention"] is not None for c in cells)]
+    retentions = sorted({c["retention"] for c in cells if c["retention"] is not None})
+    # Each method's points shifted a little sideways, so that overlapping error bars stay apart.
+    step = 0.15 * min((b - a for a, b in zip(retentions, retentions[1:])), default=0.1) / max(len(methods), 1)
+    for index, method in enumerate(methods):
         points = sorted((c["retention"], c["fidelity"]) for c in cells
                         if c["method"] == method and c["retention"] is not None)
-        if not points:
-            continue
-        x = [r for r, _ in points]
+        x = [r + (index - (len(methods) - 1) / 2) * step for r, _ in points]
         y = [f["kl"] for _, f in points]
         low = [f["kl"] - f["kl_ci_low"] if f.get("kl_ci_low") is not None else 0 for _, f in points]
         high = [f["kl_ci_high"] - f["kl"] if f.get("kl_ci_high") is not None else 0 for _, f in points]
         ax.errorbar(x, y, yerr=[low, high], marker="o", capsize=3, label=method, color=_method_color(method))
     ax.set_yscale("log")
+    ax.set_xticks(retentions)
     ax.xaxis.set_major_formatter(lambda value, _: f"{value:.0%}")
     ax.set_xlabel("retention (share of the prompt's KV cache kept)")
     ax.set_ylabel("KL(full || compressed), nats/token")
