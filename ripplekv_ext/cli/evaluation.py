@@ -186,8 +186,9 @@ DEMO_PROFILE = dict(prefix_len=512, cont_len=32, num_examples=4)
 
 def demo_sizes(args):
     """The demo's report sizes: ``DEMO_SIZES`` with the demo's options applied. ``--examples`` sets the fidelity
-    and the passkey example counts; fidelity runs at every ``--retentions`` value, passkey and the needle at the
-    largest (20% by default: one retention keeps the generation tasks within the demo's time)."""
+    example count (fidelity is cheap: one prefill per prompt); passkey keeps one example per depth. Fidelity runs
+    at every ``--retentions`` value, passkey and the needle at the largest (20% by default: one retention keeps
+    the generation tasks within the demo's time)."""
     from ripplekv_ext.eval.report import PARTS, DEMO_SIZES, sizes_with
 
     other = [t for t in args.tasks if t not in PARTS]
@@ -196,8 +197,7 @@ def demo_sizes(args):
                        "use `ripplekv eval --tasks ...` for the other tasks")
     return sizes_with(DEMO_SIZES, methods=tuple(args.methods), fidelity_methods=tuple(args.methods),
                       retentions=tuple(args.retentions), task_retentions=(max(args.retentions),),
-                      fidelity_examples=args.examples,
-                      passkey_examples=args.examples, prefix_len=args.prefix_len, cont_len=args.cont_len,
+                      fidelity_examples=args.examples, prefix_len=args.prefix_len, cont_len=args.cont_len,
                       passkey_length=args.length, needle_lengths=(args.length,) if args.length else None,
                       window=args.window, seed=args.seed, text=args.text)
 
