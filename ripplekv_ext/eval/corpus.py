@@ -153,6 +153,6 @@ def token_examples(tokenizer, texts: list[str], prefix_len: int, cont_len: int, 
         stream.extend(sep)
     if len(stream) < need:
         raise ValueError(f"calibration text has {len(stream)} tokens; {num_examples} examples of "
-                         f"prefix_len + cont_len = {length} tokens need {need + len(lead) * num_examples}")
+                         f"prefix_len + cont_len = {length} tokens need {length * num_examples}")
     text_ids = torch.tensor(stream[:need], dtype=torch.long).view(num_examples, length - len(lead))
     return torch.cat([torch.tensor(lead, dtype=torch.long).expand(num_examples, len(lead)), text_ids], dim=1)

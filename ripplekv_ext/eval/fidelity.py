@@ -61,13 +61,14 @@ class SharedPrefill:
 
     Policies it cannot serve (``supports``): a selector that needs every prompt query (H2O), another window, or
     compression during decoding; use :func:`continuation_logits_fn` for those. Memory: each distinct prefix's
-    full cache and last logit stay held until :meth:`clear`.
+    full cache and last logit stay held as long as the object lives (``run_grid`` keeps one per grid).
     """
 
     def __init__(self, model, window: int = 32, capture_retention: float = 0.01):
         from ripplekv_ext.policies import Policy
 
         self.model, self.window = model, window
+        self.device = next(model.parameters()).device
         # The smallest retention: every layer the hook compresses at any larger retention is captured too.
         self.capture_policy = Policy.snapkv(capture_retention, window)
         self._prefills: dict = {}
@@ -76,9 +77,6 @@ class SharedPrefill:
         return (policy.is_full or (policy.window == self.window and not policy.selector.needs_all_queries
                                    and policy.decode_every is None))
 
-    def clear(self) -> None:
-        self._prefills.clear()
-
     def _prefill(self, prefix_ids: Tensor):
         """(logit of the prefix's last position, cache after the prefill, {layer: CompressionStep})."""
         from ripplekv_ext.hook import compress
@@ -86,10 +84,9 @@ class SharedPrefill:
         key = prefix_ids.numpy().tobytes()
         if key not in self._prefills:
             steps = {}
-            device = next(self.model.parameters()).device
             with compress(self.model, self.capture_policy, on_compress=lambda s: steps.__setitem__(s.layer_idx, s)), \
                     torch.inference_mode():
-                out = self.model(prefix_ids.to(device), use_cache=True, logits_to_keep=1)
+                out = self.model(prefix_ids.to(self.device), use_cache=True, logits_to_keep=1)
             self._prefills[key] = (out.logits[0, -1:].float(), _compat.output_cache(out), steps)
         return self._prefills[key]
 
@@ -109,16 +106,16 @@ class SharedPrefill:
         def logits_fn(prefix_ids: Tensor, continuation_ids: Tensor) -> Tensor:
             last_logit, captured, steps = self._prefill(prefix_ids)
             cache = copy.copy(captured)
-            # Layers no policy manages (sliding windows) are copied too: the continuation appends to them.
-            cache.layers = [copy.deepcopy(layer) for layer in captured.layers]
+            # Layers no policy manages (sliding windows) are copied: the continuation appends to them. The
+            # captured layers are rebuilt from their steps below.
+            cache.layers = [layer if i in steps else copy.deepcopy(layer) for i, layer in enumerate(captured.layers)]
             for layer_idx, step in steps.items():
                 keys, values = step.keys, step.values
                 if compressor is not None:
                     keys, values = compressor.compress(layer_idx, step.queries, keys, values, scale=step.scale)
                 cache.layers[layer_idx] = CompressedLayer(keys, values, seen_tokens=step.n_tokens)
-            device = next(self.model.parameters()).device
             with compress(self.model, run_policy), torch.inference_mode():
-                rest = self.model(continuation_ids.to(device), **{_compat.cache_argument(): cache}, use_cache=True)
+                rest = self.model(continuation_ids.to(self.device), **{_compat.cache_argument(): cache}, use_cache=True)
             return torch.cat([last_logit, rest.logits[0, :-1].float()])
 
         return logits_fn
