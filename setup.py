@@ -2,7 +2,8 @@
 
 Environment variables:
   FORCE_ONLY_CPU=1         never build CUDA sources.
-  FORCE_CUDA=1             build CUDA sources even if torch's CUDA version differs from nvcc's.
+  FORCE_CUDA=1             build CUDA sources even if torch's CUDA major version differs from nvcc's (without it
+                           such a pairing stops the build before anything compiles, saying why).
   CUDA_HOME / CUDA_PATH    the CUDA toolkit root (default: asked of the nvcc on PATH, then /usr/local/cuda).
   TORCH_CUDA_ARCH_LIST     GPU architectures (default "8.0;9.0+PTX": sm_80 and sm_90 code, plus compute_90 PTX
                            that newer GPUs (sm_100, sm_120) compile at load time, as CMake's "80;90" does).
@@ -18,7 +19,8 @@ from setuptools import setup
 
 ROOT = Path(__file__).resolve().parent
 sys.path.insert(0, str(ROOT / "tools"))
-from cuda_env import find_cuda_toolkit, nvidia_wheel_dirs  # noqa: E402  (shared with tools/cmake_build.py)
+from cuda_env import (find_cuda_toolkit, nvidia_wheel_dirs, toolkit_gap_headers,  # noqa: E402  (shared with
+                      version_pairing)                                            # tools/cmake_build.py)
 DEFAULT_ARCH_LIST = "8.0;9.0+PTX"
 
 
@@ -43,12 +45,16 @@ def build_config():
         if _env_flag("FORCE_CUDA"):
             sys.exit("ripplekv_ext: FORCE_CUDA=1 but this torch is a CPU-only build; install a CUDA build of torch")
         config["reason"] = "torch is a CPU-only build"
-    elif int(torch_cuda.split(".")[0]) != nvcc_version[0] and not _env_flag("FORCE_CUDA"):
-        config["reason"] = (f"nvcc is CUDA {nvcc_version[0]}.{nvcc_version[1]} but torch was built with CUDA "
-                            f"{torch_cuda} (set FORCE_CUDA=1 to build anyway)")
     else:
+        works, pairing = version_pairing(torch_cuda, nvcc_version)
+        if not works and not _env_flag("FORCE_CUDA"):
+            # Said before anything compiles: a silent CPU-only build would look like success to a GPU user.
+            sys.exit(f"ripplekv_ext: cannot build the CUDA kernels: {pairing} ({root}). Ways out: install a CUDA "
+                     f"{torch_cuda.split('.')[0]}.x toolkit and point CUDA_HOME at it (or put its nvcc on PATH), "
+                     f"install a torch built for CUDA {nvcc_version[0]}, or build the CPU kernels only with "
+                     f"FORCE_ONLY_CPU=1.")
         config["with_cuda"] = True
-        config["reason"] = "FORCE_CUDA=1" if _env_flag("FORCE_CUDA") else "nvcc and torch CUDA versions match"
+        config["reason"] = pairing if works else f"FORCE_CUDA=1 although {pairing}"
         config["arch_list"] = os.environ.get("TORCH_CUDA_ARCH_LIST") or DEFAULT_ARCH_LIST
     return config
 
@@ -80,7 +86,8 @@ def extension_modules(config):
             "ripplekv_ext._C", cpp_sources, include_dirs=include_dirs,
             extra_compile_args={"cxx": cxx_flags}, extra_link_args=["-fopenmp"])]
     major, minor = config["nvcc"]
-    include_dirs += nvidia_wheel_dirs(major)[0]
+    include_dirs += toolkit_gap_headers(config["cuda_home"], nvidia_wheel_dirs(major)[0],
+                                        ROOT / "build" / "cuda-toolkit-gaps")
     return [cpp_extension.CUDAExtension(
         "ripplekv_ext._C", cpp_sources + cuda_sources, include_dirs=include_dirs,
         define_macros=[("RIPPLEKV_WITH_CUDA", "1"), ("RIPPLEKV_CUDA_VERSION", str(major * 1000 + minor * 10))],

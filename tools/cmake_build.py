@@ -16,7 +16,7 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tools"))
-from cuda_env import find_cuda_toolkit, nvidia_wheel_dirs  # noqa: E402
+from cuda_env import find_cuda_toolkit, nvidia_wheel_dirs, toolkit_gap_headers  # noqa: E402
 
 
 def main():
@@ -35,7 +35,8 @@ def main():
         if root is None:
             sys.exit("cmake_build: torch is a CUDA build but no nvcc was found; set CUDA_HOME")
         major = version[0]
-        include_dirs, lib_dirs = nvidia_wheel_dirs(major)
+        wheel_include_dirs, lib_dirs = nvidia_wheel_dirs(major)
+        include_dirs = toolkit_gap_headers(root, wheel_include_dirs, Path(args.build_dir) / "cuda-toolkit-gaps")
         nvrtc = next((Path(d) / f"libnvrtc.so.{major}" for d in lib_dirs if (Path(d) / f"libnvrtc.so.{major}").exists()), None)
         cmake_args += [f"-DCUDA_TOOLKIT_ROOT_DIR={root}", f"-DCUDAToolkit_ROOT={root}",
                        f"-DCMAKE_CUDA_COMPILER={root / 'bin' / 'nvcc'}"]

@@ -1,0 +1,74 @@
+"""The build's CUDA toolkit pairing (tools/cuda_env.py): which nvcc / torch CUDA versions build, and headers taken
+from torch's nvidia wheels only where the toolkit lacks them."""
+
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "tools"))
+from cuda_env import find_cuda_toolkit, nvidia_wheel_dirs, toolkit_gap_headers, version_pairing  # noqa: E402
+
+
+@pytest.mark.parametrize("torch_cuda, nvcc, works", [
+    ("13.0", (13, 0), True), ("13.2", (13, 0), True), ("13.0", (13, 2), True),
+    ("12.8", (13, 0), False), ("13.0", (12, 9), False),
+])
+def test_version_pairing(torch_cuda, nvcc, works):
+    ok, sentence = version_pairing(torch_cuda, nvcc)
+    assert ok == works
+    assert torch_cuda in sentence and f"{nvcc[0]}.{nvcc[1]}" in sentence
+    # The report says "both" only for an exact pairing, never for one that merely shares a major version.
+    assert ("both CUDA" in sentence) == (torch_cuda == f"{nvcc[0]}.{nvcc[1]}")
+
+
+def _tree(root, names):
+    for name in names:
+        path = root / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(f"// {root.name}/{name}\n")
+
+
+def test_gap_headers_take_only_what_the_toolkit_lacks(tmp_path):
+    toolkit, wheel = tmp_path / "toolkit", tmp_path / "wheel" / "include"
+    _tree(toolkit / "include", ["cuda_runtime.h", "cccl/cuda/std/version"])
+    _tree(toolkit / "targets" / "x86_64-linux" / "include", ["crt/host_defines.h"])
+    _tree(wheel, ["cuda_runtime.h", "cccl/cuda/std/version", "crt/host_defines.h", "cublas_v2.h", "cusparse.h",
+                  "cusolver/common.h"])
+    dest = tmp_path / "build" / "gaps"
+    assert toolkit_gap_headers(toolkit, [wheel], dest) == [str(dest)]
+    assert sorted(p.name for p in dest.iterdir()) == ["cublas_v2.h", "cusolver", "cusparse.h"]
+    assert (dest / "cusolver" / "common.h").read_text() == "// include/cusolver/common.h\n"
+    # Rebuilt from scratch each time: a header the toolkit gained since is no longer linked.
+    _tree(toolkit / "include", ["cusparse.h"])
+    toolkit_gap_headers(toolkit, [wheel], dest)
+    assert sorted(p.name for p in dest.iterdir()) == ["cublas_v2.h", "cusolver"]
+    # Nothing missing: no folder to add.
+    assert toolkit_gap_headers(toolkit, [toolkit / "include"], tmp_path / "none") == []
+
+
+def _wheel_and_toolkit():
+    root, version = find_cuda_toolkit()
+    if root is None or torch.version.cuda is None:
+        pytest.skip("needs nvcc and a CUDA build of torch")
+    include_dirs = nvidia_wheel_dirs(version[0])[0]
+    if not include_dirs:
+        pytest.skip("torch's CUDA headers come from the toolkit here (no nvidia wheels)")
+    return root, version, include_dirs
+
+
+def test_nvcc_compiles_cccl_and_cublas_with_the_gap_headers(tmp_path):
+    # What the extension's .cu files need: the toolkit's CCCL (whose version check rejects another release's
+    # runtime headers) and cuBLAS, which only the wheels carry on a minimal toolkit.
+    root, version, include_dirs = _wheel_and_toolkit()
+    source = tmp_path / "probe.cu"
+    source.write_text("#include <cuda/std/cstdint>\n#include <cuda_runtime.h>\n#include <cublas_v2.h>\n"
+                      "__global__ void k(cuda::std::int32_t* x) { *x = CUBLAS_VER_MAJOR; }\n")
+    flags = [f"-I{d}" for d in toolkit_gap_headers(root, include_dirs, tmp_path / "gaps")]
+    done = subprocess.run([str(Path(root) / "bin" / "nvcc"), "-std=c++17", "-c", str(source), "-o",
+                           str(tmp_path / "probe.o"), *flags], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-3000:]
