@@ -3,7 +3,6 @@
 import subprocess
 import sys
 import textwrap
-from pathlib import Path
 
 import torch
 
@@ -30,7 +29,7 @@ def test_build_report_lists_ops():
     assert ("CUDA kernels: yes" in report) == ripplekv_ext.cuda_built()
 
 
-def _import_with_broken_C(error_text):
+def _import_with_broken_C(error_text, folder):
     # A finder that makes ripplekv_ext._C fail to load, as a missing or ABI-broken .so would.
     code = textwrap.dedent(f"""
         import sys
@@ -41,12 +40,12 @@ def _import_with_broken_C(error_text):
         sys.meta_path.insert(0, Broken())
         import ripplekv_ext
     """)
-    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                          cwd=Path(__file__).resolve().parents[1])
+    # From an empty folder, so the package under test is imported, not a source tree in the current folder.
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=folder)
 
 
-def test_missing_library_says_how_to_rebuild():
-    result = _import_with_broken_C("undefined symbol: _ZN3c104cuda9SomeThingEv")
+def test_missing_library_says_how_to_rebuild(tmp_path):
+    result = _import_with_broken_C("undefined symbol: _ZN3c104cuda9SomeThingEv", tmp_path)
     assert result.returncode != 0
     assert "ripplekv_ext._C could not be loaded (undefined symbol" in result.stderr
     assert "make build" in result.stderr

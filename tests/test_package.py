@@ -6,11 +6,13 @@ import sys
 HEAVY = ("transformers", "matplotlib", "rich", "scipy", "ripplekv_ref", "ripplekv_ext.eval", "ripplekv_ext.cli")
 
 
-def test_import_loads_no_evaluation_plotting_table_or_reference_module():
-    # A fresh interpreter: this test process has imported all of them already.
+def test_import_loads_no_evaluation_plotting_table_or_reference_module(tmp_path):
+    # A fresh interpreter: this test process has imported all of them already. It starts in an empty folder, so it
+    # imports the ripplekv_ext this test run tests (installed or editable), not a source tree that `-c` would put
+    # first on sys.path from the current folder.
     code = ("import sys, ripplekv_ext; "
             f"print(' '.join(m for m in {HEAVY!r} if m in sys.modules))")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=tmp_path)
     assert out.stdout.strip() == ""
 
 

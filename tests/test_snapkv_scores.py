@@ -208,15 +208,17 @@ print("ok")
 
 
 @pytest.mark.parametrize("kernel", ["default", "portable"])
-def test_cpu_store_budget_groups_and_fallback(kernel):
+def test_cpu_store_budget_groups_and_fallback(kernel, tmp_path):
     """With a 1 MiB store budget, one row's kept exps take about 0.27 MiB at N = 1024 (G = 2, W = 32), so the 8 rows
     are scored in groups of 3, 3 and 2; at N = 5000 a row's take 1.3 MiB, more than the budget, so both passes run
     from the keys. The scores and the selection must not change."""
     env = {**os.environ, "RIPPLEKV_SNAPKV_STORE_MIB": "1"}
     if kernel == "portable":
         env["RIPPLEKV_DISABLE_AVX2"] = "1"
+    # From an empty folder: `-c` puts the current folder first on sys.path, and a source tree there would shadow the
+    # installed package.
     result = subprocess.run([sys.executable, "-c", _STORE_BUDGET_SCRIPT], env=env, capture_output=True, text=True,
-                            timeout=300)
+                            timeout=300, cwd=tmp_path)
     assert result.returncode == 0 and result.stdout.strip() == "ok", result.stderr
 
 
