@@ -163,7 +163,7 @@ def measure_profile_cost(model, tokenizer, prefix_len: int = 1024, cont_len: int
     """
     from ripplekv_ext.eval.corpus import load_texts, token_examples
     from ripplekv_ext.model_info import compressible_layers
-    from ripplekv_ext.profiler import _tokens_processed, profile_example
+    from ripplekv_ext.profiler import profile_example, tokens_processed
     from ripplekv_ext.stats import split_half_spearman
 
     num_layers = text_config(model).num_hidden_layers
@@ -181,8 +181,8 @@ def measure_profile_cost(model, tokenizer, prefix_len: int = 1024, cont_len: int
         per_example.append(values)
         reused_flags.append(reused)
         n = e + 1
-        tokens = _tokens_processed(n, prefix_len, cont_len, layers, 1, num_layers, reused_flags)
-        tokens_naive = _tokens_processed(n, prefix_len, cont_len, layers, 1, num_layers, [False] * n)
+        tokens = tokens_processed(n, prefix_len, cont_len, layers, 1, num_layers, reused_flags)
+        tokens_naive = tokens_processed(n, prefix_len, cont_len, layers, 1, num_layers, [False] * n)
         rho = split_half_spearman(per_example)
         if needed is None and rho is not None and rho >= threshold:
             needed = e + 1

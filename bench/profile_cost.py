@@ -57,11 +57,11 @@ def _parse_run(spec: str):
 
 def _perturbation_rows(model, ids, prefix_len, layers, example, signs, batch_rows):
     """[layers, signs, T] per-position KLs, batched as the profiler's batch_rows does."""
-    from ripplekv_ext.profiler import ContinuationRunner, _perturber
+    from ripplekv_ext.profiler import ContinuationRunner, perturber
 
     with torch.inference_mode():
         runner = ContinuationRunner(model, ids, prefix_len)
-        runs = [(l, _perturber("values", SIGMA, SEED, example, l, 0, s)) for l in layers for s in signs]
+        runs = [(l, perturber("values", SIGMA, SEED, example, l, 0, s)) for l in layers for s in signs]
         kls = torch.cat([runner.kl_rows(runs[i:i + batch_rows]) for i in range(0, len(runs), batch_rows)])
     return kls.view(len(layers), len(signs), -1)
 
@@ -104,12 +104,12 @@ def sweep(args) -> None:
 # ---- analysis (no model runs) ---------------------------------------------------------------------------
 
 def tokens_per_example(kind: str, p: int, t: int, num_layers: int = 30, draws: int = 1) -> float:
-    """The profiler's own count (profiler._tokens_processed) for one example of all `num_layers` layers."""
-    from ripplekv_ext.profiler import _tokens_processed
+    """The profiler's own count (profiler.tokens_processed) for one example of all `num_layers` layers."""
+    from ripplekv_ext.profiler import tokens_processed
 
-    return _tokens_processed(1, p, t, list(range(num_layers)), draws, num_layers, [kind != "fisher"],
-                             estimator="fisher" if kind == "fisher" else "perturbation",
-                             antithetic=kind == "antithetic")
+    return tokens_processed(1, p, t, list(range(num_layers)), draws, num_layers, [kind != "fisher"],
+                            estimator="fisher" if kind == "fisher" else "perturbation",
+                            antithetic=kind == "antithetic")
 
 
 def diagnostic_spearman(sensitivity) -> float:

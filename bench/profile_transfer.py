@@ -111,11 +111,14 @@ def profile_file(domain: str) -> Path:
 
 
 def profile(args, model, tokenizer) -> None:
+    from ripplekv_ext.eval.corpus import calibration_examples
     from ripplekv_ext.profiler import profile_model
 
     for domain in args.domains:
         start = time.perf_counter()
-        prof = profile_model(model, tokenizer, domain_texts(domain, "calibration"), estimator=args.estimator,
+        examples, _ = calibration_examples(tokenizer, domain_texts(domain, "calibration"), args.prefix_len,
+                                           args.cont_len, args.examples)
+        prof = profile_model(model, examples=examples, estimator=args.estimator,
                              prefix_len=args.prefix_len, cont_len=args.cont_len, num_examples=args.examples,
                              out_path=profile_file(domain), source=f"{domain}:calibration", progress=False)
         print(f"profile {domain}: split-half {prof.stability['split_half_spearman']:.3f}, "

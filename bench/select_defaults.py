@@ -167,13 +167,16 @@ def profile_variants(args) -> list[tuple[str, float]]:
 
 
 def measure_profile(model, tokenizer, target: str, sigma: float, args, log) -> dict:
+    from ripplekv_ext.eval.corpus import calibration_examples
     from ripplekv_ext.eval.models import cache_dir
     from ripplekv_ext.profiler import profile_model
 
     name = (f"{target}_s{sigma:g}_P{args.profile_prefix_len}_T{args.profile_cont_len}"
             f"_n{args.profile_examples}")
     start = time.perf_counter()
-    profile = profile_model(model, tokenizer, "kjv:calibration", prefix_len=args.profile_prefix_len,
+    examples, source = calibration_examples(tokenizer, "kjv:calibration", args.profile_prefix_len,
+                                            args.profile_cont_len, args.profile_examples)
+    profile = profile_model(model, examples=examples, source=source, prefix_len=args.profile_prefix_len,
                             cont_len=args.profile_cont_len, num_examples=args.profile_examples, sigma=sigma,
                             target=target, out_path=cache_dir() / "select_defaults" / f"{name}.json",
                             progress=False)

@@ -6,6 +6,9 @@ import pytest
 import torch
 
 import ripplekv_ext.profiler as profiler
+# profile_model calls the profile_example of the module it is defined in: tests that wrap it patch it there.
+import ripplekv_ext.profiler.run as profiling_run
+from ripplekv_ext.eval.corpus import calibration_examples
 from ripplekv_ext.eval.models import TINY_ARCHS, load_smollm2, tiny_model
 from ripplekv_ext.model_info import compressible_layers
 from ripplekv_ext.profile_file import ProfileError, load_profile
@@ -63,7 +66,7 @@ def test_matches_a_hand_built_perturbed_cache(llama):
             cache = llama(ids[:, :P], use_cache=True).cache
             if modify:
                 v = cache.layers[layer].values
-                g = torch.Generator().manual_seed(profiler._noise_seed(seed, 0, layer, 0, 1))
+                g = torch.Generator().manual_seed(profiler.noise_seed(seed, 0, layer, 0, 1))
                 eps = torch.randn(v.shape, generator=g)
                 cache.layers[layer].values = v + sigma * v.norm(dim=-1, keepdim=True) / math.sqrt(v.shape[-1]) * eps
             return torch.log_softmax(llama(ids[:, P:], cache=cache).logits[0], -1)
@@ -101,11 +104,11 @@ def test_continuation_does_not_grow_the_prefix_cache(llama):
     ids = token_ids(1)[0]
     with torch.inference_mode():
         runner = ContinuationRunner(llama, ids, P)
-        before = [(l.keys, l.values) for l in runner._pristine]
+        before = [(l.keys, l.values) for l in runner.prefix_layers]
         for layer in range(4):
             runner.run(layer, lambda c: setattr(c, "values", c.values * 2))
-        assert all(l.keys.shape[-2] == P for l in runner._pristine)
-        assert all(l.keys is k and l.values is v for l, (k, v) in zip(runner._pristine, before))
+        assert all(l.keys.shape[-2] == P for l in runner.prefix_layers)
+        assert all(l.keys is k and l.values is v for l, (k, v) in zip(runner.prefix_layers, before))
         # With nothing modified the continuation reproduces the reference exactly.
         assert torch.equal(runner.run(0), runner.ref_logprobs)
 
@@ -133,7 +136,7 @@ def test_resume_after_interruption(llama, tmp_path, monkeypatch):
             raise KeyboardInterrupt
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(profiler, "profile_example", interrupted)
+    monkeypatch.setattr(profiling_run, "profile_example", interrupted)
     with pytest.raises(KeyboardInterrupt):
         run(llama, ids, out_path=out)
     partial = tmp_path / "profile.json.partial.json"
@@ -141,7 +144,7 @@ def test_resume_after_interruption(llama, tmp_path, monkeypatch):
     assert len(json.loads(partial.read_text())["per_example"]) == 2
 
     resumed_calls = []
-    monkeypatch.setattr(profiler, "profile_example", lambda *a, **k: resumed_calls.append(1) or real(*a, **k))
+    monkeypatch.setattr(profiling_run, "profile_example", lambda *a, **k: resumed_calls.append(1) or real(*a, **k))
     resumed = run(llama, ids, out_path=out)
     assert len(resumed_calls) == 1  # only the missing example was computed
     assert resumed.per_example == expected.per_example
@@ -152,12 +155,12 @@ def test_resume_refuses_other_settings(llama, tmp_path, monkeypatch):
     ids = token_ids(2, seed=6)
     out = tmp_path / "p.json"
     real = profiler.profile_example
-    monkeypatch.setattr(profiler, "profile_example",
+    monkeypatch.setattr(profiling_run, "profile_example",
                         lambda *a, **k: (_ for _ in ()).throw(KeyboardInterrupt) if k["example_index"] == 1
                         else real(*a, **k))
     with pytest.raises(KeyboardInterrupt):
         run(llama, ids, out_path=out)
-    monkeypatch.setattr(profiler, "profile_example", real)
+    monkeypatch.setattr(profiling_run, "profile_example", real)
     with pytest.raises(ProfileError, match="other settings"):
         run(llama, ids, out_path=out, sigma=0.2)
     assert run(llama, ids, out_path=out, sigma=0.2, resume=False).calibration["num_examples"] == 2
@@ -207,8 +210,9 @@ def test_smollm2_real_weights_from_text(tmp_path):
     model, tokenizer = load_smollm2()
     texts = ["In the beginning God created the heaven and the earth. " * 40,
              "And God said, Let there be light: and there was light. " * 40]
-    profile = profile_model(model, tokenizer, texts, prefix_len=48, cont_len=8, num_examples=2, layers=[0, 14, 29],
-                            progress=False, out_path=tmp_path / "smol.json")
+    examples, source = calibration_examples(tokenizer, texts, prefix_len=48, cont_len=8, num_examples=2)
+    profile = profile_model(model, examples=examples, source=source, prefix_len=48, cont_len=8, num_examples=2,
+                            layers=[0, 14, 29], progress=False, out_path=tmp_path / "smol.json")
     assert profile.model["num_layers"] == 30 and profile.model["num_kv_heads"] == 3
     assert profile.calibration["source"] == "texts:2 documents"
     assert all(s > 0 for s in profile.sensitivity) and profile.cost["reuse_hidden_states"]

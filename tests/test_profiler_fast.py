@@ -1,4 +1,4 @@
-"""The profiler's cheaper paths (issue 18): batched perturbation rows, antithetic draws, the Fisher estimator, and
+"""The profiler's cheaper paths: batched perturbation rows, antithetic draws, the Fisher estimator, and
 models placed by accelerate (offloaded layers). Each is checked against the plain one-run-per-layer path or an
 independent computation."""
 
@@ -11,7 +11,7 @@ import torch
 
 import ripplekv_ext.profiler as profiler
 from ripplekv_ext.eval.models import TINY_ARCHS, tiny_model
-from ripplekv_ext.profiler import ContinuationRunner, _perturber, _tokens_processed, profile_model
+from ripplekv_ext.profiler import ContinuationRunner, perturber, profile_model, tokens_processed
 
 P, T = 24, 8
 
@@ -41,7 +41,7 @@ def test_kl_rows_per_position_equal_single_runs():
     model = tiny_model("llama", seed=0)
     with torch.inference_mode():
         runner = ContinuationRunner(model, token_ids(1, seed=5)[0], P)
-        rows = [(layer, _perturber("both", 0.2, 3, 0, layer, draw)) for layer in (3, 0, 2, 0) for draw in (0,)]
+        rows = [(layer, perturber("both", 0.2, 3, 0, layer, draw)) for layer in (3, 0, 2, 0) for draw in (0,)]
         batched = runner.kl_rows(rows)
         single = torch.stack([runner.kl_per_position(runner.run(layer, modify)) for layer, modify in rows])
     assert batched.shape == (4, T)
@@ -57,7 +57,7 @@ def test_antithetic_pair_is_the_mean_of_plus_and_minus():
     assert pair.method["antithetic"] is True and "antithetic" not in plain.method
     with torch.inference_mode():
         runner = ContinuationRunner(model, ids[0], P)
-        minus = [runner.kl_from_ref(runner.run(l, _perturber("values", 0.3, 0, 0, l, 0, -1.0))) for l in pair.layers]
+        minus = [runner.kl_from_ref(runner.run(l, perturber("values", 0.3, 0, 0, l, 0, -1.0))) for l in pair.layers]
     expected = (np.asarray(plain.sensitivity) + np.asarray(minus)) / 2
     np.testing.assert_allclose(pair.sensitivity, expected, rtol=1e-9)
     assert not np.allclose(minus, plain.sensitivity, rtol=1e-3)  # the negated draw is a different run
@@ -90,10 +90,10 @@ def test_fisher_keys_and_both_add_up():
 
 def test_token_counts_follow_the_cost_formula():
     layers = list(range(30))
-    plain = _tokens_processed(1, 1024, 64, layers, 1, 30, [True])
+    plain = tokens_processed(1, 1024, 64, layers, 1, 30, [True])
     assert plain == 1024 + 64 + 64 * sum((30 - l) / 30 for l in layers) == 2080  # bench/README's 2080 per example
-    assert _tokens_processed(2, 1024, 64, layers, 1, 30, [False, False]) == 2 * (1088 + 64 * 30)
-    assert _tokens_processed(1, 256, 64, layers, 3, 30, [True], estimator="fisher") == 256 + 64 + 3 * 2 * 64
+    assert tokens_processed(2, 1024, 64, layers, 1, 30, [False, False]) == 2 * (1088 + 64 * 30)
+    assert tokens_processed(1, 256, 64, layers, 3, 30, [True], estimator="fisher") == 256 + 64 + 3 * 2 * 64
 
 
 def test_bad_estimator_options_are_refused():

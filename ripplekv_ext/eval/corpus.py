@@ -156,3 +156,30 @@ def token_examples(tokenizer, texts: list[str], prefix_len: int, cont_len: int, 
                          f"prefix_len + cont_len = {length} tokens need {length * num_examples}")
     text_ids = torch.tensor(stream[:need], dtype=torch.long).view(num_examples, length - len(lead))
     return torch.cat([torch.tensor(lead, dtype=torch.long).expand(num_examples, len(lead)), text_ids], dim=1)
+
+
+def calibration_examples(tokenizer, texts, prefix_len: int, cont_len: int, num_examples: int,
+                         max_examples: int | None = None):
+    """Token ids `[n, prefix_len + cont_len]` for the profiler cut from `texts`, and a description of the source.
+
+    `texts` is what `load_texts` takes (None = the bundled KJV calibration split). `n` is `num_examples`, or with
+    `max_examples` (a run that adds examples until its profile is stable) as many as the text holds up to
+    `max_examples`, never fewer than `num_examples`.
+    """
+    docs, source = load_texts(texts)
+    cap = num_examples if max_examples is None else max(max_examples, num_examples)
+    try:
+        return token_examples(tokenizer, docs, prefix_len, cont_len, cap), source
+    except ValueError:
+        if cap == num_examples:
+            raise
+    lo, hi = num_examples, cap
+    best = token_examples(tokenizer, docs, prefix_len, cont_len, num_examples)
+    while lo < hi:  # the largest count that fits
+        mid = (lo + hi + 1) // 2
+        try:
+            best = token_examples(tokenizer, docs, prefix_len, cont_len, mid)
+            lo = mid
+        except ValueError:
+            hi = mid - 1
+    return best, source

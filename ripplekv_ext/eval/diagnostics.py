@@ -115,7 +115,7 @@ def compression_damage(model, examples: torch.Tensor, prefix_len: int, layers: S
             for r in retentions:
                 row = []
                 for l in layers:
-                    cache_layer = runner._pristine[l]
+                    cache_layer = runner.prefix_layers[l]
                     tap.keep = snapkv_keep_mask(tap.q_window[l], cache_layer.keys, budgets[r],
                                                 scale=tap.scaling[l])
                     tap.evict_layer = l
