@@ -304,3 +304,117 @@ def test_serve_restores_the_engine(model):
             raise KeyError("boom")
     assert continuous_api.PagedAttentionCache is before_cache
     assert modeling_utils.AttentionInterface._global_mapping["sdpa"] is before_sdpa
+
+
+# -- what serve costs and refuses ------------------------------------------------------------------------------------
+
+# One generate_batch in a fresh interpreter, then its peak RSS: the engine's IO touches its whole mask buffer when
+# it is built, so a buffer sized from uncompressed lengths shows in the peak whatever the prompts.
+_PEAK_RSS_RUN = """
+import contextlib, json, resource, sys
+import torch, transformers
+from ripplekv_ext import Policy
+from ripplekv_ext.eval.models import tiny_model
+import ripplekv_ext.engines.transformers_cb as cb
+import ripplekv_ext._library
+
+ripplekv_ext._library._load()  # the stock run loads the extension too: only the engine differs
+retention = float(sys.argv[1])
+model = tiny_model("llama", seed=3, num_layers=4)
+g = torch.Generator().manual_seed(0)
+prompts = [torch.randint(3, 500, (300,), generator=g).tolist() for _ in range(8)]
+gen = transformers.GenerationConfig(max_new_tokens=4, do_sample=False, eos_token_id=-1, pad_token_id=0)
+config = cb.cb_config(page_size=32, num_blocks=512, max_batch_tokens=1024)
+block = contextlib.nullcontext() if retention == 1 else cb.serve(model, Policy.snapkv(retention, window=8))
+with block:
+    out = model.generate_batch(prompts, generation_config=gen, continuous_batching_config=config, progress_bar=False)
+assert len(out) == len(prompts) and all(r.error is None and len(r.generated_tokens) == 4 for r in out.values())
+print(json.dumps(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss))
+"""
+
+
+@needs_supported_transformers
+def test_serve_peak_memory_is_at_most_the_stock_engines(tmp_path):
+    import json
+    import os
+    import pathlib
+    import subprocess
+    import sys
+
+    repo = pathlib.Path(__file__).resolve().parents[1]
+    env = {**os.environ, "OMP_NUM_THREADS": "1",
+           "PYTHONPATH": os.pathsep.join(filter(None, [str(repo), os.environ.get("PYTHONPATH")]))}
+
+    def peak_mb(retention):
+        done = subprocess.run([sys.executable, "-c", _PEAK_RSS_RUN, str(retention)], cwd=tmp_path, env=env,
+                              capture_output=True, text=True, timeout=120)
+        assert done.returncode == 0, done.stderr[-3000:]
+        return json.loads(done.stdout.strip().splitlines()[-1]) / 1024
+
+    stock = peak_mb(1)
+    # The stock mask buffer: max_batch_tokens x (cache tokens + max_batch_tokens) float32, 68 MiB here. Run-to-run
+    # noise is about 1 MiB; a buffer even an eighth larger than the stock one fails.
+    tolerance = 1024 * (512 * 32 + 1024) * 4 / 2**20 / 8
+    peaks = {retention: peak_mb(retention) for retention in (0.5, 0.2, 0.05)}
+    for retention, peak in peaks.items():
+        assert peak <= stock + tolerance, f"serve at {retention:.0%}: peak RSS {peak:.0f} MiB, stock {stock:.0f} MiB"
+
+
+@needs_supported_transformers
+def test_an_empty_prompt_leaves_the_other_requests_as_stock_does(model):
+    # The stock engine runs an empty prompt (it decodes from whatever logits its slot reads) and every other
+    # request normally; serve must do the same: the others are compressed as usual, the empty one matches stock.
+    texts = prompts()[:2]
+    batch = [texts[0], [], texts[1]]
+    config = cb.cb_config(page_size=PAGE_SIZE, num_blocks=64, max_batch_tokens=MAX_BATCH_TOKENS)
+    stock = list(model.generate_batch(batch, generation_config=generation_config(4),
+                                      continuous_batching_config=config, progress_bar=False).values())
+    with cb.serve(model, Policy.snapkv(0.3, window=WINDOW)) as session:
+        ours = list(model.generate_batch(batch, generation_config=generation_config(4),
+                                         continuous_batching_config=config, progress_bar=False).values())
+    assert [r.error for r in ours] == [None] * 3
+    assert ours[1].generated_tokens == stock[1].generated_tokens
+    for i, prompt in ((0, texts[0]), (2, texts[1])):
+        assert ours[i].generated_tokens == reference_tokens(model, session.policy, prompt, 4)
+    assert {event.prompt_tokens for event in session.events} == {len(texts[0]), len(texts[1])}
+
+
+@needs_supported_transformers
+def test_serve_inside_a_compress_block_is_refused_before_anything_changes(model):
+    from transformers.generation.continuous_batching import continuous_api
+
+    before = continuous_api.PagedAttentionCache
+    with ripplekv_ext.compress(model, Policy.snapkv(0.3, window=WINDOW)):
+        with pytest.raises(RuntimeError, match="a ripplekv_ext.compress block is open on this model: close it "
+                                               "before entering serve"):
+            with cb.serve(model, Policy.snapkv(0.3, window=WINDOW)):
+                pass
+        assert continuous_api.PagedAttentionCache is before
+    with cb.serve(model, Policy.full()):  # nothing was left open by the refusal
+        pass
+
+
+@needs_supported_transformers
+def test_a_manager_left_running_after_serve_refuses_instead_of_running_stock(model):
+    text = prompts()[0]
+    config = cb.cb_config(page_size=PAGE_SIZE, num_blocks=64, max_batch_tokens=MAX_BATCH_TOKENS)
+    with cb.serve(model, Policy.snapkv(0.3, window=WINDOW)) as session:
+        manager = model.init_continuous_batching(generation_config=generation_config(4),
+                                                 continuous_batching_config=config)
+        manager.start()
+        try:
+            manager.add_request(text, max_new_tokens=4)
+            inside = manager.get_result(timeout=60)
+        except BaseException:
+            manager.stop(block=True, timeout=10)
+            raise
+    try:
+        assert inside is not None and inside.error is None
+        assert inside.generated_tokens == reference_tokens(model, session.policy, text, 4)
+        manager.add_request(text, max_new_tokens=4)
+        after = manager.get_result(timeout=60)
+    finally:
+        manager.stop(block=True, timeout=10)
+    assert after is not None and after.generated_tokens == []
+    assert "started inside a ripplekv_ext serve block that has exited" in after.error
+    assert "Stop the manager" in after.error

@@ -47,24 +47,36 @@ class PrefillCompression:
         return (self.blocks_before - self.blocks_after) * self.pages_per_block
 
 
-def block_diagonal_causal_mask(cu_q: list[int], cu_k: list[int], dtype: torch.dtype, device) -> Tensor:
+def block_diagonal_causal_mask(cu_q: list[int], cu_k: list[int], dtype: torch.dtype, device,
+                               out: Optional[Tensor] = None) -> Tensor:
     """Additive mask ``[1, 1, cu_q[-1], cu_k[-1]]`` of a packed batch: request ``r``'s queries ``cu_q[r]:cu_q[r+1]``
     see only its keys ``cu_k[r]:cu_k[r+1]``, query ``i`` of it sitting at key ``k_len - q_len + i`` (its new tokens
-    are its last keys), so each query row sees one contiguous range of keys. A fixed number of tensor operations
-    whatever the number of requests: on a GPU a mask built request by request costs several kernel launches per
-    request, every forward."""
+    are its last keys), so each query row sees one contiguous range of keys. Written into ``out`` (a contiguous
+    tensor of that shape) when given, else into a new tensor.
+
+    A fixed number of tensor operations per slab of rows, whatever the number of requests (on a GPU a mask built
+    request by request costs several kernel launches per request, every forward); slabs of about ``2**18``
+    elements keep the boolean temporaries small next to the mask itself."""
+    total_q, total_k = cu_q[-1], cu_k[-1]
+    if out is None:
+        out = torch.empty((1, 1, total_q, total_k), dtype=dtype, device=device)
     q_lengths = torch.tensor(cu_q, device=device).diff()
     k_starts = torch.tensor(cu_k[:-1], device=device)
     k_lengths = torch.tensor(cu_k, device=device).diff()
-    owner = torch.repeat_interleave(torch.arange(len(q_lengths), device=device), q_lengths, output_size=cu_q[-1])
+    owner = torch.repeat_interleave(torch.arange(len(q_lengths), device=device), q_lengths, output_size=total_q)
     # Query i of request r: its position within r, then the last key it sees: start + (k_len - q_len) + position.
-    position = torch.arange(cu_q[-1], device=device) - (q_lengths.cumsum(0) - q_lengths)[owner]
+    position = torch.arange(total_q, device=device) - (q_lengths.cumsum(0) - q_lengths)[owner]
     first = k_starts[owner][:, None]
     last = (k_starts + k_lengths - q_lengths)[owner][:, None] + position[:, None]
-    keys = torch.arange(cu_k[-1], device=device)[None, :]
-    allowed = (keys >= first) & (keys <= last)
-    zero = torch.zeros((), dtype=dtype, device=device)
-    return torch.where(allowed, zero, torch.finfo(dtype).min)[None, None]
+    keys = torch.arange(total_k, device=device)[None, :]
+    rows = out.view(total_q, total_k)
+    step = max(1, (1 << 18) // max(total_k, 1))
+    for start in range(0, total_q, step):
+        end = min(start + step, total_q)
+        slab = rows[start:end]
+        slab.fill_(torch.finfo(dtype).min)
+        slab.masked_fill_((keys >= first[start:end]) & (keys <= last[start:end]), 0)
+    return out
 
 
 @functools.lru_cache(maxsize=None)
@@ -152,7 +164,9 @@ def engine_classes():
             return sum(len(table) for table in self.tables.get(request_id, []))
 
         def get_seqlen_k(self, past_length, query_length):
-            return past_length + query_length  # only feeds the stock mask, which the wrapper replaces
+            # Only feeds the IO's own mask, which the wrapper replaces: kept to the new tokens, it costs little to
+            # build and stays inside the IO's buffer, whose width is the uncompressed cache.
+            return query_length
 
         def get_read_indices(self, request_id, past_length, query_length):
             raise RuntimeError("RippleKVPagedCache builds its own read indices")
@@ -197,9 +211,13 @@ def engine_classes():
             self.allow_block_sharing = self.use_prefix_sharing = False
             self.max_blocks_per_request = 0
             self.max_decode_fast_path_length = 0
-            # The scheduler's read budget and the engine's mask buffer count uncompressed lengths; compressed
-            # requests read far less, so the budget grows by the inverse retention (else it caps the batch).
-            self.max_tokens_read = math.ceil(self.max_tokens_read / session.policy.retention)
+            # max_tokens_read does two jobs. The engine's IO sizes its mask and read-index buffers from it once, when
+            # it is built (before any request is stored): it keeps the stock value, and each tier's mask is written
+            # into that buffer (tier_mask), so the buffers are the stock engine's. The scheduler reads it every
+            # batch as the read budget, counted in uncompressed lengths: compressed requests read far less, so once
+            # requests arrive the budget grows by the inverse retention (else it caps the batch at what the
+            # uncompressed cache could hold).
+            self._read_budget = math.ceil(self.max_tokens_read / session.policy.retention)
             self._states: dict = {}
             self._pending: list[tuple[str, int, int]] = []
             self._batch: Optional[dict] = None
@@ -209,6 +227,8 @@ def engine_classes():
 
         # -- bookkeeping the scheduler and the IO object drive --------------------------------------------------------
         def can_store_request_tokens(self, state, request_len, dry_run=False):
+            self.session.check_open()
+            self.max_tokens_read = self._read_budget
             self._states[state.request_id] = state
             stored = super().can_store_request_tokens(state, request_len, dry_run)
             if stored and not dry_run:
@@ -245,7 +265,7 @@ def engine_classes():
             finishing, prefilling = [], []
             for i, (request_id, past, q) in enumerate(self._pending):
                 state = self._states[request_id]
-                if state.generated_len() == 0:
+                if state.generated_len() == 0 and q > 0:  # an empty prompt has nothing to compress
                     if past + q == len(state.initial_tokens):
                         finishing.append((i, request_id, past + q))
                     else:
@@ -254,12 +274,13 @@ def engine_classes():
                 writes=writes, reads=reads, cu_q=cu_q, cu_k=cu_k,
                 cu_k_tensors=[torch.tensor(c, dtype=torch.int32, device=self.device) for c in cu_k],
                 max_k=[max(c[j + 1] - c[j] for j in range(len(c) - 1)) for c in cu_k],
-                finishing=finishing, prefilling=prefilling, masks={})
+                finishing=finishing, prefilling=prefilling, masks={}, mask_offset=0)
             self._pending = []
 
         @torch.compiler.disable
         def update(self, key_states, value_states, layer_idx, kwargs):
             if self._pending:  # the first layer of a new forward
+                self.session.check_open()
                 self._build_batch()
             batch, tier = self._batch, self.allocator.tier_of[layer_idx]
             kwargs["cu_seq_lens_k"] = batch["cu_k_tensors"][tier]
@@ -272,14 +293,33 @@ def engine_classes():
             reads = batch["reads"][tier]
             return tuple(torch.index_select(c, 0, reads).transpose(0, 1).unsqueeze(0) for c in (k_cache, v_cache))
 
-        def tier_mask(self, tier: int, dtype: torch.dtype, device) -> Tensor:
+        def tier_mask(self, tier: int, dtype: torch.dtype, device, engine_mask: Optional[Tensor]) -> Tensor:
             """Additive block-diagonal mask ``[1, 1, total_q, total_k]`` of a tier: each request's queries see its
-            own cached tokens and its new tokens up to themselves. Built once per forward and tier."""
+            own cached tokens and its new tokens up to themselves. Built once per forward and tier, in the storage
+            of ``engine_mask`` (the IO's mask buffer, sized like the stock engine's) while the tiers' masks fit
+            there one after the other; when the next one does not, the earlier ones are dropped and rebuilt when a
+            layer needs them again. Only a mask larger than the whole buffer (a tier holding more tokens than the
+            uncompressed cache could) gets memory of its own."""
             batch = self._batch
+            masks = batch["masks"]
             key = (tier, dtype)
-            if key not in batch["masks"]:
-                batch["masks"][key] = block_diagonal_causal_mask(batch["cu_q"], batch["cu_k"][tier], dtype, device)
-            return batch["masks"][key]
+            if key in masks:
+                return masks[key]
+            cu_k = batch["cu_k"][tier]
+            size = batch["cu_q"][-1] * cu_k[-1]
+            buffer = None
+            if engine_mask is not None and engine_mask.dtype == dtype and engine_mask.device == torch.device(device):
+                capacity = engine_mask.untyped_storage().nbytes() // engine_mask.element_size()
+                if size <= capacity:
+                    if batch["mask_offset"] + size > capacity:
+                        masks.clear()
+                        batch["mask_offset"] = 0
+                    flat = engine_mask.as_strided((capacity,), (1,), 0)
+                    buffer = flat[batch["mask_offset"]:batch["mask_offset"] + size]
+                    buffer = buffer.view(1, 1, batch["cu_q"][-1], cu_k[-1])
+                    batch["mask_offset"] += size
+            masks[key] = block_diagonal_causal_mask(batch["cu_q"], cu_k, dtype, device, out=buffer)
+            return masks[key]
 
         def after_attention(self, layer_idx: int, query: Tensor, key: Tensor, value: Tensor,
                             scaling: Optional[float]) -> None:

@@ -16,8 +16,9 @@ all restored on exit:
   how many tokens each tier dropped, so positions stay those of the uncompressed sequence while each tier's pages
   hold only the kept tokens.
 * The registered ``"sdpa"`` and ``"paged|eager"`` attention functions are wrapped (same names: continuous batching
-  accepts no other): under our cache they get each tier's own block-diagonal causal mask, then compress the
-  layer for requests whose prefill ends in this batch. Under any other cache they call the original unchanged.
+  accepts no other): under our cache they get each tier's own block-diagonal causal mask, written into the
+  engine's own mask buffer (which keeps its stock size), then compress the layer for requests whose prefill ends
+  in this batch. Under any other cache they call the original unchanged.
 
 Why tiers: all layers of a cache group page in lock-step (one block = one page per layer), so a group can only
 hold one length per request. ``TieredAllocator`` rounds per-layer budgets to ``T`` equal-size groups, each with its
@@ -29,6 +30,13 @@ layers, several return sequences (forking), selectors that need every prompt que
 flash decode fast path are switched off by the cache. Under memory pressure the engine may soft-reset a request
 (re-prefill prompt + generated tokens); that request is then compressed again at its new length, so its tokens
 can differ from the single-request reference.
+
+Lifetime: create and start the manager inside the block and stop it before the block ends (``generate_batch``
+does both). A manager started inside a block that has exited refuses its requests (each gets the error); one
+created inside but started after the block builds the stock cache, uncompressed. ``serve`` refuses to open while a
+``ripplekv_ext.compress`` block is open on the model; a ``compress`` block opened inside ``serve`` (or
+``generate_batch`` inside any ``compress`` block) fails in transformers with "Implementation ripplekv_sdpa_N is not
+supported for continuous batching": close the ``compress`` block, ``serve`` does the compressing.
 """
 
 from __future__ import annotations
@@ -136,6 +144,17 @@ class ServingSession:
         self.events: list[PrefillCompression] = []
         self.peak_requests = 0
         self.cache = None
+        self.closed = False
+
+    def check_open(self) -> None:
+        """Raise once the ``serve`` block has exited: its attention wrappers are gone, so an engine still running
+        with this session's cache would no longer compress (and would not say so)."""
+        if self.closed:
+            raise RuntimeError("this continuous batching manager was started inside a ripplekv_ext serve block "
+                               "that has exited, so its requests would no longer be compressed. Stop the manager "
+                               "(manager.stop(), or model.destroy_cached_continuous_batching_manager() for a "
+                               "persistent one) before the serve block ends, and start a new one inside the next "
+                               "serve block")
 
     @property
     def num_tiers(self) -> int:
@@ -202,6 +221,12 @@ def serve(model, policy: Policy, tiers: Optional[int] = None, on_compress: Optio
         raise ValueError(f"decode_every={policy.decode_every} (compression during decoding) is not supported under "
                          "serve: the engine compresses each request once, after its prefill. Use a policy without "
                          "decode_every (dataclasses.replace(policy, decode_every=None, decode_budget=None))")
+    from ripplekv_ext.hook import compress_block_open
+
+    if compress_block_open(model):
+        raise RuntimeError("a ripplekv_ext.compress block is open on this model: close it before entering serve. "
+                           "serve compresses by itself, and compress switches the model to its own attention "
+                           "implementation, which continuous batching refuses")
     layers = compressible_layers(model)
     config = text_config(model)
     if len(layers) != config.num_hidden_layers:
@@ -227,6 +252,7 @@ def serve(model, policy: Policy, tiers: Optional[int] = None, on_compress: Optio
             modeling_utils.AttentionInterface.register(name, _attention_wrapper(original))
         yield session
     finally:
+        session.closed = True
         continuous_api.PagedAttentionCache = saved_cache_class
         for name, original in saved_attention.items():
             modeling_utils.AttentionInterface.register(name, original)
@@ -243,7 +269,7 @@ def _attention_wrapper(original: Callable) -> Callable:
         if context is None:  # another cache: the stock function, untouched
             return original(module, query, key, value, attention_mask, **kwargs)
         cache, tier = context
-        mask = cache.tier_mask(tier, query.dtype, query.device)
+        mask = cache.tier_mask(tier, query.dtype, query.device, attention_mask)
         output = original(module, query, key, value, mask, **kwargs)
         cache.after_attention(module.layer_idx, query, key, value, kwargs.get("scaling"))
         return output
