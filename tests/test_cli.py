@@ -275,7 +275,8 @@ def test_layers_outside_the_model_name_the_option(tiny_dir, tmp_path, capsys):
 @pytest.fixture
 def interrupted_profile(tiny_dir, tmp_path, capsys, monkeypatch):
     """A profile run interrupted after its first example: (argv, partial file)."""
-    import ripplekv_ext.profiler as profiler
+    # profile_model looks profile_example up in the module that defines it, so the wrapper is patched there.
+    import ripplekv_ext.profiler.run as profiler
 
     out = tmp_path / "p.json"
     argv = ["profile", "--model", str(tiny_dir), "--prefix-len", "48", "--cont-len", "8", "--examples", "2",

@@ -204,6 +204,7 @@ def demo_sizes(args):
 
 def cmd_demo(args) -> int:
     from ripplekv_ext.cli.report import check_report_sizes, known_profile
+    from ripplekv_ext.eval.corpus import calibration_examples
     from ripplekv_ext.eval.plots import plot_profile
     from ripplekv_ext.eval.report import run_report
     from ripplekv_ext.profiler import format_profile, profile_model
@@ -224,8 +225,10 @@ def cmd_demo(args) -> int:
     # A profile measured earlier on this very model saves the demo the profiling run (--reprofile measures anew).
     profile = known_profile(args.model, model, log=console.print, reprofile=args.reprofile)
     if profile is None:
-        profile = profile_model(model, tokenizer, None, seed=args.seed, out_path=default_profile_path(args.model),
-                                model_name=name, **DEMO_PROFILE)
+        examples, source = calibration_examples(tokenizer, None, DEMO_PROFILE["prefix_len"],
+                                                DEMO_PROFILE["cont_len"], DEMO_PROFILE["num_examples"])
+        profile = profile_model(model, examples=examples, source=source, seed=args.seed,
+                                out_path=default_profile_path(args.model), model_name=name, **DEMO_PROFILE)
     print(format_profile(profile))
     plot_profile(profile, Path(args.out_dir) / "profile.png")
 

@@ -23,6 +23,7 @@ def profile_path_checked(args) -> Path:
 # ---- profile -----------------------------------------------------------------------------------------
 
 def cmd_profile(args) -> int:
+    from ripplekv_ext.eval.corpus import calibration_examples
     from ripplekv_ext.eval.plots import plot_profile
     from ripplekv_ext.profiler import FAST_SETTINGS, PLAIN_SETTINGS, format_profile, profile_model
 
@@ -56,8 +57,11 @@ def cmd_profile(args) -> int:
         if bad or len(set(args.layers)) != len(args.layers):
             raise CliError(f"--layers {' '.join(map(str, args.layers))}: expected distinct layer indices in "
                            f"[0, {num_layers}) ({name} has {num_layers} layers)")
-    profile = profile_model(model, tokenizer, args.text, reuse=not args.no_reuse, sigma=args.sigma, seed=args.seed,
-                            draws=args.draws, layers=args.layers, target=args.target,
+    examples, source = calibration_examples(tokenizer, args.text, settings["prefix_len"], settings["cont_len"],
+                                            settings["num_examples"],
+                                            settings["max_examples"] if settings["until_stable"] else None)
+    profile = profile_model(model, examples=examples, source=source, reuse=not args.no_reuse, sigma=args.sigma,
+                            seed=args.seed, draws=args.draws, layers=args.layers, target=args.target,
                             stability_threshold=args.stability_threshold, antithetic=args.antithetic,
                             batch_rows=args.batch_rows, out_path=out, resume=not args.no_resume, model_name=name,
                             **settings)
