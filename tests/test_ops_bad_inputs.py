@@ -224,6 +224,27 @@ CASES = [
     Case("h2o_scores lengths of another size", lambda d: rk.h2o_scores(
         rand(1, 4, 32, 8, device=d), rand(1, 2, 32, 8, device=d), lengths=torch.tensor([32, 32])),
          error=(RuntimeError, "lengths dim 0 (B) must be 1, got 2")),
+    # A lone int where one value per row (or layer) is expected: say what the argument must be.
+    Case("snapkv_scores lengths=5", lambda d: rk.snapkv_scores(rand(1, 4, 8, 16, device=d),
+                                                               rand(1, 2, 64, 16, device=d), lengths=5),
+         error=(TypeError, "snapkv_scores: lengths must be an int64 [B] tensor or a list of ints (one per batch row), "
+                           "got int (5)")),
+    Case("h2o_scores lengths=32", lambda d: rk.h2o_scores(rand(1, 4, 32, 8, device=d), rand(1, 2, 32, 8, device=d),
+                                                          lengths=32),
+         error=(TypeError, "h2o_scores: lengths must be an int64 [B] tensor or a list of ints")),
+    Case("select_topk_rows budgets=10", lambda d: rk.select_topk_rows(rand(1, 2, 40, device=d), 10, 4, [44]),
+         error=(TypeError, "select_topk_rows: budgets must be an int64 [B] tensor or a list of ints")),
+    Case("select_topk_rows lengths='44'", lambda d: rk.select_topk_rows(rand(1, 2, 40, device=d), [10], 4, "44"),
+         error=(TypeError, "select_topk_rows: lengths must be an int64 [B] tensor or a list of ints "
+                           "(one per batch row), got str")),
+    Case("snapkv_compress_rows lengths=64", lambda d: rk.snapkv_compress_rows(
+        rand(1, 4, 8, 16, device=d), rand(1, 2, 64, 16, device=d), rand(1, 2, 64, 16, device=d), [20], 64),
+         error=(TypeError, "snapkv_compress_rows: lengths must be an int64 [B] tensor or a list of ints")),
+    Case("select_topk_packed budgets=10", lambda d: rk.select_topk_packed(rand(2, 1, 2, 40, device=d), 10, 4),
+         error=(TypeError, "select_topk_packed: budgets must be an int64 [L] tensor or a list of ints "
+                           "(one per layer)")),
+    Case("snapkv_scores lengths as a tuple", lambda d: rk.snapkv_scores(
+        rand(1, 4, 8, 16, device=d), rand(1, 2, 64, 16, device=d), lengths=(64,)), shapes=[(1, 2, 56)]),
     Case("select_topk_rows NaN in a compressed row", lambda d: rk.select_topk_rows(
         nan_at(rand(2, 2, 40, device=d), 1, 0, 30), torch.tensor([10, 10]), 4, torch.tensor([44, 30])),
          error=(RuntimeError, "scores must not contain NaN, got NaN in batch row 1 (KV head 0, position 30)")),

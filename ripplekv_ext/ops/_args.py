@@ -2,6 +2,7 @@
 truncates nothing, but gives an unhelpful message for a float)."""
 
 import numbers
+from collections.abc import Iterable
 
 
 def check_int(op: str, name: str, value) -> int:
@@ -19,6 +20,15 @@ def check_one_device(op: str, **tensors) -> None:
         raise RuntimeError(f"{op}: every tensor must be on one device, got {listing}")
 
 
+def int_list(op: str, name: str, values, dim: str = "B", per: str = "batch row") -> list:
+    """A sequence of ints, one per ``per`` (a batch row, a layer), as a list: anything else (a lone int, a string)
+    is a TypeError saying what ``name`` must be, not Python's "'int' object is not iterable"."""
+    if isinstance(values, (str, bytes)) or not isinstance(values, Iterable):
+        raise TypeError(f"{op}: {name} must be an int64 [{dim}] tensor or a list of ints (one per {per}), "
+                        f"got {type(values).__name__} ({values!r})")
+    return [check_int(op, f"{name}[{i}]", v) for i, v in enumerate(values)]
+
+
 def row_tensor(op: str, name: str, values):
     """Per-row lengths or budgets as an int64 ``[B]`` tensor: a tensor passes as it is (the op checks it), a
     sequence of ints becomes a CPU tensor (read on the host by the op anyway)."""
@@ -26,7 +36,7 @@ def row_tensor(op: str, name: str, values):
 
     if isinstance(values, torch.Tensor):
         return values
-    return torch.tensor([check_int(op, f"{name}[{i}]", v) for i, v in enumerate(values)], dtype=torch.int64)
+    return torch.tensor(int_list(op, name, values), dtype=torch.int64)
 
 
 def check_row_device(op: str, data, **row_tensors) -> None:

@@ -10,7 +10,7 @@ from typing import List, Sequence, Tuple, Union
 import torch
 from torch import Tensor
 
-from ripplekv_ext.ops._args import check_int, check_one_device
+from ripplekv_ext.ops._args import check_int, check_one_device, int_list
 
 
 def _budget_list(budgets) -> List[int]:
@@ -19,7 +19,7 @@ def _budget_list(budgets) -> List[int]:
             raise ValueError(f"select_topk_packed: budgets must be a 1-D int64 tensor [L], "
                              f"got {budgets.dim()}-D {budgets.dtype}")
         budgets = budgets.tolist()  # sizes of the output: needed on the host anyway
-    return [check_int("select_topk_packed", f"budgets[{i}]", b) for i, b in enumerate(budgets)]
+    return int_list("select_topk_packed", "budgets", budgets, "L", "layer")
 
 
 def select_topk_packed(scores: Tensor, budgets: Union[Tensor, Sequence[int]], window: int) -> Tuple[Tensor, Tensor]:
