@@ -101,13 +101,14 @@ def _compressed_layer_class():
             return self.keys.shape[-2]
 
         def update(self, key_states, value_states, *args, **kwargs):
-            if not _active_sessions:
+            if not _runs_in_open_block(self):
                 # Outside a block the model's own attention runs with masks sized for the uncompressed sequence:
-                # with per-layer budgets it fails on a shape, with equal ones it silently misaligns the keys.
+                # with per-layer budgets it fails on a shape, with equal ones it silently misaligns the keys. A
+                # block open on another model does not help: its attention function is not this model's.
                 raise RuntimeError("a ripplekv_ext-compressed cache can only be continued inside "
-                                   "`with ripplekv_ext.compress(model, policy):` (or with "
-                                   "ripplekv_ext.continue_context): outside it the model's masks do not fit the "
-                                   "kept tokens")
+                                   "`with ripplekv_ext.compress(model, policy):` open on the model that continues "
+                                   "it (or with ripplekv_ext.continue_context): outside it the model's masks do "
+                                   "not fit the kept tokens")
             self.seen_tokens += key_states.shape[-2]
             self.since_selection += key_states.shape[-2]
             if self.key_mask is not None:  # new tokens are real
@@ -194,11 +195,15 @@ def _compressed_layer_class():
             mask = torch.zeros(allowed.shape, dtype=dtype, device=device)
             return mask.masked_fill_(~allowed, torch.finfo(dtype).min)
 
+    # Named as the module attribute that returns it (see __getattr__), so pickle and torch.save store it by that
+    # name and a fresh process finds it there.
+    CompressedLayer.__qualname__ = "CompressedLayer"
     return CompressedLayer
 
 
 def __getattr__(name):
-    # `CompressedLayer` subclasses a transformers class, so it is built on first use.
+    # `CompressedLayer` subclasses a transformers class, and `import ripplekv_ext` (which imports this module) must
+    # not import transformers: the class is built on first use, here or by the hook.
     if name == "CompressedLayer":
         return _compressed_layer_class()
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
@@ -223,8 +228,19 @@ def eager_attention(module, query: Tensor, key: Tensor, value: Tensor, attention
     return out, weights
 
 
+def _runs_in_open_block(layer) -> bool:
+    """Whether ``layer`` belongs to the cache of a forward, in this thread, of a model whose block is open."""
+    with _active_lock:
+        sessions = list(_active_sessions.values())
+    return any(session.runs(layer) for session in sessions)
+
+
 class CompressionSession:
-    """State of one ``compress(...)`` block: the policy's compressor, the cache of the forward in flight."""
+    """State of one ``compress(...)`` block: the policy's compressor, the cache of each thread's forward in flight.
+
+    The per-call state (cache, row lengths, what the last prefill kept) is kept per thread, so threads generating
+    with one model inside one block each compress their own cache.
+    """
 
     def __init__(self, model, policy: Policy, attention: str, on_compress: Optional[CompressionObserver] = None):
         self.model = model
@@ -233,9 +249,8 @@ class CompressionSession:
         self.compressor = KVCompressor.for_model(model, policy, on_compress)
         self._compressible = set(self.compressor.compressible_layers)
         self.name = unique_attention_name(f"ripplekv_{attention}")
-        self.cache = None
-        self.lengths: Optional[Tensor] = None  # real tokens per row of the forward in flight (None: no padding)
-        self.last_row_kept: dict[int, list[int]] = {}  # layer -> tokens kept by each row in the last prefill
+        self._calls = threading.local()
+        self._latest_row_kept: dict[int, list[int]] = {}
         _, masking_utils, _, sdpa_attention = _transformers()
         if attention == "sdpa":
             self.base, self.mask_function = sdpa_attention.sdpa_attention_forward, masking_utils.sdpa_mask
@@ -243,8 +258,49 @@ class CompressionSession:
             self.base, self.mask_function = eager_attention, masking_utils.eager_mask
 
     @property
+    def cache(self):
+        """The cache of this thread's forward in flight (None between forwards)."""
+        return getattr(self._calls, "cache", None)
+
+    @cache.setter
+    def cache(self, cache) -> None:
+        self._calls.cache = cache
+
+    @property
+    def lengths(self) -> Optional[Tensor]:
+        """Real tokens per row of this thread's forward in flight (None: no padding)."""
+        return getattr(self._calls, "lengths", None)
+
+    @lengths.setter
+    def lengths(self, lengths: Optional[Tensor]) -> None:
+        self._calls.lengths = lengths
+
+    @property
+    def last_row_kept(self) -> dict[int, list[int]]:
+        """layer -> tokens kept by each row in this thread's last prefill (a thread that ran none: the last
+        prefill of any thread)."""
+        mine = getattr(self._calls, "row_kept", None)
+        return self._latest_row_kept if mine is None else mine
+
+    def _record_row_kept(self, layer_idx: int, row_kept: list[int]) -> None:
+        mine = getattr(self._calls, "row_kept", None)
+        if mine is None:
+            mine = self._calls.row_kept = {}
+        mine[layer_idx] = row_kept
+        self._latest_row_kept = mine
+
+    def runs(self, layer) -> bool:
+        """Whether ``layer`` is a layer of the cache of this thread's forward in flight in this block."""
+        return any(held is layer for held in getattr(self.cache, "layers", ()))
+
+    def close(self) -> None:
+        """Drop every thread's per-call state (the block has exited)."""
+        self._calls = threading.local()
+
+    @property
     def last_budgets(self) -> dict[int, int]:
-        """layer -> tokens the last prefill kept per KV head (its longest row's: the layer's physical length)."""
+        """layer -> tokens this thread's last prefill kept per KV head (its longest row's: the layer's physical
+        length); see ``last_row_kept``."""
         return {layer: max(kept) for layer, kept in self.last_row_kept.items()}
 
     # -- forward pre-hook on the model: sees the cache of every call ------------------------------------------
@@ -264,6 +320,11 @@ class CompressionSession:
             kwargs[_compat.cache_argument()] = cache
         self.cache = cache
         return args, kwargs
+
+    def after_forward(self, module, args, kwargs, output):
+        # A cache is continued correctly only inside a forward that this block's hooks saw (see CompressedLayer.update);
+        # forgetting it afterwards keeps a later forward of another model from passing for one of this block.
+        self.cache = self.lengths = None
 
     # -- the registered attention function -------------------------------------------------------------------
     def attention_forward(self, module, query: Tensor, key: Tensor, value: Tensor,
@@ -313,7 +374,7 @@ class CompressionSession:
             compressed.prompt_lengths = (torch.full((key.shape[0],), n, dtype=torch.int64) if self.lengths is None
                                          else self.lengths.cpu())
         cache.layers[layer_idx] = compressed
-        self.last_row_kept[layer_idx] = row_kept
+        self._record_row_kept(layer_idx, row_kept)
 
     def _reselect(self, layer, layer_idx: int, scaling: Optional[float]) -> None:
         """Select a compressed layer down to its decode budget again (each row its own), newest window kept."""
@@ -406,8 +467,9 @@ def compress(model, policy: Policy, attention: Optional[str] = None,
 
     Threads: one block per model at a time; a second block on a model whose block is still open (nested, or from
     another thread) raises ``RuntimeError``, so the model always ends as it began. While a block is open, every
-    forward of that model, from any thread, is compressed by it. Blocks on different model objects are
-    independent and may run in different threads.
+    forward of that model, from any thread, is compressed by it; threads may generate with the model at the same
+    time, each with its own cache (the session keeps each thread's call apart; ``.last_budgets`` is the calling
+    thread's last prefill). Blocks on different model objects are independent and may run in different threads.
     """
     if not isinstance(policy, Policy):
         raise TypeError(f"policy must be a ripplekv_ext.Policy, got {type(policy).__name__}")
@@ -438,16 +500,12 @@ def compress(model, policy: Policy, attention: Optional[str] = None,
             # the outer call is the one the inner call reports).
             for module in _entry_points(model):
                 handles.append(module.register_forward_pre_hook(session.before_forward, with_kwargs=True))
+                handles.append(module.register_forward_hook(session.after_forward, with_kwargs=True,
+                                                            always_call=True))
             yield session
     finally:
         for handle in handles:
             handle.remove()
-        session.cache = None
+        session.close()
         with _active_lock:
             _active_sessions.pop(model, None)
-
-
-def compress_block_open(model) -> bool:
-    """Whether a ``compress`` block is open on ``model`` (from any thread)."""
-    with _active_lock:
-        return model in _active_sessions

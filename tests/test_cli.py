@@ -128,10 +128,26 @@ def test_profile_from_another_model(tiny_dir, profile_path, tmp_path, tokenizer,
     code, _, err = run(["allocate", "--model", str(other), "--profile", str(profile_path), "--prompt-len", "500",
                         "--retention", "0.2", "--out-dir", str(tmp_path)], capsys)
     assert code == 2 and "profile is for another model" in err
+    assert "--force" in err and "force=True" not in err  # the CLI's flag, not the library's argument
     # --force accepts it knowingly.
     code, _, err = run(["allocate", "--model", str(other), "--profile", str(profile_path), "--prompt-len", "500",
                         "--retention", "0.2", "--force", "--out-dir", str(tmp_path)], capsys)
     assert code == 0, err
+
+
+def test_results_folder_is_ignored_by_git():
+    """`make demo` and the other commands write ripplekv-results/ into the current folder, the checkout's root."""
+    import shutil
+    import subprocess
+    from pathlib import Path
+
+    from ripplekv_ext.cli.common import RESULTS_DIR
+
+    root = Path(__file__).resolve().parents[1]
+    if shutil.which("git") is None or not (root / ".git").exists():
+        pytest.skip("not a git checkout")
+    done = subprocess.run(["git", "check-ignore", "-q", str(RESULTS_DIR / "report" / "report.md")], cwd=root)
+    assert done.returncode == 0, f"{RESULTS_DIR}/ is not ignored by git"
 
 
 def test_bench_is_a_source_checkout_harness(capsys):
