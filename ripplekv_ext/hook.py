@@ -509,3 +509,9 @@ def compress(model, policy: Policy, attention: Optional[str] = None,
         session.close()
         with _active_lock:
             _active_sessions.pop(model, None)
+
+
+def compress_block_open(model) -> bool:
+    """Whether a ``compress`` block is open on ``model`` (from any thread)."""
+    with _active_lock:
+        return model in _active_sessions
