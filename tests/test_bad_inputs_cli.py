@@ -1,4 +1,4 @@
-"""The bad-input sweep of issue 13 for the command line, kept as tables: every ``ripplekv`` subcommand and option,
+"""The bad-input sweep of the command line, kept as tables: every ``ripplekv`` subcommand and option,
 and ``bench/e2e_bench.py``'s. Each row: the arguments, exit code 2, and a fragment of the one-line error.
 
 Rows run ``ripplekv_ext.cli.main`` in-process with model loading forbidden, so each also proves the error comes

@@ -167,7 +167,7 @@ def test_shipped_smollm2_profile_is_package_data_for_the_bundled_model():
     assert len(profile.sensitivity) == model.config.num_hidden_layers
 
 
-# ---- issue 13, item 7: one-line errors naming the option and the way out, before a model loads --------------
+# ---- one-line errors naming the option and the way out, before a model loads --------------
 
 @pytest.fixture
 def no_model_load(monkeypatch):

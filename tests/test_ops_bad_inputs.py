@@ -1,5 +1,5 @@
 """The bad-input table of every op: case -> the exception type and a fragment of its message, or the empty output
-expected (issue 13). Each case runs on CPU and, where a GPU exists, on CUDA tensors.
+expected. Each case runs on CPU and, where a GPU exists, on CUDA tensors.
 
 Cases that used to kill the process (SIGFPE in the CPU SnapKV driver on an empty batch) run in a subprocess, so a
 crash shows as a failed test instead of ending the run. `python tests/test_ops_bad_inputs.py [cpu|cuda]` prints the
@@ -193,7 +193,7 @@ CASES = [
     Case("gather_kv_packed offsets[L] != total", lambda d: _packed_gather(d, offsets=[0, 3, 6]),
          error=(RuntimeError, "offsets[L] must equal indices_flat dim 2 (7), got 6")),
 
-    # Per-row ops of left-padded batches (issue 14): lengths and budgets int64 [B], one per row.
+    # Per-row ops of left-padded batches: lengths and budgets int64 [B], one per row.
     Case("select_topk_rows B=0", lambda d: rk.select_topk_rows(rand(0, 2, 40, device=d), torch.zeros(0, dtype=torch.long),
                                                                4, torch.zeros(0, dtype=torch.long)), shapes=[(0, 2, 0)]),
     Case("snapkv_compress_rows B=0", lambda d: rk.snapkv_compress_rows(

@@ -224,7 +224,7 @@ def test_cpu_store_budget_groups_and_fallback(kernel, tmp_path):
 
 @requires_cuda
 def test_cuda_batch_heads_beyond_grid_y():
-    # B * H_q = 65,536 rows: more than gridDim.y allows (issue 13 item 12); B * H now rides on grid.x.
+    # B * H_q = 65,536 rows: more than gridDim.y allows; B * H now rides on grid.x.
     q, k, v = make_window(2048, 32, 8, 2, 8, 8, torch.float32, "cuda")
     torch.testing.assert_close(ripplekv_ext.snapkv_scores(q, k, kernel_size=3),
                                ripplekv_ref.snapkv_scores(q, k, kernel_size=3), **SCORE_TOL)
@@ -244,7 +244,7 @@ def test_cuda_head_dim_beyond_shared_memory_says_so():
 @requires_cuda
 def test_cuda_graph_capture_of_scoring_and_compression():
     # Engines capture decode steps: snapkv_compress and select_topk must launch without host syncs while
-    # captured (issue 13 item 15), and replay must give the eager result.
+    # captured, and replay must give the eager result.
     q, k, v = make_window(2, 8, 2, 4, 300, 64, torch.float16, "cuda")
     eager = ripplekv_ext.snapkv_compress(q, k, v, 40)
     scores = ripplekv_ext.snapkv_scores(q, k)
