@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import numbers
 import warnings
 from dataclasses import dataclass
 from typing import Optional, Sequence
@@ -32,10 +33,20 @@ __all__ = ["Policy", "SnapKVSelector", "H2OSelector", "StreamingLLMSelector", "D
 DEFAULT_WINDOW = 32
 
 
+def _is_integer(value) -> bool:
+    """Python and NumPy integers; not bools (True is no count of tokens) and not floats."""
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def _shown(value) -> str:
+    # The type too: numpy's 4.0 and a bool's True print like numbers.
+    return f"{value!r} ({type(value).__name__})"
+
+
 def _check_option_int(name: str, value, minimum: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
-    return value
+    if not _is_integer(value) or value < minimum:
+        raise ValueError(f"{name} must be an integer >= {minimum}, got {_shown(value)}")
+    return int(value)
 
 
 def _check_choice(name: str, value, choices: tuple) -> None:
@@ -183,9 +194,11 @@ class Policy:
             its budget again (the newest ``W`` tokens always kept), so a layer never holds more than its budget plus
             ``K`` tokens however long the generation. ``None`` (default): only the prompt is compressed.
         decode_budget: with ``decode_every``, the average tokens per layer held during the whole generation (window
-            included, ``> window``); it also caps the prompt's compression. ``None`` (default): the prompt's average
-            budget ``round(retention * n_prompt)``, i.e. the memory the prefill left. Give it for short prompts
-            with long generations (a prompt too short for its retention is otherwise never compressed).
+            included, ``> window``), from the prefill on: the prompt keeps ``round(retention * n_prompt)`` clamped
+            to ``[window + 1, decode_budget]`` (``layer_budgets``), so a layer holds at most its budget plus ``K``
+            tokens at every step, and more retention never means less memory. ``None`` (default): the prompt's
+            average budget ``round(retention * n_prompt)``, i.e. the memory the prefill left. Give it for short
+            prompts with long generations (a prompt too short for its retention is otherwise never compressed).
     """
 
     allocator: object = None
@@ -202,8 +215,12 @@ class Policy:
         if isinstance(self.retention, bool) or not (isinstance(self.retention, (int, float))
                                                     and 0.0 < float(self.retention) <= 1.0):
             raise ValueError(f"retention must be in (0, 1], got {self.retention!r}")
-        _check_option_int("window", self.window, 1)
+        # Stored as Python ints: NumPy integers are accepted, and the policy's name and equality stay the same.
+        object.__setattr__(self, "window", _check_option_int("window", self.window, 1))
         self._check_decode_options()
+        for name in ("decode_every", "decode_budget"):
+            if getattr(self, name) is not None:
+                object.__setattr__(self, name, int(getattr(self, name)))
 
     def _check_decode_options(self) -> None:
         if self.decode_every is None:
@@ -211,20 +228,19 @@ class Policy:
                 raise ValueError(f"decode_budget={self.decode_budget!r} needs decode_every (compress every K "
                                  "generated tokens); set decode_every=K too, or drop decode_budget")
             return
-        if isinstance(self.decode_every, bool) or not isinstance(self.decode_every, int) or self.decode_every < 1:
+        if not _is_integer(self.decode_every) or self.decode_every < 1:
             raise ValueError(f"decode_every must be an integer >= 1 (generated tokens between re-selections, e.g. "
-                             f"128) or None (off), got {self.decode_every!r}")
+                             f"128) or None (off), got {_shown(self.decode_every)}")
         if self.is_full:
             raise ValueError("decode_every needs a compressing policy (Policy.full() keeps every token); use e.g. "
                              "Policy.snapkv(0.2, decode_every=128)")
         if getattr(self.selector, "needs_all_queries", False):
             raise ValueError(f"decode_every is not supported with {self.selector!r}: it scores with every query of "
                              "the sequence, which a compressed cache no longer has; use SnapKV or StreamingLLM")
-        if self.decode_budget is not None and (isinstance(self.decode_budget, bool)
-                                               or not isinstance(self.decode_budget, int)
+        if self.decode_budget is not None and (not _is_integer(self.decode_budget)
                                                or self.decode_budget <= self.window):
             raise ValueError(f"decode_budget must be an integer > window = {self.window} (the newest window tokens "
-                             f"plus at least one more), got {self.decode_budget!r}")
+                             f"plus at least one more), got {_shown(self.decode_budget)}")
 
     @property
     def is_full(self) -> bool:
@@ -250,14 +266,21 @@ class Policy:
         ``n_tokens`` for a layer means it is left uncompressed: always for Full, for a prompt no longer than the
         window or the average budget, and for a prompt too short for the policy (its average budget would not
         exceed the window): that last case warns (``PromptTooShortWarning``, once per call site) instead of
-        failing in the middle of a generation. A ``decode_budget`` caps the average budget of the prompt too.
+        failing in the middle of a generation.
+
+        With a ``decode_budget`` the prompt's average budget is ``round(retention * n_tokens)`` clamped to
+        ``[window + 1, decode_budget]``: the generation's budget caps the prefill too, so a layer never holds more
+        than its budget plus ``K`` tokens, and a retention too low for the window keeps the window plus one token
+        (not the whole prompt), so a higher retention never holds less.
         """
         _check_option_int("n_tokens", n_tokens, 1)
         if self.is_full or n_tokens <= self.window:
             return [n_tokens] * num_layers
         avg = average_budget(self.retention, n_tokens)
-        if self.decode_budget is not None:  # the generation's budget holds from the prefill on
-            avg = min(avg, self.decode_budget)
+        if self.decode_budget is not None:
+            # The generation's bound (decode_budget + K per layer) holds from the prefill on, and a lower retention
+            # never holds more: one too low for the window keeps the window plus one token.
+            avg = min(max(avg, self.window + 1), self.decode_budget)
         if avg >= n_tokens:
             return [n_tokens] * num_layers
         if avg <= self.window:
