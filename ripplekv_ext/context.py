@@ -15,6 +15,11 @@ The returned cache is a transformers ``DynamicCache`` (its compressed layers are
 stamped with a ``ContextStamp``: the model it was compressed on, the policy, and the context's token ids (which
 ``generate`` needs in front of the question, since it counts the cached tokens as part of the sequence).
 Continuing it on another model raises ``ValueError``.
+
+Saving: ``torch.save(cache, path)`` writes the cache with its stamp (the kept keys and values, the context's ids,
+the policy and the model's identity); ``load_context(path)`` reads it back in any process with
+``torch.load(..., weights_only=True)``, allowing only the classes such a cache is made of, and
+``continue_context`` then checks the model against the stamp as for the original.
 """
 
 from __future__ import annotations
@@ -35,7 +40,7 @@ from ripplekv_ext.masks import row_lengths
 from ripplekv_ext.model_info import compressible_layers, text_config
 from ripplekv_ext.policies import Policy
 
-__all__ = ["ContextStamp", "compress_context", "continue_context", "check_context"]
+__all__ = ["ContextStamp", "compress_context", "continue_context", "check_context", "load_context"]
 
 STAMP_ATTRIBUTE = "ripplekv_context"
 # What identifies a model for a cache: another model of this shape would take the cache silently and answer
@@ -87,15 +92,16 @@ def _check_ids(name: str, ids, batch: Optional[int] = None) -> Tensor:
 
 
 def _check_budget(policy: Policy, lengths: list[int], probe_tokens: int) -> None:
-    """A context compressed to no more than its window would keep only the window: refuse it, naming the rows."""
-    if policy.is_full:
+    """A context too short for the policy (its average budget not above the window) would be kept whole instead of
+    compressed: refuse it, naming the rows. One rule for every length: only retention 1 (keep all) is exempt."""
+    if policy.is_full or float(policy.retention) >= 1.0:
         return
     window = probe_tokens or policy.window
     too_small = []
     for row, n in enumerate(lengths):
         total = n + probe_tokens
         budget = average_budget(policy.retention, total)
-        if budget < total and budget <= window:
+        if budget <= window:
             too_small.append((row, n, budget))
     if too_small:
         _, n, budget = too_small[0]
@@ -229,6 +235,12 @@ def continue_context(model, cache, question_ids: Tensor, *, copy_cache: bool = T
     ``context_ids.shape[1] + q``).
     """
     stamp = check_context(model, cache)
+    held, context_tokens = cache.get_seq_length(), stamp.context_ids.shape[1]
+    if held != context_tokens:
+        raise ValueError(f"this compressed context was already continued: its cache has seen {held} tokens, the "
+                         f"context has {context_tokens} (copy_cache=False answers from the cache itself, which then "
+                         "holds that question and answer). Compress the context again, and keep copy_cache=True "
+                         "(the default) for every question but the last")
     batch = stamp.context_ids.shape[0]
     question_ids = _check_ids("question_ids", question_ids, batch=batch)
     if not isinstance(copy_cache, bool):
@@ -256,3 +268,34 @@ def continue_context(model, cache, question_ids: Tensor, *, copy_cache: bool = T
     with block:
         return model.generate(input_ids, attention_mask=attention_mask,
                               **{_compat.cache_argument(): work}, **generate_kwargs)
+
+
+def _saved_classes() -> list:
+    """The classes a saved context is made of: transformers' cache and layers, this package's layer, stamp, policy,
+    allocators and selectors (and a RippleKV profile)."""
+    from transformers import cache_utils
+
+    from ripplekv_ext.allocation import PyramidKVAllocator, RippleKVAllocator, UniformAllocator
+    from ripplekv_ext.hook import CompressedLayer
+    from ripplekv_ext.policies import H2OSelector, SnapKVSelector, StreamingLLMSelector
+    from ripplekv_ext.profile_file import Profile
+
+    return [cache_utils.DynamicCache, cache_utils.DynamicLayer, cache_utils.DynamicSlidingWindowLayer,
+            CompressedLayer, ContextStamp, Policy, UniformAllocator, PyramidKVAllocator, RippleKVAllocator, Profile,
+            SnapKVSelector, H2OSelector, StreamingLLMSelector]
+
+
+def load_context(path, *, map_location=None):
+    """A compressed context saved with ``torch.save(cache, path)``, loaded with ``weights_only=True``.
+
+    Only the classes such a cache is made of are allowed in; a policy with a custom allocator or selector names it
+    in torch's error: load it within ``torch.serialization.safe_globals([...])`` naming that class too (or, for a
+    file you trust, ``torch.load(path, weights_only=False)``). ``map_location`` is ``torch.load``'s (the model's
+    device: ``continue_context`` wants the cache where the model is).
+    """
+    with torch.serialization.safe_globals(_saved_classes()):
+        cache = torch.load(path, map_location=map_location, weights_only=True)
+    if not isinstance(getattr(cache, STAMP_ATTRIBUTE, None), ContextStamp):
+        raise TypeError(f"{path} holds a {type(cache).__name__}, not a context saved from "
+                        "ripplekv_ext.compress_context")
+    return cache
