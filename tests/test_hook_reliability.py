@@ -127,6 +127,18 @@ def test_cache_continued_while_a_block_is_open_on_another_model_is_refused(polic
                        continue_context(model, fresh, question, max_new_tokens=4, **GREEDY))
 
 
+def test_cache_its_block_ran_is_refused_to_another_model_afterwards():
+    # The block's model continued this cache in this thread a moment ago; a replica without a block may not.
+    model, replica = tiny_model("llama"), tiny_model("llama")
+    policy = Policy.snapkv(0.3, window=WINDOW)
+    with compress(model, policy), torch.no_grad():
+        cache = output_cache(model(_ids(96), use_cache=True))
+        model(_ids(1, seed=1), use_cache=True, **{CACHE: cache})
+        with pytest.raises(RuntimeError, match="only be continued inside"):
+            replica(_ids(1, seed=2), use_cache=True, **{CACHE: cache})
+        assert cache.get_seq_length() == 97
+
+
 def test_a_replica_continues_a_cache_inside_its_own_block():
     model = tiny_model("llama")
     replica = tiny_model("llama")
