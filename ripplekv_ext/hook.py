@@ -101,14 +101,7 @@ def _compressed_layer_class():
             return self.keys.shape[-2]
 
         def update(self, key_states, value_states, *args, **kwargs):
-            if not _runs_in_open_block(self):
-                # Outside a block the model's own attention runs with masks sized for the uncompressed sequence:
-                # with per-layer budgets it fails on a shape, with equal ones it silently misaligns the keys. A
-                # block open on another model does not help: its attention function is not this model's.
-                raise RuntimeError("a ripplekv_ext-compressed cache can only be continued inside "
-                                   "`with ripplekv_ext.compress(model, policy):` open on the model that continues "
-                                   "it (or with ripplekv_ext.continue_context): outside it the model's masks do "
-                                   "not fit the kept tokens")
+            self._check_continued_in_block()
             self.seen_tokens += key_states.shape[-2]
             self.since_selection += key_states.shape[-2]
             if self.key_mask is not None:  # new tokens are real
@@ -119,7 +112,20 @@ def _compressed_layer_class():
         def get_seq_length(self) -> int:
             return self.seen_tokens
 
+        def _check_continued_in_block(self) -> None:
+            if not _runs_in_open_block(self):
+                # Outside a block the model's own attention runs with masks sized for the uncompressed sequence:
+                # with per-layer budgets it fails on a shape, with equal ones it silently misaligns the keys. A
+                # block open on another model does not help: its attention function is not this model's.
+                raise RuntimeError("a ripplekv_ext-compressed cache can only be continued inside "
+                                   "`with ripplekv_ext.compress(model, policy):` open on the model that continues "
+                                   "it (or with ripplekv_ext.continue_context): outside it the model's masks do "
+                                   "not fit the kept tokens")
+
         def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+            # Asked while the model builds its masks, before any layer takes the new tokens: refusing here leaves
+            # the whole cache as it was (update checks too, for a forward that builds no mask).
+            self._check_continued_in_block()
             # The mask transformers builds from this is never used for this layer (the hook builds its own);
             # sizing it by what is stored keeps it small.
             return self.physical_length + _compat.query_length(query_length), 0
