@@ -138,7 +138,8 @@ def compress_context(model, context_ids: Tensor, policy: Policy, *, attention_ma
     layers report the context's length as their sequence length. Continue it with ``continue_context``.
 
     Raises ``ValueError`` when a row's average budget would not exceed the window (the context would be kept
-    whole or reduced to its window): raise the retention, shrink the window or the probe, or give a longer context.
+    whole instead of compressed), at any length, one token included; only retention 1 (keep all) and Full take
+    every context. Raise the retention, shrink the window or the probe, or give a longer context.
     """
     _check_model(model)
     if not isinstance(policy, Policy):
