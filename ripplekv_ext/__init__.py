@@ -8,7 +8,7 @@ from ripplekv_ext.allocation import PyramidKVAllocator, RippleKVAllocator, Unifo
 from ripplekv_ext.policies import H2OSelector, Policy, SnapKVSelector, StreamingLLMSelector
 from ripplekv_ext.compressor import CompressionStep, KVCompressor
 from ripplekv_ext.hook import compress
-from ripplekv_ext.context import compress_context, continue_context
+from ripplekv_ext.context import compress_context, continue_context, load_context
 
 __version__ = "0.1.0"
 
@@ -17,4 +17,4 @@ __all__ = ["build_report", "cuda_built", "cuda_version", "gather_kv", "gather_kv
            "streaming_indices",
            "UniformAllocator", "PyramidKVAllocator", "RippleKVAllocator", "Policy", "SnapKVSelector", "H2OSelector",
            "StreamingLLMSelector", "KVCompressor", "CompressionStep", "compress",
-           "compress_context", "continue_context"]
+           "compress_context", "continue_context", "load_context"]
