@@ -11,6 +11,8 @@ from __future__ import annotations
 import math
 from typing import Sequence
 
+from ripplekv_ext.checks import check_int
+
 __all__ = [
     "average_budget", "integer_budgets", "uniform_budgets", "pyramidkv_schedule", "pyramidkv_budgets",
     "ripplekv_weights", "ripplekv_budgets", "UniformAllocator", "PyramidKVAllocator", "RippleKVAllocator",
@@ -22,12 +24,6 @@ __all__ = [
 # paper's R = 1.5 z-score, 7 of 8 prompts better); at 10% the two are within noise of each other.
 DEFAULT_RATIO = 1.75
 DEFAULT_NORMALIZE = "minmax"
-
-
-def _check_int(name: str, value, minimum: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
-    return value
 
 
 def _check_finite_list(name: str, values) -> list[float]:
@@ -47,7 +43,7 @@ def average_budget(retention: float, n_tokens: int) -> int:
     """Average per-layer budget `round(retention * N)` for retention in (0, 1]."""
     if not (isinstance(retention, (int, float)) and 0.0 < float(retention) <= 1.0):
         raise ValueError(f"retention must be in (0, 1], got {retention!r}")
-    _check_int("n_tokens", n_tokens, 1)
+    check_int("n_tokens", n_tokens, 1)
     return max(1, round(float(retention) * n_tokens))
 
 
@@ -64,9 +60,9 @@ def integer_budgets(weights: Sequence[float], n_tokens: int, avg_budget: int, wi
     w = _check_finite_list("weights", weights)
     if any(x < 0 for x in w):
         raise ValueError(f"weights must be >= 0, got {min(w)}")
-    n = _check_int("n_tokens", n_tokens, 1)
-    avg = _check_int("avg_budget", avg_budget, 1)
-    win = _check_int("window", window, 0)
+    n = check_int("n_tokens", n_tokens, 1)
+    avg = check_int("avg_budget", avg_budget, 1)
+    win = check_int("window", window, 0)
     num_layers = len(w)
     prio = [0.0] * num_layers if priority is None else _check_finite_list("priority", priority)
     if len(prio) != num_layers:
@@ -114,16 +110,16 @@ def integer_budgets(weights: Sequence[float], n_tokens: int, avg_budget: int, wi
 
 def uniform_budgets(num_layers: int, n_tokens: int, avg_budget: int, window: int) -> list[int]:
     """Every layer gets `avg_budget` (or `N` when nothing needs compressing)."""
-    return integer_budgets([1.0] * _check_int("num_layers", num_layers, 1), n_tokens, avg_budget, window)
+    return integer_budgets([1.0] * check_int("num_layers", num_layers, 1), n_tokens, avg_budget, window)
 
 
 def pyramidkv_schedule(num_layers: int, n_tokens: int, avg_budget: int, window: int, beta: int = 20) -> list[int]:
     """PyramidKV's raw per-layer budgets as published (floored steps: the total overshoots a little)."""
-    L = _check_int("num_layers", num_layers, 1)
-    n = _check_int("n_tokens", n_tokens, 1)
-    B = _check_int("avg_budget", avg_budget, 1)
-    W = _check_int("window", window, 0)
-    _check_int("beta", beta, 1)
+    L = check_int("num_layers", num_layers, 1)
+    n = check_int("n_tokens", n_tokens, 1)
+    B = check_int("avg_budget", avg_budget, 1)
+    W = check_int("window", window, 0)
+    check_int("beta", beta, 1)
     if n <= B:
         return [n] * L
     if B <= W:
@@ -217,7 +213,7 @@ class PyramidKVAllocator:
     name = "pyramidkv"
 
     def __init__(self, beta: int = 20):
-        self.beta = _check_int("beta", beta, 1)
+        self.beta = check_int("beta", beta, 1)
 
     def budgets(self, num_layers: int, n_tokens: int, avg_budget: int, window: int) -> list[int]:
         return pyramidkv_budgets(num_layers, n_tokens, avg_budget, window, self.beta)

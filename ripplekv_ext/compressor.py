@@ -36,6 +36,7 @@ from typing import Callable, Optional, Sequence
 import torch
 from torch import Tensor
 
+from ripplekv_ext.checks import check_int
 from ripplekv_ext.model_info import compressible_layers, text_config
 from ripplekv_ext.ops import gather_kv
 from ripplekv_ext.policies import Policy
@@ -88,8 +89,7 @@ class KVCompressor:
                  on_compress: Optional[CompressionObserver] = None):
         if not isinstance(policy, Policy):
             raise TypeError(f"policy must be a ripplekv_ext.Policy, got {type(policy).__name__}")
-        if isinstance(num_layers, bool) or not isinstance(num_layers, int) or num_layers < 1:
-            raise ValueError(f"num_layers must be an integer >= 1, got {num_layers!r}")
+        num_layers = check_int("num_layers", num_layers, 1)
         layers = list(range(num_layers)) if compressible_layers is None else list(compressible_layers)
         # int() would quietly turn 1.5 or True into layer 1.
         bad = [i for i in layers if isinstance(i, bool) or not isinstance(i, numbers.Integral) or not 0 <= i < num_layers]

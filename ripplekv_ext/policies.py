@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import functools
 import inspect
-import numbers
 import warnings
 from dataclasses import dataclass
 from typing import Optional, Sequence
@@ -26,27 +25,12 @@ from torch import Tensor
 from ripplekv_ext.allocation import (DEFAULT_NORMALIZE, DEFAULT_RATIO, PyramidKVAllocator, RippleKVAllocator,
                                      UniformAllocator, average_budget)
 # The product runs the compiled ops only; the pure-PyTorch reference (ripplekv_ref) is for tests and benchmarks.
+from ripplekv_ext.checks import check_int, is_integer, shown
 from ripplekv_ext.ops import h2o_scores, select_topk, select_topk_rows, snapkv_scores, streaming_indices
 
 __all__ = ["Policy", "SnapKVSelector", "H2OSelector", "StreamingLLMSelector", "DEFAULT_WINDOW", "PromptTooShortWarning"]
 
 DEFAULT_WINDOW = 32
-
-
-def _is_integer(value) -> bool:
-    """Python and NumPy integers; not bools (True is no count of tokens) and not floats."""
-    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
-
-
-def _shown(value) -> str:
-    # The type too: numpy's 4.0 and a bool's True print like numbers.
-    return f"{value!r} ({type(value).__name__})"
-
-
-def _check_option_int(name: str, value, minimum: int) -> int:
-    if not _is_integer(value) or value < minimum:
-        raise ValueError(f"{name} must be an integer >= {minimum}, got {_shown(value)}")
-    return int(value)
 
 
 def _check_choice(name: str, value, choices: tuple) -> None:
@@ -78,7 +62,7 @@ class SnapKVSelector:
 
     def __init__(self, kernel_size: int = 7, pooling: str = "max", group_reduce: str = "mean"):
         # Checked here, so a bad option fails when the policy is built, not at the first prefill.
-        if _check_option_int("kernel_size", kernel_size, 1) % 2 == 0:
+        if check_int("kernel_size", kernel_size, 1) % 2 == 0:
             raise ValueError(f"kernel_size must be odd (pooling keeps the length), got {kernel_size}")
         _check_choice("pooling", pooling, ("max", "avg"))
         _check_choice("group_reduce", group_reduce, ("mean", "max"))
@@ -119,7 +103,7 @@ class H2OSelector:
     needs_all_queries = True
 
     def __init__(self, chunk_size: int = 1024, group_reduce: str = "mean"):
-        _check_option_int("chunk_size", chunk_size, 1)
+        check_int("chunk_size", chunk_size, 1)
         _check_choice("group_reduce", group_reduce, ("mean", "max"))
         self.chunk_size, self.group_reduce = chunk_size, group_reduce
 
@@ -148,7 +132,7 @@ class StreamingLLMSelector:
     needs_all_queries = False
 
     def __init__(self, sink: int = 4):
-        self.sink = _check_option_int("sink", sink, 0)
+        self.sink = check_int("sink", sink, 0)
 
     def select(self, queries: Tensor, keys: Tensor, budget: int, window: int,
                scale: Optional[float] = None) -> Tensor:
@@ -216,7 +200,7 @@ class Policy:
                                                     and 0.0 < float(self.retention) <= 1.0):
             raise ValueError(f"retention must be in (0, 1], got {self.retention!r}")
         # Stored as Python ints: NumPy integers are accepted, and the policy's name and equality stay the same.
-        object.__setattr__(self, "window", _check_option_int("window", self.window, 1))
+        object.__setattr__(self, "window", check_int("window", self.window, 1))
         self._check_decode_options()
         for name in ("decode_every", "decode_budget"):
             if getattr(self, name) is not None:
@@ -228,19 +212,19 @@ class Policy:
                 raise ValueError(f"decode_budget={self.decode_budget!r} needs decode_every (compress every K "
                                  "generated tokens); set decode_every=K too, or drop decode_budget")
             return
-        if not _is_integer(self.decode_every) or self.decode_every < 1:
+        if not is_integer(self.decode_every) or self.decode_every < 1:
             raise ValueError(f"decode_every must be an integer >= 1 (generated tokens between re-selections, e.g. "
-                             f"128) or None (off), got {_shown(self.decode_every)}")
+                             f"128) or None (off), got {shown(self.decode_every)}")
         if self.is_full:
             raise ValueError("decode_every needs a compressing policy (Policy.full() keeps every token); use e.g. "
                              "Policy.snapkv(0.2, decode_every=128)")
         if getattr(self.selector, "needs_all_queries", False):
             raise ValueError(f"decode_every is not supported with {self.selector!r}: it scores with every query of "
                              "the sequence, which a compressed cache no longer has; use SnapKV or StreamingLLM")
-        if self.decode_budget is not None and (not _is_integer(self.decode_budget)
+        if self.decode_budget is not None and (not is_integer(self.decode_budget)
                                                or self.decode_budget <= self.window):
             raise ValueError(f"decode_budget must be an integer > window = {self.window} (the newest window tokens "
-                             f"plus at least one more), got {_shown(self.decode_budget)}")
+                             f"plus at least one more), got {shown(self.decode_budget)}")
 
     @property
     def is_full(self) -> bool:
@@ -273,7 +257,7 @@ class Policy:
         than its budget plus ``K`` tokens, and a retention too low for the window keeps the window plus one token
         (not the whole prompt), so a higher retention never holds less.
         """
-        _check_option_int("n_tokens", n_tokens, 1)
+        check_int("n_tokens", n_tokens, 1)
         if self.is_full or n_tokens <= self.window:
             return [n_tokens] * num_layers
         avg = average_budget(self.retention, n_tokens)
@@ -295,7 +279,7 @@ class Policy:
         ``decode_budget``, or else the prompt's own average budget. Not above the window: nothing is compressed."""
         if self.decode_every is None:
             raise ValueError(f"policy {self.name} does not compress during decoding: build it with decode_every=K")
-        _check_option_int("prompt_tokens", prompt_tokens, 1)
+        check_int("prompt_tokens", prompt_tokens, 1)
         if self.decode_budget is not None:
             return self.decode_budget
         return average_budget(self.retention, prompt_tokens)
@@ -308,7 +292,7 @@ class Policy:
         means it keeps everything (the sequence is still within the budget, or the prompt was too short for
         its retention and no ``decode_budget`` was given).
         """
-        _check_option_int("n_tokens", n_tokens, 1)
+        check_int("n_tokens", n_tokens, 1)
         avg = self.decode_average_budget(prompt_tokens)
         if n_tokens < prompt_tokens:
             raise ValueError(f"n_tokens (prompt + generated) must be >= prompt_tokens = {prompt_tokens}, "

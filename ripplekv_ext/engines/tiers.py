@@ -17,6 +17,7 @@ import inspect
 from typing import Optional, Sequence
 
 from ripplekv_ext.allocation import integer_budgets
+from ripplekv_ext.checks import check_int
 
 __all__ = ["TieredAllocator", "tier_counts"]
 
@@ -43,8 +44,7 @@ class TieredAllocator:
     """
 
     def __init__(self, base, num_tiers: int):
-        if isinstance(num_tiers, bool) or not isinstance(num_tiers, int) or num_tiers < 1:
-            raise ValueError(f"num_tiers must be an integer >= 1, got {num_tiers!r}")
+        num_tiers = check_int("num_tiers", num_tiers, 1)
         if not hasattr(base, "budgets"):
             raise TypeError(f"base must be an allocator (with .budgets), got {type(base).__name__}")
         self.base = base

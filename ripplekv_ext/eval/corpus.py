@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Iterable
 
 from ripplekv_ext._jsonio import read_jsonl
+from ripplekv_ext.checks import check_int
 
 SPLITS = ("calibration", "evaluation")
 # Passages carry inline references ("1:3 And Judas begat ..."): strip them so the model reads prose.
@@ -132,8 +133,7 @@ def token_examples(tokenizer, texts: list[str], prefix_len: int, cont_len: int, 
     from ripplekv_ext.eval.example import leading_special_ids
 
     for name, value in (("prefix_len", prefix_len), ("cont_len", cont_len), ("num_examples", num_examples)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+        check_int(name, value, 1)
     lead = leading_special_ids(tokenizer)
     if len(lead) >= prefix_len:
         raise ValueError(f"prefix_len must exceed the tokenizer's {len(lead)} leading special tokens, got {prefix_len}")

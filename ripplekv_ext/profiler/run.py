@@ -16,6 +16,7 @@ from typing import Callable, Sequence
 import numpy as np
 import torch
 
+from ripplekv_ext.checks import check_int
 from ripplekv_ext.model_info import compressible_layers as model_compressible_layers
 from ripplekv_ext.model_info import text_config
 from ripplekv_ext.profile_file import TARGETS, Profile, describe_model, save_profile
@@ -67,8 +68,7 @@ def _check_options(prefix_len, cont_len, num_examples, sigma, draws, target, unt
     for name, value, minimum in (("prefix_len", prefix_len, 1), ("cont_len", cont_len, 1),
                                  ("num_examples", num_examples, 1), ("draws", draws, 1),
                                  ("batch_rows", batch_rows, 1)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-            raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
+        check_int(name, value, minimum)
     if not (isinstance(sigma, (int, float)) and math.isfinite(sigma) and sigma > 0):
         raise ValueError(f"sigma must be a finite number > 0, got {sigma!r}")
     if target not in TARGETS:
