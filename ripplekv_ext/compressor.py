@@ -28,7 +28,6 @@ for a batch) keeps it, ``recent_queries`` being the post-RoPE queries of the lay
 from __future__ import annotations
 
 import functools
-import numbers
 import time
 from dataclasses import dataclass
 from typing import Callable, Optional, Sequence
@@ -36,7 +35,7 @@ from typing import Callable, Optional, Sequence
 import torch
 from torch import Tensor
 
-from ripplekv_ext.checks import check_int
+from ripplekv_ext.checks import check_int, is_integer
 from ripplekv_ext.model_info import compressible_layers, text_config
 from ripplekv_ext.ops import gather_kv
 from ripplekv_ext.policies import Policy
@@ -92,7 +91,7 @@ class KVCompressor:
         num_layers = check_int("num_layers", num_layers, 1)
         layers = list(range(num_layers)) if compressible_layers is None else list(compressible_layers)
         # int() would quietly turn 1.5 or True into layer 1.
-        bad = [i for i in layers if isinstance(i, bool) or not isinstance(i, numbers.Integral) or not 0 <= i < num_layers]
+        bad = [i for i in layers if not is_integer(i) or not 0 <= i < num_layers]
         if bad or len(set(layers)) != len(layers):
             raise ValueError(f"compressible_layers must be distinct indices in [0, {num_layers}), got {layers}")
         layers = [int(i) for i in layers]
@@ -322,14 +321,14 @@ def _as_lengths(lengths) -> tuple[int, ...]:
                              f"{list(lengths.shape)}")
         return tuple(int(x) for x in lengths.tolist())
     values = tuple(lengths)
-    if any(isinstance(x, bool) or not isinstance(x, numbers.Integral) for x in values):
+    if not all(is_integer(x) for x in values):
         raise ValueError(f"lengths must be integers, got {list(values)}")
     return tuple(int(x) for x in values)
 
 
 def _check_budget(name: str, budget, window: int, n_tokens: int) -> int:
     # A budget that covers the tokens keeps them all; one that cuts must still hold the window.
-    if isinstance(budget, bool) or not isinstance(budget, numbers.Integral) or (budget < window and budget < n_tokens):
+    if not is_integer(budget) or (budget < window and budget < n_tokens):
         raise ValueError(f"{name} must be an integer >= window = {window} (the newest window tokens are always kept) "
                          f"or >= the tokens it covers ({n_tokens}), got {budget!r}")
     return int(budget)
