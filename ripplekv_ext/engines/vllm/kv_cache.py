@@ -1,0 +1,89 @@
+"""Scheduler side: one KV cache group per tier, and a manager that frees a compressed request's first blocks.
+
+Every attention layer of a model run with the plugin reports a ``RippleKVSpec``: vLLM's full-attention spec plus
+the layer's tier and the engine's settings. Layers of one tier have equal specs, so vLLM forms one KV cache group
+(one block table) per tier; tiers have equal sizes, so every group has the same page size and all draw from one
+block pool. vLLM picks each group's manager by spec type: ``RippleKVManager``, a ``FullAttentionManager`` whose
+``remove_skipped_blocks`` (which vLLM calls before every allocation) frees, once a request's prompt is computed,
+the whole blocks the worker's compaction emptied (``EnginePlan.dropped_blocks``), replacing them with the null
+block as vLLM's sliding-window manager does. Block tables keep their length, so slot mapping and block accounting
+stay vLLM's own.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from vllm.v1.core.single_type_kv_cache_manager import FullAttentionManager
+from vllm.v1.kv_cache_interface import FullAttentionSpec
+from vllm.v1.kv_cache_spec_registry import KVCacheSpecRegistry
+
+from ripplekv_ext.engines.vllm.settings import EnginePlan, Settings, plan_for
+
+__all__ = ["RippleKVSpec", "RippleKVManager", "register_spec", "plan_of_spec"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class RippleKVSpec(FullAttentionSpec):
+    """A full-attention layer whose cache the plugin compresses: ``tier`` picks its KV cache group; ``settings``
+    (canonical JSON) and ``num_layers`` let the scheduler process rebuild the engine's plan."""
+
+    tier: int
+    settings: str
+    num_layers: int
+
+    @classmethod
+    def merge(cls, specs: list["RippleKVSpec"]) -> "RippleKVSpec":
+        keys = {(s.tier, s.settings, s.num_layers) if isinstance(s, RippleKVSpec) else None for s in specs}
+        # vLLM tries merging specs to decide groups: an AssertionError means "not one group".
+        if len(keys) != 1 or None in keys:
+            raise AssertionError("layers of different RippleKV tiers belong to different KV cache groups")
+        base = FullAttentionSpec.merge([FullAttentionSpec(**_attention_fields(s)) for s in specs])
+        return cls(**_attention_fields(base), tier=specs[0].tier, settings=specs[0].settings,
+                   num_layers=specs[0].num_layers)
+
+    def is_uniform_with_collection(self, kv_cache_specs) -> bool:
+        # vLLM puts layers whose specs share a base type into one group; tiers must stay apart.
+        return all(isinstance(s, RippleKVSpec) and (s.tier, s.settings, s.num_layers) ==
+                   (self.tier, self.settings, self.num_layers) for s in kv_cache_specs.values())
+
+
+def _attention_fields(spec: FullAttentionSpec) -> dict:
+    names = {f.name for f in dataclasses.fields(FullAttentionSpec)}
+    return {name: getattr(spec, name) for name in names}
+
+
+def tier_spec(spec: FullAttentionSpec, tier: int, settings: Settings, num_layers: int) -> RippleKVSpec:
+    return RippleKVSpec(**_attention_fields(spec), tier=tier, settings=settings.to_json(), num_layers=num_layers)
+
+
+def plan_of_spec(spec: RippleKVSpec) -> EnginePlan:
+    return plan_for(Settings.from_json(spec.settings), spec.num_layers, spec.block_size)
+
+
+class RippleKVManager(FullAttentionManager):
+    """Frees the first ``EnginePlan.dropped_blocks(tier, n)`` blocks of a request once its ``n``-token prompt is
+    computed (the worker compacted the tier's kept tokens into the prompt's last blocks in that step)."""
+
+    def __init__(self, kv_cache_spec: RippleKVSpec, **kwargs) -> None:
+        super().__init__(kv_cache_spec, **kwargs)
+        self.plan = plan_of_spec(kv_cache_spec)
+        self.tier = kv_cache_spec.tier
+
+    def remove_skipped_blocks(self, request_id: str, processed_computed_tokens: int,
+                              num_prompt_tokens: int | None = None) -> None:
+        if num_prompt_tokens is None or processed_computed_tokens < num_prompt_tokens:
+            return
+        dropped = self.plan.dropped_blocks(self.tier, num_prompt_tokens)
+        if dropped:
+            # Walks back from the last dropped block and stops at the first null one: a second call frees nothing.
+            self._remove_blocks_in_range(request_id, 0, dropped)
+
+
+def register_spec() -> None:
+    """Register ``RippleKVSpec`` with its manager (idempotent). vLLM registers its own specs on first use only if
+    the registry is empty, so that runs first."""
+    KVCacheSpecRegistry._ensure_registered()
+    KVCacheSpecRegistry.register(RippleKVSpec, RippleKVManager, uniform_type_base_spec=FullAttentionSpec)
+

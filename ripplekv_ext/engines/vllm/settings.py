@@ -1,0 +1,188 @@
+"""The plugin's settings and the budget rule the scheduler and the workers share (imports nothing from vLLM).
+
+``Settings.from_config(additional_config["ripplekv"])`` reads and checks what a user wrote; ``plan_for`` turns the
+settings, the model's layer count and vLLM's block size into an ``EnginePlan``: the policy the engine runs (the
+block-aligned, tiered policy: ``ripplekv_ext.compress(model, plan.policy)`` with ``generate`` is the single-request
+reference of what the engine does), the tiers (one vLLM KV cache group each), and per prompt length the tokens each
+tier keeps and the whole blocks it frees. vLLM's scheduler frees blocks and its workers compact the cache without
+telling each other: both call the same ``EnginePlan`` with the prompt length.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import math
+import os
+from typing import Optional, Sequence
+
+from ripplekv_ext.allocation import PyramidKVAllocator, RippleKVAllocator, UniformAllocator
+from ripplekv_ext.checks import check_int, is_integer
+from ripplekv_ext.compressor import KVCompressor
+from ripplekv_ext.engines.tiers import TieredAllocator, tier_counts
+from ripplekv_ext.policies import DEFAULT_WINDOW, Policy, SnapKVSelector, StreamingLLMSelector
+
+__all__ = ["CONFIG_KEY", "METHODS", "Settings", "BlockAlignedAllocator", "EnginePlan", "plan_for"]
+
+# additional_config[CONFIG_KEY] holds the settings (``--additional-config '{"ripplekv": {...}}'``).
+CONFIG_KEY = "ripplekv"
+# Every method selects with the last ``window`` prompt queries at most: all a chunked prefill keeps (not H2O).
+METHODS = ("snapkv", "pyramidkv", "ripplekv", "streamingllm")
+_KEYS = ("method", "retention", "window", "profile", "tiers")
+
+
+@dataclasses.dataclass(frozen=True)
+class Settings:
+    """What a user asks for: ``method`` (one of ``METHODS``), ``retention`` in (0, 1], ``window`` (``W``, default
+    32), ``profile`` (the RippleKV profile JSON, for ``ripplekv`` only) and ``tiers`` (``T``: budgets rounded to
+    ``T`` groups of layers, one vLLM KV cache group each; default one tier for uniform methods, one tier per layer
+    otherwise)."""
+
+    method: str
+    retention: float
+    window: int = DEFAULT_WINDOW
+    profile: Optional[str] = None
+    tiers: Optional[int] = None
+
+    @classmethod
+    def from_config(cls, config) -> "Settings":
+        """Settings from ``additional_config["ripplekv"]`` (a dict); every problem is a ``ValueError`` naming the
+        key, what it must be and what it was."""
+        where = f'additional_config["{CONFIG_KEY}"]'
+        if not isinstance(config, dict):
+            raise ValueError(f"{where} must be a dict like {{\"method\": \"snapkv\", \"retention\": 0.2}}, got "
+                             f"{type(config).__name__}")
+        unknown = sorted(set(config) - set(_KEYS))
+        if unknown:
+            raise ValueError(f"{where} has unknown keys {unknown}; the keys are {list(_KEYS)}")
+        if "method" not in config or "retention" not in config:
+            raise ValueError(f"{where} must give \"method\" (one of {list(METHODS)}) and \"retention\" (in (0, 1])")
+        method = config["method"]
+        if method not in METHODS:
+            raise ValueError(f"{where}[\"method\"] must be one of {list(METHODS)}, got {method!r} (h2o needs every "
+                             "prompt query, which a chunked prefill does not keep)")
+        retention = config["retention"]
+        if isinstance(retention, bool) or not isinstance(retention, (int, float)) or not 0 < retention <= 1:
+            raise ValueError(f"{where}[\"retention\"] must be a number in (0, 1], got {retention!r}")
+        window = check_int(f'{where}["window"]', config.get("window", DEFAULT_WINDOW), 1)
+        profile = config.get("profile")
+        if method == "ripplekv":
+            if not isinstance(profile, str) or not profile:
+                raise ValueError(f"{where}[\"profile\"] must be the path of a RippleKV profile JSON file for method "
+                                 f"ripplekv (`ripplekv profile` writes one), got {profile!r}")
+            profile = os.path.abspath(os.path.expanduser(profile))  # every vLLM process reads the same file
+        elif profile is not None:
+            raise ValueError(f"{where}[\"profile\"] is only read by method ripplekv, not {method}: drop it")
+        tiers = config.get("tiers")
+        if tiers is not None and (not is_integer(tiers) or tiers < 1):
+            raise ValueError(f"{where}[\"tiers\"] must be an integer >= 1 (it must divide the number of layers), "
+                             f"got {tiers!r}")
+        return cls(method, float(retention), window, profile, None if tiers is None else int(tiers))
+
+    def to_json(self) -> str:
+        """Canonical JSON: it travels inside vLLM's KV cache specs to the scheduler process."""
+        return json.dumps(dataclasses.asdict(self), sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str) -> "Settings":
+        return cls(**json.loads(text))
+
+
+class BlockAlignedAllocator:
+    """``base``'s budgets raised so that every layer drops whole blocks of ``block_size`` tokens.
+
+    A layer with budget ``C < N`` keeps ``N - block_size * floor((N - C) / block_size)`` tokens (at least ``C``, fewer
+    than ``C + block_size``): the ``N - C`` tokens it would drop, rounded down to whole blocks. The engine keeps a
+    layer's tokens in the last blocks of its prompt and frees the first ones, so new tokens keep their slots and
+    every freed block is whole; a layer dropping less than one block keeps its whole prompt.
+    """
+
+    def __init__(self, base, block_size: int):
+        if not hasattr(base, "budgets"):
+            raise TypeError(f"base must be an allocator (with .budgets), got {type(base).__name__}")
+        self.base = base
+        self.block_size = check_int("block_size", block_size, 1)
+        self.name = f"{getattr(base, 'name', 'custom')}-b{self.block_size}"
+
+    def budgets(self, num_layers: int, n_tokens: int, avg_budget: int, window: int,
+                layers: Optional[Sequence[int]] = None) -> list[int]:
+        if layers is not None:
+            base = self.base.budgets(num_layers, n_tokens, avg_budget, window, layers=list(layers))
+        else:
+            base = self.base.budgets(num_layers, n_tokens, avg_budget, window)
+        return [aligned_budget(int(b), n_tokens, self.block_size) for b in base]
+
+    def __repr__(self):
+        return f"BlockAlignedAllocator({self.base!r}, block_size={self.block_size})"
+
+
+def aligned_budget(budget: int, n_tokens: int, block_size: int) -> int:
+    """Tokens kept of ``n_tokens`` for ``budget`` when only whole blocks are dropped."""
+    if budget >= n_tokens:
+        return n_tokens
+    return n_tokens - block_size * ((n_tokens - budget) // block_size)
+
+
+class EnginePlan:
+    """The policy, tiers and per-prompt budgets of one engine (one model, block size and settings).
+
+    ``policy``: what the engine runs, exactly (``ripplekv_ext.compress(model, policy)`` reproduces one request).
+    ``tiers``: layer indices per tier, tier ``t`` being vLLM KV cache group ``t``.
+    """
+
+    def __init__(self, settings: Settings, num_layers: int, block_size: int):
+        self.settings = settings
+        self.num_layers = check_int("num_layers", num_layers, 1)
+        self.block_size = check_int("block_size", block_size, 1)
+        layers = list(range(num_layers))
+        if settings.method == "ripplekv":
+            from ripplekv_ext.profile_file import load_profile
+
+            base = RippleKVAllocator(load_profile(settings.profile))
+        elif settings.method == "pyramidkv":
+            base = PyramidKVAllocator()
+        else:
+            base = UniformAllocator()
+        uniform = isinstance(base, UniformAllocator)
+        num_tiers = settings.tiers if settings.tiers is not None else (1 if uniform else num_layers)
+        if num_layers % num_tiers:
+            raise ValueError(f'additional_config["{CONFIG_KEY}"]["tiers"] must divide the model\'s {num_layers} '
+                             f"layers into equal tiers (vLLM's KV cache groups share one page size), got {num_tiers}; "
+                             f"choose one of {tier_counts(num_layers)}")
+        tiered = TieredAllocator(base, num_tiers)
+        selector = StreamingLLMSelector() if settings.method == "streamingllm" else SnapKVSelector()
+        self.policy = Policy(BlockAlignedAllocator(tiered, block_size), selector, settings.retention,
+                             settings.window)
+        self.tiers = tiered.tiers(layers, settings.window)
+        self.tier_of = {layer: t for t, tier in enumerate(self.tiers) for layer in tier}
+        self.compressor = KVCompressor(self.policy, num_layers)
+        # Profile problems (a profile for another layer count) surface here, when the engine starts.
+        self.compressor.budgets(max(4 * settings.window, 1024))
+
+    @property
+    def num_tiers(self) -> int:
+        return len(self.tiers)
+
+    def tier_budget(self, tier: int, n_tokens: int) -> int:
+        """Tokens each layer of ``tier`` keeps of an ``n_tokens`` prompt (``n_tokens``: nothing dropped)."""
+        return self.compressor.layer_budget(self.tiers[tier][0], n_tokens)
+
+    def dropped_blocks(self, tier: int, n_tokens: int) -> int:
+        """Whole blocks ``tier`` frees once an ``n_tokens`` prompt is compressed: its first ones."""
+        return (n_tokens - self.tier_budget(tier, n_tokens)) // self.block_size
+
+    def blocks_held(self, n_tokens: int, generated: int = 0) -> int:
+        """Blocks (summed over tiers) a request holds after an ``n_tokens`` prompt and ``generated`` new tokens."""
+        blocks = math.ceil((n_tokens + generated) / self.block_size)
+        return sum(blocks - self.dropped_blocks(t, n_tokens) for t in range(self.num_tiers))
+
+
+@functools.lru_cache(maxsize=16)
+def _plan(settings_json: str, num_layers: int, block_size: int) -> EnginePlan:
+    return EnginePlan(Settings.from_json(settings_json), num_layers, block_size)
+
+
+def plan_for(settings: Settings, num_layers: int, block_size: int) -> EnginePlan:
+    """The (cached) plan of an engine: every process of one engine builds the same one."""
+    return _plan(settings.to_json(), num_layers, block_size)
