@@ -4,7 +4,7 @@ profiling cost, peak-memory measurement, and the kvpress peer (skipped unless it
     .venv/bin/python -m pytest bench/bench_e2e.py --benchmark-group-by=group --benchmark-columns=min,median,rounds
 
 Read the ratios within a group (``none`` is the prefill without compression, measured in the same run). The
-issue's sizes (2K and 8K tokens) are in ``.venv/bin/python bench/e2e_bench.py``; see
+full sizes (2K and 8K tokens) are in ``.venv/bin/python bench/e2e_bench.py``; see
 bench/README.md. Every benchmark also checks what it measured: cache bytes against the budgets, outputs against
 an uncompressed run, token counts against hand-worked formulas. Nothing here asserts on time.
 """
@@ -176,9 +176,13 @@ def bench_e2e_peer_script_continuation():
 
             @contextlib.contextmanager
             def ctx():
+                from ripplekv_ext.integrations import transformers_integration
+
+                door = transformers_integration()
+
                 def hook(module, args, kwargs, output):
                     cache = kwargs.get("past_key_values", kwargs.get("cache"))  # transformers < 5.3 / 5.24
-                    layer = cache.layers[module.layer_idx]
+                    layer = door.layer_at(cache, module.layer_idx)
                     layer.keys, layer.values = layer.keys[:, :, ::2], layer.values[:, :, ::2]
                     return output
                 handles = [layer.self_attn.register_forward_hook(hook, with_kwargs=True)

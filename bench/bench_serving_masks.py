@@ -1,10 +1,10 @@
-"""The serving engine's per-forward mask (issue 16): built request by request, as the first version did, against one
-vectorized construction (``engines._paged_cache.block_diagonal_causal_mask``), in the same run.
+"""The serving engine's per-forward mask: built request by request against one vectorized construction
+(``integrations.transformers.paged_cache.block_diagonal_causal_mask``), in the same run.
 
     .venv/bin/python -m pytest bench/bench_serving_masks.py --benchmark-group-by=param:batch
 
-Every forward of ``serve`` builds one mask per tier; the first version launched a few kernels per request and tier,
-which on the H200 left RippleKV in 5 tiers at 0.53x Full's throughput while SnapKV (1 tier) ran at 1.68x
+Every forward of ``serve`` builds one mask per tier; built request by request it launches a few kernels per request
+and tier, which on the H200 left RippleKV in 5 tiers at 0.53x Full's throughput while SnapKV (1 tier) ran at 1.68x
 (``bench/results/e2e_serving_gpu.json``). ``extra_info["aten_ops"]`` counts the tensor operations (on a GPU, about
 the kernel launches) of one construction, which does not depend on the machine.
 """
@@ -13,7 +13,7 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from ripplekv_ext.engines._paged_cache import block_diagonal_causal_mask
+from ripplekv_ext.integrations.transformers.paged_cache import block_diagonal_causal_mask
 from ripplekv_ext.masks import end_aligned_causal_mask
 
 # (queries, keys) per request: 31 requests decoding one token each over ~400 compressed tokens (what the GPU run
@@ -25,7 +25,7 @@ BATCHES = {
 
 
 def per_request_mask(cu_q, cu_k, dtype, device):
-    """The first version: one end-aligned causal block per request, written into a full mask."""
+    """One end-aligned causal block per request, written into a full mask."""
     mask = torch.full((1, 1, cu_q[-1], cu_k[-1]), torch.finfo(dtype).min, dtype=dtype, device=device)
     for j in range(len(cu_q) - 1):
         q_len, k_len = cu_q[j + 1] - cu_q[j], cu_k[j + 1] - cu_k[j]

@@ -1,4 +1,4 @@
-"""Batch figure (issue 14): a left-padded batch of prompts of different lengths, compressed row by row.
+"""Batch figure: a left-padded batch of prompts of different lengths, compressed row by row.
 
 Three ways to generate the same greedy continuations of the same prompts, measured in one run:
 
@@ -25,7 +25,7 @@ import torch
 
 from e2e_measure import (_policy, _session, cache_bytes, current_rss, kv_bytes_per_token, peak_rss, prompt_ids,
                          ratio_or_none, release_free_memory, reset_peak_rss)
-from ripplekv_ext._compat import cache_argument, output_cache
+from ripplekv_ext.integrations.transformers import cache_argument, output_cache
 from ripplekv_ext.model_info import text_config
 
 

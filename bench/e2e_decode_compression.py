@@ -1,4 +1,4 @@
-"""Compression during decoding (issue 15) on SmolLM2: quality over a long continuation at a fixed total budget, and
+"""Compression during decoding on SmolLM2: quality over a long continuation at a fixed total budget, and
 generated tokens/s.
 
 **Quality.** Each example is a window of the KJV *evaluation* split: a ``--prompt-len`` prompt (2,048) and a
@@ -38,7 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from e2e_bench import machine_description  # noqa: E402
 from e2e_measure import cache_bytes, kv_bytes_per_token  # noqa: E402
 from ripplekv_ext import compress  # noqa: E402
-from ripplekv_ext._compat import cache_argument, output_cache  # noqa: E402
+from ripplekv_ext.integrations.transformers import cache_argument, output_cache  # noqa: E402
 from ripplekv_ext._jsonio import write_json_atomic  # noqa: E402
 from ripplekv_ext.eval.fidelity import fidelity_examples, kl_per_position  # noqa: E402
 from ripplekv_ext.eval.models import DEFAULT_MODEL, load_model, shipped_profile_path  # noqa: E402
@@ -165,7 +165,7 @@ def main(argv=None) -> int:
     settings = {k: getattr(args, k) for k in ("examples", "prompt_len", "cont_len", "retention", "decode_every",
                                               "chunk", "methods", "gen_tokens", "threads")}
     out = Path(args.out)
-    results = {"figure": "decode-time compression (issue 15)", "model": model_name, "settings": settings,
+    results = {"figure": "decode-time compression", "model": model_name, "settings": settings,
                "profile": str(profile_path), "policies": {k: (v.name if v else "full") for k, v in runs.items()},
                "teacher_forcing": f"continuation fed in chunks of {args.chunk} tokens (chunk divides K: the same "
                                   "logits and selections as token by token)",

@@ -43,7 +43,7 @@ from ripplekv_ext._jsonio import write_json_atomic
 from ripplekv_ext.cli.parser import OneLineErrorParser, non_negative_int, one_retention, positive_int
 from ripplekv_ext.engines import TieredAllocator
 from ripplekv_ext.eval.corpus import kjv_text
-from ripplekv_ext.eval.fidelity import continuation_logits_fn, kl_per_position
+from ripplekv_ext.eval.fidelity import SharedPrefill, continuation_logits_fn, kl_per_position
 from ripplekv_ext.eval.models import load_smollm2
 
 from e2e_bench import RESULTS_DIR, find_profile
@@ -84,31 +84,15 @@ def make_requests(stream: list[int], count: int, prompt_range, new_range, seed: 
 
 # ---- serving -------------------------------------------------------------------------------------------------
 
-class _PeakCounter:
-    """Counts requests holding cache in the stock engine (Full): a thin subclass of its cache, patched in by name
-    for the run, exactly as ``serve`` patches its own."""
-
-    def __init__(self):
-        from transformers.generation.continuous_batching import continuous_api
-
-        self.api, self.saved, self.peak = continuous_api, continuous_api.PagedAttentionCache, 0
-        counter = self
-
-        class CountingCache(self.saved):
-            def can_store_request_tokens(self, state, request_len, dry_run=False):
-                stored = super().can_store_request_tokens(state, request_len, dry_run)
-                held = len(self.cache_allocators["full_attention"].block_table)
-                counter.peak = max(counter.peak, held)
-                return stored
-
-        self.cls = CountingCache
-
-    def __enter__(self):
-        self.api.PagedAttentionCache = self.cls
-        return self
-
-    def __exit__(self, *exc):
-        self.api.PagedAttentionCache = self.saved
+def peak_concurrency(outputs) -> int:
+    """Most requests holding cache at once: the largest overlap of the requests' lifespans (admitted -> finished),
+    which the stock engine records for every request; no engine class needs replacing to count it."""
+    events = sorted([(r.lifespan[0], 1) for r in outputs] + [(r.lifespan[1], -1) for r in outputs])
+    held = peak = 0
+    for _, change in events:  # a finish at the same instant as an admission is counted first (-1 < 1)
+        held += change
+        peak = max(peak, held)
+    return peak
 
 
 def run_engine(model, requests, config, generation_config) -> dict:
@@ -133,6 +117,7 @@ def run_engine(model, requests, config, generation_config) -> dict:
     prompt_tokens = sum(len(p) for p, _ in requests)
     latencies = [r.lifespan[1] - r.created_time for r in outputs.values()]
     return {
+        "peak_requests": peak_concurrency(outputs.values()),
         "seconds": wall,
         "generated_tokens": generated,
         "prompt_tokens": prompt_tokens,
@@ -171,17 +156,15 @@ def measure_serving(model, tokenizer, profile, args) -> dict:
     rows = {}
     print(f"serving: {len(requests)} requests, prompts {args.prompt_min}-{args.prompt_max} tokens, "
           f"{args.new_min}-{args.new_max} new, cache {num_blocks} blocks x {args.page_size} tokens", flush=True)
-    with _PeakCounter() as counter:
-        row = run_engine(model, requests, cb.cb_config(**config), generation_config)
-    row["peak_requests"] = counter.peak
-    rows["full"] = row
+    rows["full"] = row = run_engine(model, requests, cb.cb_config(**config), generation_config)
     print(_row_line("full", row), flush=True)
     for name in args.methods:
         if name == "full":
             continue
         with cb.serve(model, methods[name]) as session:
             row = run_engine(model, requests, cb.cb_config(**config), generation_config)
-        row["peak_requests"] = session.peak_requests
+        # The session counts requests holding cache as the cache admits them: the same figure, measured inside.
+        row["peak_requests_counted_by_cache"] = session.peak_requests
         row["policy"] = session.policy.name
         row["tiers"] = session.num_tiers
         row["requests_compressed"] = len(session.events)
@@ -219,15 +202,10 @@ def measure_tiering_kl(model, tokenizer, profile, args) -> dict:
     """KL of each policy against the full cache on teacher-forced continuations.
 
     Every policy's prefill computes the same activations (compression only changes what the cache keeps for later
-    tokens), so the prefill runs once per example: an ``on_compress`` observer captures each layer's window queries,
-    keys and values, and each policy's compressed cache is built from them with its own ``KVCompressor``, exactly
-    the step ``ripplekv_ext.compress`` runs inside a prefill. Each continuation then runs under ``compress`` with
-    that policy, as ``continuation_logits_fn`` does.
+    tokens), so the prefill runs once per example (``SharedPrefill``, as ``ripplekv eval --tasks fidelity`` does):
+    each policy's compressed cache is rebuilt from the captured window queries, keys and values with its own
+    ``KVCompressor``, exactly the step ``ripplekv_ext.compress`` runs inside a prefill.
     """
-    import copy
-
-    from ripplekv_ext.hook import _compressed_layer_class
-
     stream = token_stream(tokenizer, args.requests * args.prompt_max + (args.kl_prefix + args.kl_cont) *
                           args.kl_examples + 1)
     # Windows past the serving prompts' text, so the two figures never read the same tokens.
@@ -243,28 +221,16 @@ def measure_tiering_kl(model, tokenizer, profile, args) -> dict:
         policies[label] = Policy(TieredAllocator(ripplekv_ext.RippleKVAllocator(profile), t),
                                  ripplekv_ext.SnapKVSelector(), args.retention)
     full_fn = continuation_logits_fn(model)
-    compressed_layer = _compressed_layer_class()
+    shared = SharedPrefill(model)
+    logits_fns = {name: shared.logits_fn(policy) for name, policy in policies.items()}
     kl = {name: [] for name in policies}
     print(f"tiering KL: {args.kl_examples} examples, prefix {args.kl_prefix} + continuation {args.kl_cont}, "
           f"retention {args.retention}, {num_layers} layers", flush=True)
     for i in range(args.kl_examples):
         prefix, continuation = examples[i:i + 1, :args.kl_prefix], examples[i:i + 1, args.kl_prefix:]
         full = full_fn(prefix, continuation)
-        steps = {}
-        capture = lambda step: steps.__setitem__(step.layer_idx, step)
-        with ripplekv_ext.compress(model, Policy.snapkv(args.retention), on_compress=capture), torch.no_grad():
-            prefill = model(prefix, use_cache=True)
-        for name, policy in policies.items():
-            with ripplekv_ext.compress(model, policy) as session, torch.no_grad():
-                cache = copy.copy(prefill.cache)
-                cache.layers = list(cache.layers)
-                for layer, step in steps.items():
-                    kept_keys, kept_values = session.compressor.compress(layer, step.queries, step.keys, step.values,
-                                                                         scale=step.scale)
-                    cache.layers[layer] = compressed_layer(kept_keys, kept_values, seen_tokens=step.n_tokens)
-                rest = model(continuation, cache=cache, use_cache=True)
-            logits = torch.cat([prefill.logits[0, -1:], rest.logits[0, :-1]]).float()
-            kl[name].append(kl_per_position(full, logits).mean().item())
+        for name, logits_fn in logits_fns.items():
+            kl[name].append(kl_per_position(full, logits_fn(prefix, continuation)).mean().item())
         print(f"  example {i + 1}/{args.kl_examples}: " + ", ".join(f"{k} {v[-1]:.4f}" for k, v in kl.items()),
               flush=True)
     rows = {}

@@ -11,7 +11,7 @@ window (``dataclasses.replace(policy, window=probe length)``), so every layer ke
 context plus the probe, the probe always among them, last; its tokens are then dropped from the cache, and the
 context keeps ``budget - probe length`` tokens per layer.
 
-The returned cache is a transformers ``DynamicCache`` (its compressed layers are ``hook.CompressedLayer``)
+The returned cache is a transformers ``DynamicCache`` (its compressed layers are ``CompressedLayer``s)
 stamped with a ``ContextStamp``: the model it was compressed on, the policy, and the context's token ids (which
 ``generate`` needs in front of the question, since it counts the cached tokens as part of the sequence).
 Continuing it on another model raises ``ValueError``.
@@ -33,9 +33,9 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from ripplekv_ext import _compat
 from ripplekv_ext.allocation import average_budget
 from ripplekv_ext.hook import compress
+from ripplekv_ext.integrations import transformers_integration as _door
 from ripplekv_ext.masks import row_lengths
 from ripplekv_ext.model_info import compressible_layers, text_config
 from ripplekv_ext.policies import Policy
@@ -185,7 +185,7 @@ def compress_context(model, context_ids: Tensor, policy: Policy, *, attention_ma
         inputs["position_ids"] = (inputs["attention_mask"].long().cumsum(-1) - 1).clamp(min=0)
     with compress(model, prefill_policy, attention=attention), torch.no_grad():
         output = model(**inputs)
-    cache = _compat.output_cache(output)
+    cache = _door().output_cache(output)
     if probe_tokens:
         # Every row's window (its last probe_tokens slots) is the probe: drop it from every layer.
         for layer in cache.layers:
@@ -251,9 +251,9 @@ def continue_context(model, cache, question_ids: Tensor, *, copy_cache: bool = T
         raise TypeError(f"continue_context builds {sorted(built)} itself (context + question, the compressed "
                         "cache); pass only generation options")
     device = next(model.parameters()).device
-    stored = cache.layers[0].keys if cache.layers and getattr(cache.layers[0], "keys", None) is not None else None
-    if stored is not None and stored.device != device:
-        raise ValueError(f"the compressed context is on {stored.device} but the model is on {device}; move the model "
+    stored = _door().cache_device(cache)
+    if stored is not None and stored != device:
+        raise ValueError(f"the compressed context is on {stored} but the model is on {device}; move the model "
                          "back or compress the context on this device")
 
     question_ids = question_ids.to(device)
@@ -268,22 +268,18 @@ def continue_context(model, cache, question_ids: Tensor, *, copy_cache: bool = T
              else compress(model, stamp.policy, attention=attention))
     with block:
         return model.generate(input_ids, attention_mask=attention_mask,
-                              **{_compat.cache_argument(): work}, **generate_kwargs)
+                              **{_door().cache_argument(): work}, **generate_kwargs)
 
 
 def _saved_classes() -> list:
     """The classes a saved context is made of: transformers' cache and layers, this package's layer, stamp, policy,
     allocators and selectors (and a RippleKV profile)."""
-    from transformers import cache_utils
-
     from ripplekv_ext.allocation import PyramidKVAllocator, RippleKVAllocator, UniformAllocator
-    from ripplekv_ext.hook import CompressedLayer
-    from ripplekv_ext.policies import H2OSelector, SnapKVSelector, StreamingLLMSelector
+    from ripplekv_ext.selectors import H2OSelector, SnapKVSelector, StreamingLLMSelector
     from ripplekv_ext.profile_file import Profile
 
-    return [cache_utils.DynamicCache, cache_utils.DynamicLayer, cache_utils.DynamicSlidingWindowLayer,
-            CompressedLayer, ContextStamp, Policy, UniformAllocator, PyramidKVAllocator, RippleKVAllocator, Profile,
-            SnapKVSelector, H2OSelector, StreamingLLMSelector]
+    return [*_door().cache_classes(), ContextStamp, Policy, UniformAllocator, PyramidKVAllocator, RippleKVAllocator,
+            Profile, SnapKVSelector, H2OSelector, StreamingLLMSelector]
 
 
 def load_context(path, *, map_location=None):

@@ -1,4 +1,4 @@
-"""Left-padded batches under compression (issue 14): each row behaves exactly as its prompt alone.
+"""Left-padded batches under compression: each row behaves exactly as its prompt alone.
 
 The oracle is the model itself: every row of a padded batch is also run alone (no padding) under the same policy,
 and the batch must give that row the same logits (prefill, a multi-token continuation, decode steps) and the same
@@ -16,13 +16,15 @@ import ripplekv_ref
 from ripplekv_ext import KVCompressor, Policy, compress
 from ripplekv_ext.eval.models import tiny_model
 from ripplekv_ext.model_info import compressible_layers
-from ripplekv_ext.policies import H2OSelector, PromptTooShortWarning
+from ripplekv_ext.policies import PromptTooShortWarning
+from ripplekv_ext.selectors import H2OSelector, Selector
 
 transformers = pytest.importorskip("transformers")
 from transformers.cache_utils import DynamicSlidingWindowLayer  # noqa: E402
 
-from ripplekv_ext._compat import cache_argument, output_cache  # noqa: E402
-from ripplekv_ext.hook import CompressedLayer, row_lengths  # noqa: E402
+from ripplekv_ext.integrations.transformers import cache_argument, output_cache  # noqa: E402
+from ripplekv_ext.integrations.transformers import CompressedLayer  # noqa: E402
+from ripplekv_ext.masks import row_lengths  # noqa: E402
 
 CACHE = cache_argument()
 WINDOW = 8
@@ -364,7 +366,8 @@ def test_compress_rows_equals_each_row_alone(policy_name):
 
 @pytest.mark.parametrize("policy_name", ["snapkv", "h2o", "pyramidkv+h2o"])
 def test_per_row_ops_equal_the_row_loop(policy_name):
-    # select_rows runs the per-row ops (one call for the batch); the loop runs each row alone through select.
+    # A scored selector's select_rows runs the per-row ops (one call for the batch); the Selector base's runs each
+    # row alone through select.
     policy = _policies(2)[policy_name]
     comp = KVCompressor(policy, num_layers=2)
     lengths = (64, 40, 5, 0, 20, 33)
@@ -372,7 +375,8 @@ def test_per_row_ops_equal_the_row_loop(policy_name):
     queries = q if policy.selector.needs_all_queries else q[:, :, -WINDOW:]
     for layer in range(2):
         batched = comp.select_rows(layer, queries, k, torch.tensor(lengths))
-        loop = comp._select_rows_loop(queries, k, lengths, comp.layer_row_budgets(layer, lengths), None)
+        budgets = torch.tensor(comp.layer_row_budgets(layer, lengths))
+        loop = Selector.select_rows(policy.selector, queries, k, budgets, torch.tensor(lengths), WINDOW)
         assert torch.equal(batched, loop)
 
 

@@ -1,4 +1,4 @@
-"""The supported version ranges and the transformers adapters (ripplekv_ext._compat).
+"""The supported version ranges and the transformers adapters (ripplekv_ext.integrations.transformers.versions).
 
 `make test` runs this file twice: in .venv (the newest pinned transformers) and in .venv-min (the oldest supported
 one), so every adapter is checked against the transformers it adapts to, on both ends of the range.
@@ -12,14 +12,15 @@ from pathlib import Path
 import pytest
 import torch
 
-from ripplekv_ext import Policy, _compat, compress
+from ripplekv_ext import Policy, compress
+from ripplekv_ext.integrations.transformers import versions as _compat
 from ripplekv_ext.allocation import average_budget
 
 transformers = pytest.importorskip("transformers")
 from transformers.cache_utils import DynamicCache, DynamicLayer  # noqa: E402
 
 from ripplekv_ext.eval.models import tiny_model  # noqa: E402
-from ripplekv_ext.hook import CompressedLayer  # noqa: E402
+from ripplekv_ext.integrations.transformers import CompressedLayer  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -163,7 +164,7 @@ def test_cache_crop_through_compressed_layers(model):
 
 
 def test_generate_under_compression(model):
-    """The issue's failure: the first `generate` under compress() died in transformers' sdpa_mask on 5.2."""
+    """The first `generate` under compress() must not die in transformers' sdpa_mask on 5.2 (it once did)."""
     ids = torch.randint(3, 500, (1, 64), generator=torch.Generator().manual_seed(0))
     with torch.no_grad(), compress(model, Policy.snapkv(0.25, window=8)) as session:
         out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=6, do_sample=False,

@@ -15,7 +15,7 @@ from ripplekv_ext.model_info import compressible_layers
 pytest.importorskip("transformers")
 from transformers.cache_utils import DynamicCache  # noqa: E402
 
-from ripplekv_ext._compat import cache_argument, output_cache  # noqa: E402
+from ripplekv_ext.integrations.transformers import cache_argument, output_cache  # noqa: E402
 from test_hook import MaskedReference  # noqa: E402  (the independent oracle of compressed attention)
 
 CACHE = cache_argument()

@@ -1,4 +1,4 @@
-"""Compression during decoding (issue 15): ``Policy(..., decode_every=K)`` keeps every layer within its budget.
+"""Compression during decoding: ``Policy(..., decode_every=K)`` keeps every layer within its budget.
 
 Oracles: Full (while nothing was cut, the logits must be Full's), a prefill compression of the same tokens (the
 first decode-time selection must pick what a prefill of that sequence picks), layer 0's keys (they depend only on
@@ -20,7 +20,7 @@ from ripplekv_ext.eval.models import tiny_model
 transformers = pytest.importorskip("transformers")
 psutil = pytest.importorskip("psutil")
 
-from ripplekv_ext._compat import cache_argument, output_cache  # noqa: E402
+from ripplekv_ext.integrations.transformers import cache_argument, output_cache  # noqa: E402
 
 CACHE = cache_argument()
 WINDOW = 8
@@ -61,7 +61,7 @@ class _nothing:
         return False
 
 
-# ---- the issue's budget and memory test: 4,096 generated tokens ------------------------------------------------
+# ---- budget and memory over a long generation: 4,096 generated tokens ------------------------------------------------
 
 PROMPT = 256
 DECODE_EVERY = 64
@@ -72,7 +72,7 @@ KV_HEADS, HEAD_DIM = 8, 256  # 16 KiB of K+V per token per layer: Full's growth 
 def test_cache_stays_within_budgets_plus_k_and_memory_is_flat(generated):
     """Every step: each layer holds at most its budget + the tokens since its last selection (<= K), the cache's
     bytes at most the budgets + K tokens per layer, and the budgets' total is the prompt's at every selection; RSS
-    flat over the second half. 4,096 tokens (the issue's length) run under ``make soak`` (two minutes on a loaded
+    flat over the second half. 4,096 tokens run under ``make soak`` (two minutes on a loaded
     2-core machine); 512 (8 selections per layer) in the default suite."""
     model = tiny_model("llama", num_layers=2, num_attention_heads=KV_HEADS, num_key_value_heads=KV_HEADS,
                        head_dim=HEAD_DIM, max_position_embeddings=8192)
@@ -289,7 +289,7 @@ def test_policy_name_and_default_stay_as_they_were():
 def test_batch_reshuffles_move_the_decode_state_with_the_rows():
     # Beam search and sampled repeats reorder a compressed layer's rows: the newest queries and the prompt lengths
     # that set each row's budgets must follow them.
-    from ripplekv_ext.hook import CompressedLayer
+    from ripplekv_ext.integrations.transformers import CompressedLayer
 
     keys = torch.arange(3.0)[:, None, None, None].expand(3, 1, 5, 2).contiguous()
     layer = CompressedLayer(keys, keys.clone(), seen_tokens=5)

@@ -18,7 +18,7 @@ from ripplekv_ext import Policy, compress
 from ripplekv_ext.allocation import average_budget
 from ripplekv_ext.eval.models import TINY_ARCHS, tiny_model
 from ripplekv_ext.model_info import compressible_layers
-from ripplekv_ext.policies import H2OSelector, SnapKVSelector
+from ripplekv_ext.selectors import H2OSelector, SnapKVSelector
 
 transformers = pytest.importorskip("transformers")
 from transformers import AttentionInterface  # noqa: E402
@@ -26,8 +26,8 @@ from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer  # 
 from transformers.integrations.sdpa_attention import sdpa_attention_forward  # noqa: E402
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask  # noqa: E402
 
-from ripplekv_ext.hook import CompressedLayer  # noqa: E402
-from ripplekv_ext._compat import cache_argument, output_cache  # noqa: E402
+from ripplekv_ext.integrations.transformers import CompressedLayer  # noqa: E402
+from ripplekv_ext.integrations.transformers import cache_argument, output_cache  # noqa: E402
 
 # The cache argument's name: `cache`, or `past_key_values` in the oldest supported transformers.
 CACHE = cache_argument()

@@ -17,7 +17,7 @@ from ripplekv_ext.model_info import compressible_layers
 
 pytest.importorskip("transformers")
 
-from ripplekv_ext._compat import cache_argument, output_cache  # noqa: E402
+from ripplekv_ext.integrations.transformers import cache_argument, output_cache  # noqa: E402
 from ripplekv_ext.context import load_context  # noqa: E402
 
 CACHE = cache_argument()

@@ -6,23 +6,21 @@ layer at its tier's budget) and gives the freed pages back to the engine's pool,
 cache memory. Outputs are those of ``generate`` under ``ripplekv_ext.compress(model, session.policy)`` for each
 prompt alone (greedy), whatever the batching.
 
-transformers 5.24 has no public hook for this, so the adaptation lives here, in one module, pinned to the version
-it was written and tested for (``SUPPORTED_TRANSFORMERS``); any other version raises at ``serve``. What it touches,
-all restored on exit:
-
-* ``continuous_api.PagedAttentionCache``, the name the manager instantiates its cache by, is replaced by a
-  subclass (``RippleKVPagedCache``) for the duration of the block. Its allocator (``TieredCacheAllocator``)
-  keeps, per request, one block table per tier (tiers of equal size share one block size and one pool index) and
-  how many tokens each tier dropped, so positions stay those of the uncompressed sequence while each tier's pages
-  hold only the kept tokens.
-* The registered ``"sdpa"`` and ``"paged|eager"`` attention functions are wrapped (same names: continuous batching
-  accepts no other): under our cache they get each tier's own block-diagonal causal mask, written into the
-  engine's own mask buffer (which keeps its stock size), then compress the layer for requests whose prefill ends
-  in this batch. Under any other cache they call the original unchanged.
+transformers 5.24 has no public hook for this, so the adaptation subclasses the engine's private classes
+(``ripplekv_ext.integrations.transformers.paged_cache``, put in by ``continuous_batching``), pinned to the release
+it was written and tested for (``WRITTEN_FOR_TRANSFORMERS``); any other version raises at ``serve``. The cache's
+allocator (``TieredCacheAllocator``) keeps, per request, one block table per tier (tiers of equal size share one
+block size and one pool index) and how many tokens each tier dropped, so positions stay those of the uncompressed
+sequence while each tier's pages hold only the kept tokens. The block's attention function is registered under a
+name of its own; the global "sdpa" / "paged|eager" entries stay as they are, so other models run stock attention.
 
 Why tiers: all layers of a cache group page in lock-step (one block = one page per layer), so a group can only
 hold one length per request. ``TieredAllocator`` rounds per-layer budgets to ``T`` equal-size groups, each with its
 own block tables; ``T = L`` is exact per-layer budgets (one page per block), at ``T`` times the Python indexing.
+
+Memory: the engine's own mask and read-index buffers are sized for the new tokens only (ours build the reads and
+masks a tier needs, from what the compressed requests hold), and a forward's masks together never exceed the stock
+engine's mask buffer, so ``serve`` never holds more than the stock engine at the same settings.
 
 Not supported (each raises with the setting's name): transformers other than 5.24.x, flash attention, CUDA graphs,
 async batching, torch.compile of the forward, tensor parallelism, CPU offloading, models with sliding-window
@@ -34,37 +32,39 @@ can differ from the single-request reference.
 Lifetime: create and start the manager inside the block and stop it before the block ends (``generate_batch``
 does both). A manager started inside a block that has exited refuses its requests (each gets the error); one
 created inside but started after the block builds the stock cache, uncompressed. ``serve`` refuses to open while a
-``ripplekv_ext.compress`` block is open on the model; a ``compress`` block opened inside ``serve`` (or
-``generate_batch`` inside any ``compress`` block) fails in transformers with "Implementation ripplekv_sdpa_N is not
-supported for continuous batching": close the ``compress`` block, ``serve`` does the compressing.
+``ripplekv_ext.compress`` block is open on the model; ``generate_batch`` inside a ``compress`` block fails in
+transformers with "Implementation ripplekv_ext.compress_block_N is not supported for continuous batching": close
+that block, ``serve`` does the compressing.
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import functools
 import threading
-from typing import Callable, Optional
-
-from torch import Tensor
+from contextlib import contextmanager
+from typing import Optional
 
 from ripplekv_ext.allocation import UniformAllocator
 from ripplekv_ext.compressor import CompressionObserver, KVCompressor
-from ripplekv_ext.engines._paged_cache import (CONTEXT_KEY, WRAPPED_ATTENTION, PrefillCompression, cb_modules,
-                                                engine_classes)
 from ripplekv_ext.engines.tiers import TieredAllocator
 from ripplekv_ext.model_info import compressible_layers, text_config
 from ripplekv_ext.policies import Policy
 
-__all__ = ["SUPPORTED_TRANSFORMERS", "check_transformers_version", "serve", "ServingSession", "cb_config",
+__all__ = ["WRITTEN_FOR_TRANSFORMERS", "check_transformers_version", "serve", "ServingSession", "cb_config",
            "PrefillCompression"]
 
-# The transformers releases this module was written against (major.minor): the engine's private classes change
-# between minor releases.
-SUPPORTED_TRANSFORMERS = ("5.24",)
+# The transformers releases (major.minor) this adapter was written against: the engine's private classes change
+# between minor releases. (The core's supported range is wider: ripplekv_ext.integrations.transformers.versions.)
+WRITTEN_FOR_TRANSFORMERS = ("5.24",)
 _serve_lock = threading.Lock()
-_open_session: list = []  # at most one serve block per process: it patches process-wide names
+_open_session: list = []  # at most one serve block per process: it replaces a process-wide name of the engine
+
+
+def _integration():
+    # Imported when serving starts: importing this module costs no transformers.
+    from ripplekv_ext.integrations.transformers import continuous_batching
+
+    return continuous_batching
 
 
 def check_transformers_version(version: Optional[str] = None) -> None:
@@ -72,47 +72,19 @@ def check_transformers_version(version: Optional[str] = None) -> None:
     if version is None:
         version = _installed_version()
     major_minor = ".".join(str(version).split(".")[:2])
-    if major_minor not in SUPPORTED_TRANSFORMERS:
+    if major_minor not in WRITTEN_FOR_TRANSFORMERS:
         raise RuntimeError(
             f"ripplekv_ext.engines.transformers_cb was written for transformers "
-            f"{', '.join(v + '.x' for v in SUPPORTED_TRANSFORMERS)} (it subclasses private continuous-batching "
+            f"{', '.join(v + '.x' for v in WRITTEN_FOR_TRANSFORMERS)} (it subclasses private continuous-batching "
             f"classes); found transformers {version}. Install a supported version, or use "
             f"ripplekv_ext.compress(model, policy) with model.generate.")
-    _check_engine_structure()
+    _integration().check_engine_structure()
 
 
 def _installed_version() -> str:
     import transformers
 
     return transformers.__version__
-
-
-def _check_engine_structure() -> None:
-    # A patch release that renames what we override must fail here, loudly, not silently run the stock engine.
-    import inspect
-
-    cb_cache, continuous_api, full_attention = cb_modules()
-    problems = []
-    if getattr(continuous_api, "PagedAttentionCache", None) is None:
-        problems.append("continuous_api.PagedAttentionCache is gone")
-    allocator = getattr(full_attention, "FullAttentionCacheAllocator", None)
-    for name in ("needs_new_blocks", "allocate_cache_to_request", "free_blocks", "register_cache_tensor",
-                 "get_seqlen_k", "fork_blocks"):
-        if allocator is None or not hasattr(allocator, name):
-            problems.append(f"FullAttentionCacheAllocator.{name} is gone")
-    cache_cls = getattr(cb_cache, "PagedAttentionCache", None)
-    expected = {"update": ["self", "key_states", "value_states", "layer_idx", "kwargs"],
-                "extend_read_and_write_indices": ["self", "request_id", "past_length", "query_length", "read_index",
-                                                  "write_index"],
-                "can_store_request_tokens": ["self", "state", "request_len", "dry_run"],
-                "free_blocks": ["self", "request_id", "no_cache"]}
-    for name, params in expected.items():
-        method = getattr(cache_cls, name, None)
-        if method is None or list(inspect.signature(method).parameters) != params:
-            problems.append(f"PagedAttentionCache.{name} does not have the parameters {params}")
-    if problems:
-        raise RuntimeError("ripplekv_ext.engines.transformers_cb: the installed transformers continuous batching "
-                           "differs from the one this module was written for: " + "; ".join(problems))
 
 
 def cb_config(**overrides):
@@ -127,13 +99,30 @@ def cb_config(**overrides):
     return ContinuousBatchingConfig(**settings)
 
 
+@dataclasses.dataclass(frozen=True)
+class PrefillCompression:
+    """One request's compression at the end of its prefill, as ``ServingSession.events`` records it."""
+
+    request_id: str
+    prompt_tokens: int
+    tier_budgets: tuple  # tokens kept per KV head in each tier (== prompt_tokens where a tier stays whole)
+    blocks_before: int  # blocks the request held in all tiers before (one block = one page per layer of a tier)
+    blocks_after: int
+    pages_per_block: int
+
+    @property
+    def pages_freed(self) -> int:
+        return (self.blocks_before - self.blocks_after) * self.pages_per_block
+
+
 class ServingSession:
     """What one ``serve`` block runs with: the (tiered) policy, the tiers, and what happened.
 
     ``policy`` is the policy the engine applies, tiering included: ``ripplekv_ext.compress(model, session.policy)``
     with ``generate`` is the single-request reference. ``tiers`` lists each tier's layers. ``events`` holds one
     ``PrefillCompression`` per compressed request; ``peak_requests`` the most requests that held cache at once;
-    ``cache`` the engine's last cache object (for inspection).
+    ``cache`` the engine's last cache object (for inspection); ``attention_name`` the registry name of the block's
+    attention function.
     """
 
     def __init__(self, model, policy: Policy, tiers: list[list[int]], on_compress: Optional[CompressionObserver]):
@@ -144,7 +133,13 @@ class ServingSession:
         self.events: list[PrefillCompression] = []
         self.peak_requests = 0
         self.cache = None
+        self.attention_name: Optional[str] = None
         self.closed = False
+
+    def record_compression(self, request_id: str, prompt_tokens: int, tier_budgets, blocks_before: int,
+                           blocks_after: int, pages_per_block: int) -> None:
+        self.events.append(PrefillCompression(request_id, prompt_tokens, tuple(tier_budgets), blocks_before,
+                                              blocks_after, pages_per_block))
 
     def check_open(self) -> None:
         """Raise once the ``serve`` block has exited: its attention wrappers are gone, so an engine still running
@@ -193,7 +188,7 @@ def _resolve_policy_and_tiers(policy: Policy, layers: list[int], tiers: Optional
     return policy, [[layer] for layer in layers]  # exact per-layer budgets: one page per block
 
 
-@contextlib.contextmanager
+@contextmanager
 def serve(model, policy: Policy, tiers: Optional[int] = None, on_compress: Optional[CompressionObserver] = None):
     """Run ``model``'s continuous batching (``generate_batch``, ``init_continuous_batching``, ...) with ``policy``
     inside the block.
@@ -235,50 +230,14 @@ def serve(model, policy: Policy, tiers: Optional[int] = None, on_compress: Optio
     policy, tier_layers = _resolve_policy_and_tiers(policy, layers, tiers)
     session = ServingSession(model, policy, tier_layers, on_compress)
 
-    _, continuous_api, _ = cb_modules()
-    from transformers import modeling_utils
-
-    registry = modeling_utils.AttentionInterface._global_mapping
     with _serve_lock:
         if _open_session:
-            raise RuntimeError("a ripplekv_ext.engines.transformers_cb.serve block is already open: it patches "
-                               "process-wide names, so one block at a time")
+            raise RuntimeError("a ripplekv_ext.engines.transformers_cb.serve block is already open: it replaces a "
+                               "process-wide name of the engine, so one block at a time")
         _open_session.append(session)
-    saved_cache_class = continuous_api.PagedAttentionCache
-    saved_attention = {name: registry[name] for name in WRAPPED_ATTENTION if name in registry}
     try:
-        continuous_api.PagedAttentionCache = _cache_class_for(session)
-        for name, original in saved_attention.items():
-            modeling_utils.AttentionInterface.register(name, _attention_wrapper(original))
-        yield session
+        with _integration().engine_hooks(session):
+            yield session
     finally:
-        session.closed = True
-        continuous_api.PagedAttentionCache = saved_cache_class
-        for name, original in saved_attention.items():
-            modeling_utils.AttentionInterface.register(name, original)
         with _serve_lock:
             _open_session.clear()
-
-
-# -- the attention wrapper -------------------------------------------------------------------------------------------
-
-def _attention_wrapper(original: Callable) -> Callable:
-    @functools.wraps(original)
-    def attention(module, query: Tensor, key: Tensor, value: Tensor, attention_mask, **kwargs):
-        context = kwargs.pop(CONTEXT_KEY, None)
-        if context is None:  # another cache: the stock function, untouched
-            return original(module, query, key, value, attention_mask, **kwargs)
-        cache, tier = context
-        mask = cache.tier_mask(tier, query.dtype, query.device, attention_mask)
-        output = original(module, query, key, value, mask, **kwargs)
-        cache.after_attention(module.layer_idx, query, key, value, kwargs.get("scaling"))
-        return output
-
-    attention.ripplekv_original = original
-    return attention
-
-
-# -- the cache and its allocator (built on first use: they subclass transformers classes) -----------------------------
-
-def _cache_class_for(session: ServingSession):
-    return type("RippleKVPagedCache", (engine_classes()[1],), {"session": session})

@@ -8,8 +8,9 @@ the sensitivity profile and with layer index: the article's diagnostic (0.799 vs
 Compression is applied by masking the evicted prefix positions out of layer `l`'s attention, which is
 exactly attention over the compacted cache, and keeps every layer's cache the same length (so positions
 and masks need no special handling). As in the profiler, layers before `l` replay their recorded outputs.
-The masking attention enters transformers the way ``ripplekv_ext.compress`` does (``hook.registered_attention``:
-a uniquely named registration for this model only), never by replacing the global "sdpa" entry.
+The masking attention enters transformers the way ``ripplekv_ext.compress`` does (the transformers integration's
+``registered_attention``: a uniquely named registration for this model only), never by replacing the global "sdpa"
+entry.
 """
 
 from __future__ import annotations
@@ -22,8 +23,9 @@ import torch
 
 from ripplekv_ext._jsonio import write_json_atomic
 from ripplekv_ext.allocation import average_budget
-from ripplekv_ext.hook import registered_attention, unique_attention_name
-from ripplekv_ext.policies import SnapKVSelector
+from ripplekv_ext.integrations import transformers_integration
+from ripplekv_ext.policies import DEFAULT_WINDOW
+from ripplekv_ext.selectors import SnapKVSelector
 from ripplekv_ext.profile_file import Profile
 from ripplekv_ext.profiler import ContinuationRunner
 from ripplekv_ext.stats import spearman
@@ -42,8 +44,7 @@ class _AttentionTap:
         self.keep: torch.Tensor | None = None  # bool [B, H_kv, P]
 
     def __call__(self, module, query, key, value, attention_mask, *args, **kwargs):
-        from transformers.integrations.sdpa_attention import sdpa_attention_forward
-
+        sdpa_attention_forward = transformers_integration().base_attention("sdpa")[0]
         layer = getattr(module, "layer_idx", None)
         if self.capture and query.shape[2] >= self.window:
             self.q_window[layer] = query[:, :, -self.window:, :].detach().clone()
@@ -71,9 +72,9 @@ class _AttentionTap:
 
 def _tapped(model, tap: _AttentionTap):
     """``model`` runs its attention through ``tap`` (with SDPA's mask) inside the block."""
-    from transformers.masking_utils import sdpa_mask
-
-    return registered_attention(model, unique_attention_name("ripplekv_diagnostic"), tap, sdpa_mask)
+    door = transformers_integration()
+    sdpa_mask = door.base_attention("sdpa")[1]
+    return door.registered_attention(model, door.unique_attention_name("ripplekv_diagnostic"), tap, sdpa_mask)
 
 
 def snapkv_keep_mask(q_window: torch.Tensor, keys: torch.Tensor, budget: int,
@@ -89,11 +90,12 @@ def snapkv_keep_mask(q_window: torch.Tensor, keys: torch.Tensor, budget: int,
 
 
 def compression_damage(model, examples: torch.Tensor, prefix_len: int, layers: Sequence[int],
-                       retentions: Sequence[float] = (0.2,), window: int = 32, reuse: bool = True,
+                       retentions: Sequence[float] = (0.2,), window: int = DEFAULT_WINDOW, reuse: bool = True,
                        progress: bool = True) -> dict[float, list[float]]:
     """Mean KL on the continuation when only layer `l` is SnapKV-compressed, per retention and layer."""
-    if getattr(model.config, "_attn_implementation", None) != "sdpa":
-        raise ValueError(f"model must use attn_implementation='sdpa', got {model.config._attn_implementation!r}")
+    implementation = transformers_integration().attention_implementation(model)
+    if implementation != "sdpa":
+        raise ValueError(f"model must use attn_implementation='sdpa', got {implementation!r}")
     if not 0 < window < prefix_len:
         raise ValueError(f"window must be in [1, prefix_len = {prefix_len}), got {window}")
     budgets = {r: average_budget(r, prefix_len) for r in retentions}
@@ -151,7 +153,7 @@ def damage_report(profile: Profile, damage: dict[float, list[float]], extra: dic
 
 
 def run_diagnostic(model, profile: Profile, examples: torch.Tensor, prefix_len: int,
-                   retentions: Sequence[float] = (0.1, 0.2, 0.3), window: int = 32, out_path=None,
+                   retentions: Sequence[float] = (0.1, 0.2, 0.3), window: int = DEFAULT_WINDOW, out_path=None,
                    progress: bool = True) -> dict:
     """Damage of compressing each profiled layer alone, correlated with the profile; saved as JSON."""
     start = time.perf_counter()

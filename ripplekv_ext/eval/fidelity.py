@@ -21,7 +21,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from ripplekv_ext import _compat
+from ripplekv_ext.integrations import transformers_integration
+from ripplekv_ext.policies import DEFAULT_WINDOW
 
 LogitsFn = Callable[[Tensor, Tensor], Tensor]
 
@@ -37,11 +38,12 @@ def continuation_logits_fn(model, compression: Optional[Callable[[], ContextMana
     def logits_fn(prefix_ids: Tensor, continuation_ids: Tensor) -> Tensor:
         device = next(model.parameters()).device
         context = compression() if compression is not None else contextlib.nullcontext()
+        door = transformers_integration()
         with context, torch.inference_mode():
             # Only the prefix's last position is scored: its [n, vocab] logits would be most of the prefill's
             # memory (about 1 GB for gemma-3-270m's 262K-token vocabulary at 1K tokens).
             prefill = model(prefix_ids.to(device), use_cache=True, logits_to_keep=1)
-            rest = model(continuation_ids.to(device), **{_compat.cache_argument(): _compat.output_cache(prefill)},
+            rest = model(continuation_ids.to(device), **{door.cache_argument(): door.output_cache(prefill)},
                          use_cache=True)
         # The prefix's last position predicts continuation token 0; continuation position t predicts t + 1.
         return torch.cat([prefill.logits[0, -1:], rest.logits[0, :-1]]).float()
@@ -64,7 +66,7 @@ class SharedPrefill:
     full cache and last logit stay held as long as the object lives (``run_grid`` keeps one per grid).
     """
 
-    def __init__(self, model, window: int = 32, capture_retention: float = 0.01):
+    def __init__(self, model, window: int = DEFAULT_WINDOW, capture_retention: float = 0.01):
         from ripplekv_ext.policies import Policy
 
         self.model, self.window = model, window
@@ -87,35 +89,26 @@ class SharedPrefill:
             with compress(self.model, self.capture_policy, on_compress=lambda s: steps.__setitem__(s.layer_idx, s)), \
                     torch.inference_mode():
                 out = self.model(prefix_ids.to(self.device), use_cache=True, logits_to_keep=1)
-            self._prefills[key] = (out.logits[0, -1:].float(), _compat.output_cache(out), steps)
+            self._prefills[key] = (out.logits[0, -1:].float(), transformers_integration().output_cache(out), steps)
         return self._prefills[key]
 
     def logits_fn(self, policy) -> LogitsFn:
         """``logits_fn`` of ``policy`` (``Policy.full()``: every layer keeps every captured token)."""
-        import copy
-
         from ripplekv_ext.compressor import KVCompressor
-        from ripplekv_ext.hook import CompressedLayer, compress
+        from ripplekv_ext.hook import compress
 
         if not self.supports(policy):
             raise ValueError(f"{policy.name}: SharedPrefill needs window {self.window}, a selector that reads only "
                              "the window's queries and no decode_every; use continuation_logits_fn")
         compressor = None if policy.is_full else KVCompressor.for_model(self.model, policy)
         run_policy = self.capture_policy if policy.is_full else policy
+        door = transformers_integration()
 
         def logits_fn(prefix_ids: Tensor, continuation_ids: Tensor) -> Tensor:
             last_logit, captured, steps = self._prefill(prefix_ids)
-            cache = copy.copy(captured)
-            # Layers no policy manages (sliding windows) are copied: the continuation appends to them. The
-            # captured layers are rebuilt from their steps below.
-            cache.layers = [layer if i in steps else copy.deepcopy(layer) for i, layer in enumerate(captured.layers)]
-            for layer_idx, step in steps.items():
-                keys, values = step.keys, step.values
-                if compressor is not None:
-                    keys, values = compressor.compress(layer_idx, step.queries, keys, values, scale=step.scale)
-                cache.layers[layer_idx] = CompressedLayer(keys, values, seen_tokens=step.n_tokens)
+            cache = door.compressed_cache(captured, steps, compressor)
             with compress(self.model, run_policy), torch.inference_mode():
-                rest = self.model(continuation_ids.to(self.device), **{_compat.cache_argument(): cache}, use_cache=True)
+                rest = self.model(continuation_ids.to(self.device), **{door.cache_argument(): cache}, use_cache=True)
             return torch.cat([last_logit, rest.logits[0, :-1].float()])
 
         return logits_fn

@@ -1,5 +1,13 @@
-"""Code that reaches into a model framework's internals, one subpackage per framework.
+"""Integrations with the libraries ripplekv_ext runs inside.
 
-The core library imports these lazily, only where it needs the framework, so ``import ripplekv_ext`` stays free
-of them.
+``ripplekv_ext.integrations.transformers`` is the one door to transformers (it imports transformers at its top);
+the core reaches it through ``transformers_integration()`` when a block opens, so ``import ripplekv_ext`` loads no
+transformers.
 """
+
+import importlib
+
+
+def transformers_integration():
+    """The ``ripplekv_ext.integrations.transformers`` module (importing it imports transformers)."""
+    return importlib.import_module("ripplekv_ext.integrations.transformers")

@@ -33,9 +33,8 @@ from ripplekv_ext.profiler.perturbation import perturbation_example
 from ripplekv_ext.profiler.report import format_profile
 from ripplekv_ext.profiler.run import (ESTIMATORS, FAST_SETTINGS, METRIC, PLAIN_SETTINGS, profile_example,
                                        profile_model)
-from ripplekv_ext.profiler.runner import ContinuationRunner, decoder_layers, input_device
+from ripplekv_ext.profiler.runner import ContinuationRunner
 
 __all__ = ["BACKWARD_COST", "tokens_processed", "fisher_example", "noise_seed", "perturb", "perturber",
            "PARTIAL_SUFFIX", "perturbation_example", "format_profile", "ESTIMATORS", "FAST_SETTINGS", "METRIC",
-           "PLAIN_SETTINGS", "profile_example", "profile_model", "ContinuationRunner", "decoder_layers",
-           "input_device"]
+           "PLAIN_SETTINGS", "profile_example", "profile_model", "ContinuationRunner"]

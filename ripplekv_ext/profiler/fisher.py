@@ -7,7 +7,8 @@ from typing import Sequence
 import torch
 
 from ripplekv_ext.profiler.noise import FISHER_SAMPLES, noise_seed
-from ripplekv_ext.profiler.runner import input_device, log_probs, output_cache
+from ripplekv_ext.integrations import transformers_integration
+from ripplekv_ext.profiler.runner import log_probs
 
 
 def fisher_example(model, ids: torch.Tensor, prefix_len: int, layers: Sequence[int], *, sigma: float, seed: int,
@@ -21,24 +22,28 @@ def fisher_example(model, ids: torch.Tensor, prefix_len: int, layers: Sequence[i
     that for every layer at once (cross-position terms have expectation zero: each position's score has mean
     zero and the draws are independent). `samples` draws average several such backward passes.
     """
-    device = input_device(model)
+    door = transformers_integration()
+    device = door.input_device(model)
     ids = ids.to(device).view(1, -1)
     prefix, cont = ids[:, :prefix_len], ids[:, prefix_len:]
     with torch.no_grad():
-        cache = output_cache(model(input_ids=prefix, use_cache=True, logits_to_keep=1))
+        cache = door.output_cache(model(input_ids=prefix, use_cache=True, logits_to_keep=1))
     kinds = [k for k in ("values", "keys") if target in (k, "both")]
     leaves, scales = [], []
     for layer in layers:
         for kind in kinds:
-            x = getattr(cache.layers[layer], kind).detach().clone().requires_grad_(True)
-            setattr(cache.layers[layer], kind, x)
+            entry = door.layer_at(cache, layer)
+            x = getattr(entry, kind).detach().clone().requires_grad_(True)
+            setattr(entry, kind, x)
             leaves.append(x)
             xf = x.detach().to(torch.promote_types(x.dtype, torch.float32))
             scales.append(sigma ** 2 * xf.pow(2).sum(-1) / x.shape[-1])  # s^2 per cached vector
     position_ids = torch.arange(prefix_len, ids.shape[1], device=device).unsqueeze(0)
     generator = torch.Generator().manual_seed(noise_seed(seed, example_index, 0, 0, FISHER_SAMPLES))
     with torch.enable_grad():
-        logp = log_probs(model(input_ids=cont, position_ids=position_ids, cache=cache, use_cache=True).logits[0])
+        logits = model(input_ids=cont, position_ids=position_ids, use_cache=True,
+                       **{door.cache_argument(): cache}).logits[0]
+        logp = log_probs(logits)
         totals = torch.zeros(len(leaves), dtype=torch.float64)
         for s in range(samples):
             y = torch.multinomial(logp.detach().exp().cpu(), 1, generator=generator).to(device)

@@ -24,7 +24,7 @@ from ripplekv_ext.profiler.cost import tokens_processed
 from ripplekv_ext.profiler.fisher import fisher_example
 from ripplekv_ext.profiler.partial import load_partial, partial_path, save_partial
 from ripplekv_ext.profiler.perturbation import perturbation_example
-from ripplekv_ext.profiler.runner import input_device
+from ripplekv_ext.integrations import transformers_integration
 from ripplekv_ext.stats import split_half_spearman, standard_errors
 
 METRIC = "kl(p_ref || p_perturbed), natural log, mean over continuation positions"
@@ -127,7 +127,7 @@ def profile_model(model, *, examples: torch.Tensor, prefix_len: int = 1024, cont
 
     info = describe_model(model, model_name)
     method = {"target": target, "sigma": float(sigma), "seed": int(seed), "draws": int(draws), "metric": METRIC}
-    # Only non-default estimators are recorded, so profiles (and partial files) of the plain method stay as before.
+    # Only non-default estimators are recorded, so a plain profile's file names only what every profile has.
     if estimator != "perturbation":
         method["estimator"] = estimator
     if antithetic:
@@ -184,7 +184,7 @@ def profile_model(model, *, examples: torch.Tensor, prefix_len: int = 1024, cont
               "tokens_processed": tokens_processed(n, prefix_len, cont_len, layers, draws,
                                                    text_config(model).num_hidden_layers, reused_flags,
                                                    estimator=estimator, antithetic=antithetic),
-              "device": str(input_device(model)), "reuse_hidden_states": bool(all(reused_flags))},
+              "device": str(transformers_integration().input_device(model)), "reuse_hidden_states": bool(all(reused_flags))},
     )
     if out_path:
         save_profile(profile, out_path)
@@ -198,7 +198,7 @@ def _ids_digest(ids: torch.Tensor) -> str:
 
 def _variant_kwargs(estimator: str, antithetic: bool, batch_rows: int) -> dict:
     """profile_example's keyword arguments for a non-plain run (none for the plain one, so a caller that wraps
-    profile_example with the original signature keeps working)."""
+    profile_example with its plain arguments alone still fits)."""
     plain = {"estimator": "perturbation", "antithetic": False, "batch_rows": 1}
     given = {"estimator": estimator, "antithetic": antithetic, "batch_rows": batch_rows}
     return {name: value for name, value in given.items() if value != plain[name]}

@@ -13,46 +13,13 @@ from typing import Callable, Sequence
 
 import torch
 
-
-def decoder_layers(model):
-    """The model's list of decoder layers, or None when it cannot be found."""
-    for path in ("model.layers", "model.decoder.layers", "transformer.h", "model.language_model.layers"):
-        obj = model
-        for attr in path.split("."):
-            obj = getattr(obj, attr, None)
-            if obj is None:
-                break
-        if isinstance(obj, torch.nn.ModuleList):
-            return obj
-    return None
-
-
-def input_device(model) -> torch.device:
-    """Where the model's input ids go: its embedding's device, or, when accelerate offloads the embedding (its
-    weight then sits on "meta"), the device the offload hook runs it on."""
-    embedding = model.get_input_embeddings()
-    hook = getattr(embedding, "_hf_hook", None)
-    if getattr(hook, "execution_device", None) is not None:
-        return torch.device(hook.execution_device)
-    return embedding.weight.device
-
-
-def output_cache(output):
-    """The cache a model call returned (transformers names it `cache` or `past_key_values`)."""
-    cache = getattr(output, "cache", None)
-    return cache if cache is not None else getattr(output, "past_key_values", None)
+# The door to transformers, imported when a continuation runs (not with the profiler).
+from ripplekv_ext.integrations import transformers_integration
 
 
 def log_probs(logits: torch.Tensor) -> torch.Tensor:
     """Log-softmax over the vocabulary in float32 or wider (half-precision logits lose the small KLs)."""
     return torch.log_softmax(logits.to(torch.promote_types(logits.dtype, torch.float32)), dim=-1)
-
-
-def _forwards_replaced(replacements: dict):
-    # Imported when a continuation runs, not with the profiler: replacing layer forwards is transformers-specific.
-    from ripplekv_ext.integrations.transformers.layer_forwards import forwards_replaced
-
-    return forwards_replaced(replacements)
 
 
 class ContinuationRunner:
@@ -65,15 +32,16 @@ class ContinuationRunner:
 
     def __init__(self, model, ids: torch.Tensor, prefix_len: int, reuse: bool = True):
         self.model = model
-        device = input_device(model)
+        self._door = door = transformers_integration()
+        device = door.input_device(model)
         ids = ids.to(device).view(1, -1)
         self.prefix_len = prefix_len
         self.prefix, self.cont = ids[:, :prefix_len], ids[:, prefix_len:]
         self.position_ids = torch.arange(prefix_len, ids.shape[1], device=device).unsqueeze(0)
-        self.layers = decoder_layers(model) if reuse else None
+        self.layers = door.decoder_layers(model) if reuse else None
         self.reuse = self.layers is not None
         out = model(input_ids=self.prefix, use_cache=True, logits_to_keep=1)
-        cache = output_cache(out)
+        cache = door.output_cache(out)
         if cache is None or not hasattr(cache, "layers"):
             raise RuntimeError(f"{type(model).__name__} returned no transformers Cache with .layers; "
                                "the profiler needs the Cache API")
@@ -92,7 +60,7 @@ class ContinuationRunner:
         return self.cache
 
     def _forward(self, record: bool = False, replay_below: int = 0):
-        # Forward hooks on whole decoder layers, not the hook's attention registration (hook.registered_attention):
+        # Forward hooks on whole decoder layers, not an attention registration (as compress blocks use):
         # the profiler changes no attention computation (the perturbation is applied to the cache beforehand); it
         # records and replays each layer's *output* hidden states, which only a layer-level hook can see or replace.
         cache = self._fresh_cache()
@@ -108,8 +76,9 @@ class ContinuationRunner:
         # Layers below `replay_below` return their recorded output.
         replay = {self.layers[i]: (lambda out: (lambda *a, **k: out))(self.recorded[i]) for i in range(replay_below)}
         try:
-            with _forwards_replaced(replay):
-                out = self.model(input_ids=self.cont, position_ids=self.position_ids, cache=cache, use_cache=True)
+            with self._door.forwards_replaced(replay):
+                out = self.model(input_ids=self.cont, position_ids=self.position_ids, use_cache=True,
+                                 **{self._door.cache_argument(): cache})
         finally:
             for h in handles:
                 h.remove()
@@ -169,9 +138,9 @@ class ContinuationRunner:
         if self.reuse:
             replay = {module: _rows_replaying(module.forward, self.recorded[i], active[i], batch)
                       for i, module in enumerate(self.layers) if active[i] < batch}
-        with _forwards_replaced(replay):
-            out = self.model(input_ids=self.cont.expand(batch, -1), position_ids=self.position_ids, cache=cache,
-                             use_cache=True)
+        with self._door.forwards_replaced(replay):
+            out = self.model(input_ids=self.cont.expand(batch, -1), position_ids=self.position_ids, use_cache=True,
+                             **{self._door.cache_argument(): cache})
         kls = self.kl_per_position(log_probs(out.logits))
         result = torch.empty_like(kls)
         result[torch.tensor(order)] = kls

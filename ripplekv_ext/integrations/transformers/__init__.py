@@ -1,5 +1,41 @@
-"""Everything that depends on how transformers' models are built (their modules, forwards, caches).
+"""The one door between ripplekv_ext and transformers: everything that depends on transformers' internals.
 
-Import the submodule you need (``ripplekv_ext.integrations.transformers.layer_forwards``); this package imports
-nothing by itself.
+Imported lazily by the core (``import ripplekv_ext`` loads no transformers); importing it imports transformers,
+and fails with the supported range named when transformers is missing. What lives here:
+
+* ``versions``: the supported torch / transformers ranges and the adapters for the differences within them;
+* ``CompressedLayer`` (``compressed_layer``): a full-attention cache layer after compression, an ordinary
+  ``CacheLayer`` subclass;
+* ``attention``: the attention registration (a uniquely named ``AttentionInterface`` entry per block, the model's
+  configs switched to it; the global entries are never replaced) and the eager attention function;
+* ``cache_steps``: the steps on a model's cache -- ``compress_layer`` at the end of a prefill,
+  ``reselect_layer`` during decoding, ``compressed_cache`` (a cache rebuilt from captured prefill steps) and the
+  lookups the core needs (``layer_at``, ``cache_device``);
+* ``model_parts``: a model's decoder layers, its input device, and running other functions in place of its
+  decoder-layer forwards (the profiler's replay);
+* ``continuous_batching``: the paged cache and engine hooks behind ``ripplekv_ext.engines.transformers_cb.serve``.
 """
+
+from ripplekv_ext.integrations.transformers.versions import SUPPORTED_TRANSFORMERS_TEXT
+
+try:
+    import transformers  # noqa: F401  (the door's reason to exist: fail here, by name, when it is missing)
+except ImportError as error:
+    raise ImportError(f"ripplekv_ext's transformers integration needs {SUPPORTED_TRANSFORMERS_TEXT}: "
+                      f"pip install '{SUPPORTED_TRANSFORMERS_TEXT}'") from error
+
+from ripplekv_ext.integrations.transformers.attention import (attention_implementation, base_attention,
+                                                              eager_attention, registered_attention,
+                                                              unique_attention_name)
+from ripplekv_ext.integrations.transformers.cache_steps import (cache_classes, cache_device, compress_layer,
+                                                                compressed_cache, is_prefill, layer_at, new_cache,
+                                                                reselect_layer)
+from ripplekv_ext.integrations.transformers.compressed_layer import (CompressedLayer, block_on, close_block,
+                                                                     open_block)
+from ripplekv_ext.integrations.transformers.model_parts import decoder_layers, forwards_replaced, input_device
+from ripplekv_ext.integrations.transformers.versions import cache_argument, check_versions, output_cache
+
+__all__ = ["CompressedLayer", "attention_implementation", "base_attention", "block_on", "cache_argument",
+           "cache_classes", "cache_device", "check_versions", "close_block", "compress_layer", "compressed_cache",
+           "decoder_layers", "eager_attention", "forwards_replaced", "input_device", "is_prefill", "layer_at",
+           "new_cache", "open_block", "output_cache", "registered_attention", "reselect_layer", "unique_attention_name"]

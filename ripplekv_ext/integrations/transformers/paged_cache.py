@@ -1,26 +1,22 @@
 """The paged cache and allocator behind ``ripplekv_ext.engines.transformers_cb.serve``: subclasses of transformers
 5.24's private continuous-batching classes (built on first use, so importing this costs nothing), and the engine
-settings they need. Kept apart from ``transformers_cb`` (the public side: version check, ``serve``, the attention
-wrapper) only for size; the two modules are one adaptation, pinned to one transformers release.
+settings they need. ``continuous_batching`` puts them into the engine.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import itertools
 import math
-from typing import TYPE_CHECKING, Optional
+from typing import Optional
 
 import torch
 from torch import Tensor
 
+from ripplekv_ext.integrations.transformers.attention import registered_function, switched_attention
 
-if TYPE_CHECKING:
-    from ripplekv_ext.engines.transformers_cb import ServingSession
-
-CONTEXT_KEY = "ripplekv_cb"  # kwargs key our cache uses to hand the attention wrapper its batch
-WRAPPED_ATTENTION = ("sdpa", "paged|eager")
+CONTEXT_KEY = "ripplekv_cb"  # kwargs key our cache uses to hand the attention function its batch
+ENGINE_ATTENTION = ("sdpa", "paged|eager")  # what the engine runs a model with that serve can compute with
 
 
 def cb_modules():
@@ -29,22 +25,6 @@ def cb_modules():
     from transformers.generation.continuous_batching.cache_allocators import full_attention
 
     return cb_cache, continuous_api, full_attention
-
-
-@dataclasses.dataclass(frozen=True)
-class PrefillCompression:
-    """One request's compression at the end of its prefill, as ``ServingSession.events`` records it."""
-
-    request_id: str
-    prompt_tokens: int
-    tier_budgets: tuple  # tokens kept per KV head in each tier (== prompt_tokens where a tier stays whole)
-    blocks_before: int  # blocks the request held in all tiers before (one block = one page per layer of a tier)
-    blocks_after: int
-    pages_per_block: int
-
-    @property
-    def pages_freed(self) -> int:
-        return (self.blocks_before - self.blocks_after) * self.pages_per_block
 
 
 def block_diagonal_causal_mask(cu_q: list[int], cu_k: list[int], dtype: torch.dtype, device,
@@ -164,8 +144,8 @@ def engine_classes():
             return sum(len(table) for table in self.tables.get(request_id, []))
 
         def get_seqlen_k(self, past_length, query_length):
-            # Only feeds the IO's own mask, which the wrapper replaces: kept to the new tokens, it costs little to
-            # build and stays inside the IO's buffer, whose width is the uncompressed cache.
+            # Only feeds the IO's own mask, which our attention replaces: kept to the new tokens, it costs little
+            # to build and fits the IO's buffer, which holds no cached tokens (see max_tokens_read).
             return query_length
 
         def get_read_indices(self, request_id, past_length, query_length):
@@ -211,13 +191,21 @@ def engine_classes():
             self.allow_block_sharing = self.use_prefix_sharing = False
             self.max_blocks_per_request = 0
             self.max_decode_fast_path_length = 0
-            # max_tokens_read does two jobs. The engine's IO sizes its mask and read-index buffers from it once, when
-            # it is built (before any request is stored): it keeps the stock value, and each tier's mask is written
-            # into that buffer (tier_mask), so the buffers are the stock engine's. The scheduler reads it every
-            # batch as the read budget, counted in uncompressed lengths: compressed requests read far less, so once
-            # requests arrive the budget grows by the inverse retention (else it caps the batch at what the
-            # uncompressed cache could hold).
+            # max_tokens_read does two jobs. The engine's IO sizes its mask and read-index buffers from it once,
+            # right after this cache is built: ours build their own read rows and masks, and the IO's own mask
+            # covers only the new tokens (get_seqlen_k), so those buffers need no room for cached tokens (the stock
+            # engine's mask buffer is max_batch_tokens x (cache tokens + max_batch_tokens)). The scheduler reads it
+            # every batch as the read budget, counted in uncompressed lengths: compressed requests read far less,
+            # so once requests arrive it is the stock budget times the inverse retention (else it caps the batch
+            # at what the uncompressed cache could hold).
             self._read_budget = math.ceil(self.max_tokens_read / session.policy.retention)
+            # Our masks, all tiers of one forward together, never hold more than the stock engine's buffer.
+            self._mask_budget = self.max_batch_tokens * (self.max_tokens_read + self.max_batch_tokens)
+            self.max_tokens_read = 0
+            # Attention is computed with the function the engine chose for the model, reached under the serve
+            # block's own registry name: each forward switches the model's configs to it and back.
+            self.base_attention = registered_function(config._attn_implementation)
+            self._attention = switched_attention(session.model, session.attention_name)
             self._states: dict = {}
             self._pending: list[tuple[str, int, int]] = []
             self._batch: Optional[dict] = None
@@ -248,6 +236,10 @@ def engine_classes():
         def held_blocks(self, request_id: str) -> int:
             return self.allocator.held_blocks(request_id)
 
+        def restore_attention(self) -> None:
+            """Give the model's configs back the engine's attention if a forward left them switched to ours."""
+            self._attention.restore(only_if_switched=True)
+
         # -- the forward ----------------------------------------------------------------------------------------------
         def _build_batch(self) -> None:
             allocator, num_tiers = self.allocator, len(self.session.tiers)
@@ -274,14 +266,15 @@ def engine_classes():
                 writes=writes, reads=reads, cu_q=cu_q, cu_k=cu_k,
                 cu_k_tensors=[torch.tensor(c, dtype=torch.int32, device=self.device) for c in cu_k],
                 max_k=[max(c[j + 1] - c[j] for j in range(len(c) - 1)) for c in cu_k],
-                finishing=finishing, prefilling=prefilling, masks={}, mask_offset=0)
+                finishing=finishing, prefilling=prefilling, masks={}, mask_offset=0, mask_elements=0)
             self._pending = []
 
         @torch.compiler.disable
         def update(self, key_states, value_states, layer_idx, kwargs):
-            if self._pending:  # the first layer of a new forward
+            if self._pending:  # the first layer of a new forward, before its attention function is looked up
                 self.session.check_open()
                 self._build_batch()
+                self._attention.switch()
             batch, tier = self._batch, self.allocator.tier_of[layer_idx]
             kwargs["cu_seq_lens_k"] = batch["cu_k_tensors"][tier]
             kwargs["max_length_k"] = batch["max_k"][tier]
@@ -295,30 +288,29 @@ def engine_classes():
 
         def tier_mask(self, tier: int, dtype: torch.dtype, device, engine_mask: Optional[Tensor]) -> Tensor:
             """Additive block-diagonal mask ``[1, 1, total_q, total_k]`` of a tier: each request's queries see its
-            own cached tokens and its new tokens up to themselves. Built once per forward and tier, in the storage
-            of ``engine_mask`` (the IO's mask buffer, sized like the stock engine's) while the tiers' masks fit
-            there one after the other; when the next one does not, the earlier ones are dropped and rebuilt when a
-            layer needs them again. Only a mask larger than the whole buffer (a tier holding more tokens than the
-            uncompressed cache could) gets memory of its own."""
+            own cached tokens and its new tokens up to themselves. Built once per forward and tier; in the storage
+            of ``engine_mask`` (the IO's mask buffer, room for the new tokens' own mask) while the tiers' masks fit
+            there one after the other, else in memory of its own. Together a forward's masks hold at most the stock
+            engine's mask buffer: past that, the earlier ones are dropped and rebuilt when a layer needs them."""
             batch = self._batch
             masks = batch["masks"]
             key = (tier, dtype)
             if key in masks:
                 return masks[key]
-            cu_k = batch["cu_k"][tier]
-            size = batch["cu_q"][-1] * cu_k[-1]
+            total_q, total_k = batch["cu_q"][-1], batch["cu_k"][tier][-1]
+            size = total_q * total_k
+            if batch["mask_elements"] + size > self._mask_budget:
+                masks.clear()
+                batch["mask_elements"] = batch["mask_offset"] = 0
             buffer = None
             if engine_mask is not None and engine_mask.dtype == dtype and engine_mask.device == torch.device(device):
                 capacity = engine_mask.untyped_storage().nbytes() // engine_mask.element_size()
-                if size <= capacity:
-                    if batch["mask_offset"] + size > capacity:
-                        masks.clear()
-                        batch["mask_offset"] = 0
+                if batch["mask_offset"] + size <= capacity:
                     flat = engine_mask.as_strided((capacity,), (1,), 0)
-                    buffer = flat[batch["mask_offset"]:batch["mask_offset"] + size]
-                    buffer = buffer.view(1, 1, batch["cu_q"][-1], cu_k[-1])
+                    buffer = flat[batch["mask_offset"]:batch["mask_offset"] + size].view(1, 1, total_q, total_k)
                     batch["mask_offset"] += size
-            masks[key] = block_diagonal_causal_mask(batch["cu_q"], cu_k, dtype, device, out=buffer)
+            masks[key] = block_diagonal_causal_mask(batch["cu_q"], batch["cu_k"][tier], dtype, device, out=buffer)
+            batch["mask_elements"] += size
             return masks[key]
 
         def after_attention(self, layer_idx: int, query: Tensor, key: Tensor, value: Tensor,
@@ -339,6 +331,7 @@ def engine_classes():
                                          key[:, :, cu_k[i]:cu_k[i + 1]], value[:, :, cu_k[i]:cu_k[i + 1]], scaling)
             if layer_idx == self._last_layer:
                 self._release_pages()
+                self._attention.restore(only_if_switched=True)
 
         def _compress_layer(self, layer_idx, request_id, n, queries, keys, values, scaling) -> None:
             previous = self._query_tail.pop((request_id, layer_idx), None)
@@ -367,9 +360,8 @@ def engine_classes():
                     if budget < n:
                         self.allocator.truncate(request_id, tier, budget, n - budget)
                 if any(b < n for b in budgets):
-                    session.events.append(PrefillCompression(
-                        request_id, n, tuple(budgets), before, self.allocator.held_blocks(request_id),
-                        self.allocator.pages_per_block))
+                    session.record_compression(request_id, n, budgets, before, self.allocator.held_blocks(request_id),
+                                               self.allocator.pages_per_block)
 
     return TieredCacheAllocator, RippleKVPagedCache
 
@@ -389,7 +381,7 @@ def check_settings(config, cb, distributed_helper) -> None:
     if getattr(distributed_helper, "tp_size", 1) > 1:
         problems.append("no tensor parallelism")
     implementation = getattr(config, "_attn_implementation", None)
-    if implementation not in WRAPPED_ATTENTION:
+    if implementation not in ENGINE_ATTENTION:
         problems.append(f"attention 'sdpa' or 'paged|eager' (got {implementation!r}; load the model with "
                         "attn_implementation='sdpa' and pass auto_switch_to_flash=False)")
     if problems:

@@ -1,7 +1,8 @@
-"""The one place where ripplekv_ext meets transformers' version differences.
+"""The supported torch and transformers ranges, and the adapters for transformers' differences within them.
 
-Supported: the ranges below (also declared in pyproject.toml and the README). ``check_versions()`` runs when a
-``compress(...)`` block opens and raises one ``RuntimeError`` naming the installed and the supported versions,
+Imports only torch at its top (transformers lazily), so the package can name the supported range when
+transformers is missing. Supported: the ranges below (also declared in pyproject.toml and the README).
+``check_versions()`` runs when a ``compress(...)`` block opens and raises one ``RuntimeError`` naming the installed and the supported versions,
 instead of a traceback from deep inside transformers. ``RIPPLEKV_ALLOW_UNSUPPORTED=1`` turns that error into a
 warning, for trying a stack outside the ranges (a GPU image with an older torch, say) at one's own risk.
 

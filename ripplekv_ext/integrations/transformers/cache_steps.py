@@ -1,0 +1,121 @@
+"""The steps on a transformers cache: the only code that puts a ``CompressedLayer`` into a cache.
+
+``compress_layer`` is what a ``compress`` block runs at the end of a layer's prefill; ``reselect_layer`` its twin
+during decoding (``Policy.decode_every``); ``compressed_cache`` rebuilds a prefill's cache from captured
+``CompressionStep``s under another compressor (the fidelity harness runs many policies from one prefill).
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Optional
+
+import torch
+from torch import Tensor
+from transformers.cache_utils import DynamicCache, DynamicLayer, DynamicSlidingWindowLayer
+
+from ripplekv_ext.compressor import KVCompressor
+from ripplekv_ext.integrations.transformers.compressed_layer import CompressedLayer
+from ripplekv_ext.model_info import text_config
+
+__all__ = ["cache_classes", "cache_device", "compress_layer", "compressed_cache", "is_prefill", "layer_at", "new_cache",
+           "reselect_layer"]
+
+
+def cache_classes() -> list:
+    """The classes a compressed context's cache is made of (what ``torch.load(weights_only=True)`` must allow)."""
+    return [DynamicCache, DynamicLayer, DynamicSlidingWindowLayer, CompressedLayer]
+
+
+def new_cache(model) -> DynamicCache:
+    """The cache ``model`` would create for itself in a forward given none."""
+    return DynamicCache(config=text_config(model))
+
+
+def layer_at(cache, layer_idx: Optional[int]):
+    """Layer ``layer_idx`` of ``cache`` (None when there is no such layer, or no cache)."""
+    layers = getattr(cache, "layers", ())
+    if layer_idx is None or not 0 <= layer_idx < len(layers):
+        return None
+    return layers[layer_idx]
+
+
+def cache_device(cache) -> Optional[torch.device]:
+    """The device of the keys ``cache`` holds (None before any layer holds any)."""
+    keys = getattr(layer_at(cache, 0), "keys", None)
+    return None if keys is None else keys.device
+
+
+def is_prefill(layer, query: Tensor, key: Tensor) -> bool:
+    """Whether an attention call with ``query`` over ``key`` is a prefill of the uncompressed ``layer``: the layer
+    held nothing before it (its keys are exactly this call's, as many as the queries)."""
+    return type(layer) is DynamicLayer and layer.keys is key and key.shape[2] == query.shape[2]
+
+
+def compress_layer(cache, layer_idx: int, queries: Tensor, keys: Tensor, values: Tensor,
+                   compressor: KVCompressor, lengths: Optional[Tensor] = None,
+                   scale: Optional[float] = None) -> list[int]:
+    """Compress layer ``layer_idx`` of ``cache`` at the end of its prefill and replace it by a ``CompressedLayer``.
+
+    ``queries`` are what the policy's selector reads (the last ``W`` post-RoPE queries, or all of them); ``lengths``
+    (int64 ``[B]``) the real tokens of each row of a left-padded batch (None: no padding). The full tensors are
+    released (memory is really freed, not masked). With ``decode_every`` the layer keeps the newest ``W`` queries
+    and each row's prompt length for later selections. Returns the tokens each row kept.
+    """
+    n = keys.shape[2]
+    policy = compressor.policy
+    if lengths is None:
+        kept_keys, kept_values = compressor.compress(layer_idx, queries, keys, values, scale=scale)
+        key_mask, row_kept = None, [kept_keys.shape[2]] * keys.shape[0]
+    else:
+        # A prefill's mask covers exactly its n tokens (the layer was empty before it).
+        kept_keys, kept_values, key_mask = compressor.compress_rows(layer_idx, queries, keys, values, lengths,
+                                                                    scale=scale)
+        row_kept = key_mask.sum(dim=1).tolist()
+        if bool(key_mask.all()):  # no padding slot left: the plain causal path
+            key_mask = None
+    compressed = CompressedLayer(kept_keys, kept_values, seen_tokens=n, key_mask=key_mask)
+    if policy.decode_every is not None:
+        compressed.remember_queries(queries, policy.window)
+        compressed.prompt_lengths = (torch.full((keys.shape[0],), n, dtype=torch.int64) if lengths is None
+                                     else lengths.cpu())
+    cache.layers[layer_idx] = compressed
+    return row_kept
+
+
+def reselect_layer(layer: CompressedLayer, layer_idx: int, compressor: KVCompressor,
+                   scale: Optional[float] = None) -> None:
+    """Select a compressed layer down to its decode budget again (each row its own), its newest window kept."""
+    budgets = [compressor.decode_budgets(seen, prompt)[layer_idx]
+               for seen, prompt in zip(layer.seen_per_row(), layer.prompt_lengths.tolist())]
+    queries, keys, values = layer.recent_queries, layer.keys, layer.values
+    if layer.key_mask is None and len(set(budgets)) == 1:
+        kept_keys, kept_values = compressor.compress(layer_idx, queries, keys, values, scale=scale,
+                                                     budget=budgets[0])
+        key_mask = None
+    else:
+        # A compressed layer stays left-padded: each row's real slots are its last ones.
+        kept_keys, kept_values, key_mask = compressor.compress_rows(layer_idx, queries, keys, values,
+                                                                    layer.held_per_row(), scale=scale,
+                                                                    budgets=budgets)
+        if bool(key_mask.all()):
+            key_mask = None
+    layer.keep(kept_keys, kept_values, key_mask)
+
+
+def compressed_cache(cache, steps: dict, compressor: Optional[KVCompressor] = None):
+    """A copy of a prefill's ``cache`` whose layers in ``steps`` (layer -> the ``CompressionStep`` captured during
+    that prefill) are compressed again by ``compressor`` from the step's full keys, values and window queries:
+    what ``compress(model, compressor.policy)`` would have left. ``compressor`` None keeps those layers whole.
+
+    The other layers (sliding windows no policy manages) are deep-copied, since continuing appends to them; the
+    captured cache itself is left as it was, so it can serve the next policy.
+    """
+    out = copy.copy(cache)
+    out.layers = [layer if i in steps else copy.deepcopy(layer) for i, layer in enumerate(cache.layers)]
+    for layer_idx, step in steps.items():
+        keys, values = step.keys, step.values
+        if compressor is not None:
+            keys, values = compressor.compress(layer_idx, step.queries, keys, values, scale=step.scale)
+        out.layers[layer_idx] = CompressedLayer(keys, values, seen_tokens=step.n_tokens)
+    return out
