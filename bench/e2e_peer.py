@@ -21,6 +21,7 @@ import torch
 
 from e2e_measure import median_or_none, prefill, ratio_or_none
 from ripplekv_ext import KVCompressor, compress
+from ripplekv_ext.policies import DEFAULT_WINDOW
 
 BENCH_DIR = Path(__file__).resolve().parent  # this harness lives in bench/ of a source checkout
 PEER_SCRIPT = BENCH_DIR / "peer_kvpress.py"
@@ -139,7 +140,7 @@ def alternate_steps(model, example: torch.Tensor, prefix_len: int, policies: dic
 
 
 def measure_peer(model, tokenizer, model_dir: str, n_tokens: int = 8192, cont_len: int = 32, num_examples: int = 2,
-                 retention: float = 0.2, methods=PEER_METHODS, window: int = 32, kernel_size: int = 7,
+                 retention: float = 0.2, methods=PEER_METHODS, window: int = DEFAULT_WINDOW, kernel_size: int = 7,
                  pooling: str = "avg", step_rounds: int = 7, peer_python: Optional[str] = None) -> dict:
     """Ours next to kvpress on the same model, prompts and retention: prefill seconds, the compression step
     alone, and fidelity ``KL(P_full || P_compressed)`` on a teacher-forced continuation. ``model_dir`` is the
@@ -160,7 +161,8 @@ def measure_peer(model, tokenizer, model_dir: str, n_tokens: int = 8192, cont_le
     """
     from ripplekv_ext.eval.fidelity import continuation_logits_fn, evaluate_fidelity, fidelity_examples
     from ripplekv_ext.allocation import PyramidKVAllocator, UniformAllocator
-    from ripplekv_ext.policies import Policy, SnapKVSelector
+    from ripplekv_ext.policies import Policy
+    from ripplekv_ext.selectors import SnapKVSelector
 
     examples = fidelity_examples(tokenizer, n_tokens, cont_len, num_examples)
     prefixes = examples[:, :n_tokens]
@@ -202,7 +204,7 @@ def measure_peer(model, tokenizer, model_dir: str, n_tokens: int = 8192, cont_le
                    kvpress_kl=theirs["kl"], kvpress_kl_stderr=theirs["kl_stderr"],
                    kvpress_overhead_s=theirs["prefill_s"] - peer["prefill_s"])
         row["compression_speedup_in_prefill"] = ratio_or_none(theirs["compress_s"], row["ours_compress_s"])
-    # The issue's target: our compression step >= 3x faster than kvpress's (our hook's compress call, their
+    # The target: our compression step >= 3x faster than kvpress's (our hook's compress call, their
     # press.compress, summed over layers), timed alternately.
     out["step_rounds"] = step_rounds
     steps = alternate_steps(model, examples[:1], n_tokens, policies, python, str(model_dir), retention, window,

@@ -8,14 +8,16 @@ compressed.
 
 from __future__ import annotations
 
+import abc
 import math
-from typing import Sequence
+from typing import Optional, Sequence
 
 from ripplekv_ext.checks import check_int
 
 __all__ = [
     "average_budget", "integer_budgets", "uniform_budgets", "pyramidkv_schedule", "pyramidkv_budgets",
-    "ripplekv_weights", "ripplekv_budgets", "UniformAllocator", "PyramidKVAllocator", "RippleKVAllocator",
+    "ripplekv_weights", "ripplekv_budgets", "Allocator", "UniformAllocator", "PyramidKVAllocator",
+    "RippleKVAllocator",
 ]
 
 # RippleKV's defaults, in one place: the budget ratio between the most and the least sensitive layer (R) and the
@@ -199,30 +201,49 @@ def ripplekv_budgets(sensitivity: Sequence[float], n_tokens: int, avg_budget: in
     return integer_budgets(weights, n_tokens, avg_budget, window, priority=sensitivity)
 
 
-class UniformAllocator:
+class Allocator(abc.ABC):
+    """How many tokens each compressible layer keeps, at a given average: the type every allocator is.
+
+    ``name`` names it in method names (``ALLOCATOR+SELECTOR``).
+    """
+
+    name: str = "custom"
+
+    @abc.abstractmethod
+    def budgets(self, num_layers: int, n_tokens: int, avg_budget: int, window: int,
+                layers: Optional[Sequence[int]] = None) -> list[int]:
+        """Budgets (tokens per KV head, window included) of ``num_layers`` compressible layers for an
+        ``n_tokens`` prompt, summing to ``num_layers * avg_budget`` (each in ``[min(N, window + 1), N]``).
+        ``layers`` names those layers (ascending indices) for allocators that hold per-layer data; None means
+        ``0 .. num_layers - 1``."""
+
+
+class UniformAllocator(Allocator):
     name = "uniform"
 
-    def budgets(self, num_layers: int, n_tokens: int, avg_budget: int, window: int) -> list[int]:
+    def budgets(self, num_layers: int, n_tokens: int, avg_budget: int, window: int,
+                layers: Optional[Sequence[int]] = None) -> list[int]:
         return uniform_budgets(num_layers, n_tokens, avg_budget, window)
 
     def __repr__(self):
         return "UniformAllocator()"
 
 
-class PyramidKVAllocator:
+class PyramidKVAllocator(Allocator):
     name = "pyramidkv"
 
     def __init__(self, beta: int = 20):
         self.beta = check_int("beta", beta, 1)
 
-    def budgets(self, num_layers: int, n_tokens: int, avg_budget: int, window: int) -> list[int]:
+    def budgets(self, num_layers: int, n_tokens: int, avg_budget: int, window: int,
+                layers: Optional[Sequence[int]] = None) -> list[int]:
         return pyramidkv_budgets(num_layers, n_tokens, avg_budget, window, self.beta)
 
     def __repr__(self):
         return f"PyramidKVAllocator(beta={self.beta})"
 
 
-class RippleKVAllocator:
+class RippleKVAllocator(Allocator):
     """Budgets from a sensitivity profile.
 
     `profile_or_sensitivity` is a loaded profile (anything with `sensitivity` and `layers` lists, e.g.

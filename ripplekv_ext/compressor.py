@@ -223,32 +223,10 @@ class KVCompressor:
             return None
         if all(length == n for length in lengths) and len(set(budgets)) == 1:  # no padding: one batched call
             return self.select(layer_idx, queries, keys, scale, budgets[0])
-        selector = self.policy.selector
-        if hasattr(selector, "select_rows"):  # the per-row ops: one call for the whole batch
-            as_tensor = functools.partial(torch.tensor, dtype=torch.int64, device=keys.device)
-            return selector.select_rows(queries, keys, as_tensor(budgets), as_tensor(lengths), self.policy.window,
-                                        scale)
-        return self._select_rows_loop(queries, keys, lengths, budgets, scale)
-
-    def _select_rows_loop(self, queries: Tensor, keys: Tensor, lengths: tuple[int, ...], budgets: list[int],
-                          scale: Optional[float]) -> Tensor:
-        # Selectors without a per-row form (StreamingLLM, whose indices need no scoring; a user's own): each row
-        # alone through `select`, assembled into the left-padded layout.
-        b, h_kv, n, _ = keys.shape
-        window, selector = self.policy.window, self.policy.selector
-        kept = [min(budget, length) for budget, length in zip(budgets, lengths)]
-        indices = torch.full((b, h_kv, max(kept)), -1, dtype=torch.int64, device=keys.device)
-        for row, (length, budget, c) in enumerate(zip(lengths, budgets, kept)):
-            start = n - length
-            if c == 0:
-                continue
-            if budget >= length:
-                positions = torch.arange(start, n, device=keys.device).expand(1, h_kv, length)
-            else:
-                row_queries = queries[row:row + 1, :, max(queries.shape[2] - length, 0):]
-                positions = selector.select(row_queries, keys[row:row + 1, :, start:], budget, window, scale) + start
-            indices[row, :, indices.shape[2] - c:] = positions[0]
-        return indices
+        # One call for the whole batch (the per-row ops for scored selectors; other selectors go row by row).
+        as_tensor = functools.partial(torch.tensor, dtype=torch.int64, device=keys.device)
+        return self.policy.selector.select_rows(queries, keys, as_tensor(budgets), as_tensor(lengths),
+                                                self.policy.window, scale)
 
     def compress_rows(self, layer_idx: int, queries: Tensor, keys: Tensor, values: Tensor, lengths,
                       scale: Optional[float] = None, budgets=None) -> tuple[Tensor, Tensor, Tensor]:

@@ -11,7 +11,8 @@ import dataclasses
 from typing import Optional
 
 from ripplekv_ext.allocation import DEFAULT_RATIO, PyramidKVAllocator, RippleKVAllocator, UniformAllocator
-from ripplekv_ext.policies import H2OSelector, Policy, SnapKVSelector, StreamingLLMSelector
+from ripplekv_ext.policies import DEFAULT_WINDOW, Policy
+from ripplekv_ext.selectors import H2OSelector, SnapKVSelector, StreamingLLMSelector
 
 __all__ = ["PUBLISHED", "DEFAULT_METHODS", "ALLOCATORS", "SELECTORS", "check_method", "is_full", "needs_profile",
            "make_allocator", "make_policy"]
@@ -57,7 +58,7 @@ def make_allocator(name: str, profile=None, ratio: float = DEFAULT_RATIO):
     raise ValueError(f"unknown allocator {name!r}: expected one of {ALLOCATORS}")
 
 
-def make_policy(method: str, retention: float, profile=None, window: int = 32, ratio: float = DEFAULT_RATIO,
+def make_policy(method: str, retention: float, profile=None, window: int = DEFAULT_WINDOW, ratio: float = DEFAULT_RATIO,
                 decode_every: Optional[int] = None, decode_budget: Optional[int] = None) -> Policy:
     """The policy a method name stands for at ``retention`` (Full ignores the retention and the decode options).
 

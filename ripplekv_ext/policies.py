@@ -14,151 +14,22 @@ seen so far (``decode_layer_budgets``), so every allocator holds the same total 
 
 from __future__ import annotations
 
-import functools
-import inspect
 import warnings
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
-from torch import Tensor
-
-from ripplekv_ext.allocation import (DEFAULT_NORMALIZE, DEFAULT_RATIO, PyramidKVAllocator, RippleKVAllocator,
-                                     UniformAllocator, average_budget)
-# The product runs the compiled ops only; the pure-PyTorch reference (ripplekv_ref) is for tests and benchmarks.
+from ripplekv_ext.allocation import (DEFAULT_NORMALIZE, DEFAULT_RATIO, Allocator, PyramidKVAllocator,
+                                     RippleKVAllocator, UniformAllocator, average_budget)
 from ripplekv_ext.checks import check_int, is_integer, shown
-from ripplekv_ext.ops import h2o_scores, select_topk, select_topk_rows, snapkv_scores, streaming_indices
+from ripplekv_ext.selectors import H2OSelector, Selector, SnapKVSelector, StreamingLLMSelector
 
-__all__ = ["Policy", "SnapKVSelector", "H2OSelector", "StreamingLLMSelector", "DEFAULT_WINDOW", "PromptTooShortWarning"]
+__all__ = ["Policy", "DEFAULT_WINDOW", "PromptTooShortWarning"]
 
 DEFAULT_WINDOW = 32
 
 
-def _check_choice(name: str, value, choices: tuple) -> None:
-    if value not in choices:
-        raise ValueError(f"{name} must be one of {choices}, got {value!r}")
-
-
-def _check_queries(queries: Tensor, keys: Tensor) -> None:
-    if queries.dim() != 4 or keys.dim() != 4:
-        raise ValueError(f"queries and keys must be 4-D ([B, H_q, W, D] and [B, H_kv, N, D]), got "
-                         f"{queries.dim()}-D and {keys.dim()}-D")
-
-
-def _check_every_query(queries: Tensor, keys: Tensor) -> int:
-    """H2O scores with every prompt query: returns N after checking queries hold all N positions."""
-    _check_queries(queries, keys)
-    n = keys.shape[2]
-    if queries.shape[2] != n:
-        raise ValueError(f"H2O needs the queries of every prompt position: queries dim 2 must be N = {n}, "
-                         f"got {queries.shape[2]}")
-    return n
-
-
-class SnapKVSelector:
-    """Top tokens by attention mass from the last ``window`` queries, pooled along positions (SnapKV)."""
-
-    name = "snapkv"
-    needs_all_queries = False
-
-    def __init__(self, kernel_size: int = 7, pooling: str = "max", group_reduce: str = "mean"):
-        # Checked here, so a bad option fails when the policy is built, not at the first prefill.
-        if check_int("kernel_size", kernel_size, 1) % 2 == 0:
-            raise ValueError(f"kernel_size must be odd (pooling keeps the length), got {kernel_size}")
-        _check_choice("pooling", pooling, ("max", "avg"))
-        _check_choice("group_reduce", group_reduce, ("mean", "max"))
-        self.kernel_size, self.pooling, self.group_reduce = kernel_size, pooling, group_reduce
-
-    def select(self, queries: Tensor, keys: Tensor, budget: int, window: int,
-               scale: Optional[float] = None) -> Tensor:
-        """int64 ``[B, H_kv, budget]`` ascending. ``queries`` are the post-RoPE queries of at least the last
-        ``window`` prompt positions (more are accepted and cut to the window)."""
-        _check_queries(queries, keys)
-        if queries.shape[2] < window:
-            raise ValueError(f"queries must hold at least window = {window} positions, got {queries.shape[2]}")
-        q_window = queries[:, :, -window:]
-        scores = snapkv_scores(q_window, keys, kernel_size=self.kernel_size, pooling=self.pooling,
-                               group_reduce=self.group_reduce, scale=scale)
-        return select_topk(scores, budget, window)
-
-    def select_rows(self, queries: Tensor, keys: Tensor, budgets: Tensor, lengths: Tensor, window: int,
-                    scale: Optional[float] = None) -> Tensor:
-        """``select`` on each row of a left-padded batch alone, in one call per op: int64 ``[B, H_kv, C_max]``,
-        row ``b``'s ``min(budgets[b], lengths[b])`` kept positions in its last slots, ``-1`` before them."""
-        _check_queries(queries, keys)
-        if queries.shape[2] < window:
-            raise ValueError(f"queries must hold at least window = {window} positions, got {queries.shape[2]}")
-        scores = snapkv_scores(queries[:, :, -window:], keys, kernel_size=self.kernel_size, pooling=self.pooling,
-                               group_reduce=self.group_reduce, scale=scale, lengths=lengths)
-        return select_topk_rows(scores, budgets, window, lengths)
-
-    def __repr__(self):
-        return (f"SnapKVSelector(kernel_size={self.kernel_size}, pooling={self.pooling!r}, "
-                f"group_reduce={self.group_reduce!r})")
-
-
-class H2OSelector:
-    """Top tokens by attention mass accumulated over *all* prompt queries (H2O), plus the window."""
-
-    name = "h2o"
-    needs_all_queries = True
-
-    def __init__(self, chunk_size: int = 1024, group_reduce: str = "mean"):
-        check_int("chunk_size", chunk_size, 1)
-        _check_choice("group_reduce", group_reduce, ("mean", "max"))
-        self.chunk_size, self.group_reduce = chunk_size, group_reduce
-
-    def select(self, queries: Tensor, keys: Tensor, budget: int, window: int,
-               scale: Optional[float] = None) -> Tensor:
-        n = _check_every_query(queries, keys)
-        scores = h2o_scores(queries, keys, chunk_size=self.chunk_size, scale=scale, group_reduce=self.group_reduce)
-        return select_topk(scores[..., : n - window].contiguous(), budget, window)
-
-    def select_rows(self, queries: Tensor, keys: Tensor, budgets: Tensor, lengths: Tensor, window: int,
-                    scale: Optional[float] = None) -> Tensor:
-        """``select`` on each row of a left-padded batch alone (pads neither attend nor are attended)."""
-        n = _check_every_query(queries, keys)
-        scores = h2o_scores(queries, keys, chunk_size=self.chunk_size, scale=scale, group_reduce=self.group_reduce,
-                            lengths=lengths)
-        return select_topk_rows(scores[..., : n - window].contiguous(), budgets, window, lengths)
-
-    def __repr__(self):
-        return f"H2OSelector(chunk_size={self.chunk_size}, group_reduce={self.group_reduce!r})"
-
-
-class StreamingLLMSelector:
-    """The first ``sink`` positions (attention sinks) and the most recent ``budget - sink`` (StreamingLLM)."""
-
-    name = "streamingllm"
-    needs_all_queries = False
-
-    def __init__(self, sink: int = 4):
-        self.sink = check_int("sink", sink, 0)
-
-    def select(self, queries: Tensor, keys: Tensor, budget: int, window: int,
-               scale: Optional[float] = None) -> Tensor:
-        b, h, n, _ = keys.shape
-        return streaming_indices(n, budget, sink=self.sink, batch=b, heads=h, device=keys.device)
-
-    def __repr__(self):
-        return f"StreamingLLMSelector(sink={self.sink})"
-
-
 class PromptTooShortWarning(UserWarning):
     """A prompt too short for the policy's retention and window: it is left uncompressed."""
-
-
-@functools.lru_cache(maxsize=None)
-def _accepts_layers_of(budgets_function) -> bool:
-    try:
-        return "layers" in inspect.signature(budgets_function).parameters
-    except (TypeError, ValueError):
-        return False
-
-
-def _accepts_layers(allocator) -> bool:
-    # Allocators written against the four-argument protocol keep working; those that hold per-layer data take
-    # the layer indices as a keyword.
-    return _accepts_layers_of(type(allocator).budgets) if hasattr(type(allocator), "budgets") else False
 
 
 @dataclass(frozen=True)
@@ -166,12 +37,10 @@ class Policy:
     """``allocator x selector`` at a retention ratio, or Full (both ``None``: nothing is compressed).
 
     Args:
-        allocator: ``UniformAllocator()``, ``PyramidKVAllocator()``, ``RippleKVAllocator(profile)`` or anything with
-            ``.name`` and ``.budgets(num_layers, n_tokens, avg_budget, window) -> list[int]``.
-        selector: ``SnapKVSelector()``, ``H2OSelector()``, ``StreamingLLMSelector()`` or anything with ``.name``,
-            ``.needs_all_queries`` and ``.select(queries, keys, budget, window, scale) -> int64 [B, H_kv, C]``;
-            optionally ``.select_rows(queries, keys, budgets, lengths, window, scale)`` for left-padded batches in
-            one call (without it, ``KVCompressor`` selects each row alone with ``.select``).
+        allocator: an ``Allocator``: ``UniformAllocator()``, ``PyramidKVAllocator()``, ``RippleKVAllocator(profile)``,
+            ``TieredAllocator(...)`` or a subclass of one's own.
+        selector: a ``Selector``: ``SnapKVSelector()``, ``H2OSelector()``, ``StreamingLLMSelector()`` or a subclass
+            of one's own (``ScoredSelector`` for a new score).
         retention: fraction of the prompt kept on average over the compressible layers, in ``(0, 1]``.
         window: observation window ``W``: the last ``W`` prompt positions are always kept.
         decode_every: ``K``, compression during decoding: after every ``K`` new tokens each layer selects down to
@@ -185,8 +54,8 @@ class Policy:
             prompts with long generations (a prompt too short for its retention is otherwise never compressed).
     """
 
-    allocator: object = None
-    selector: object = None
+    allocator: Optional[Allocator] = None
+    selector: Optional[Selector] = None
     retention: float = 1.0
     window: int = DEFAULT_WINDOW
     decode_every: Optional[int] = None
@@ -196,6 +65,10 @@ class Policy:
         if (self.allocator is None) != (self.selector is None):
             raise ValueError("a Policy needs both an allocator and a selector (or neither, for Full), got "
                              f"allocator={self.allocator!r}, selector={self.selector!r}")
+        for name, value, base in (("allocator", self.allocator, Allocator), ("selector", self.selector, Selector)):
+            if value is not None and not isinstance(value, base):
+                raise TypeError(f"{name} must be a ripplekv_ext.{base.__name__} (subclass it for one of your own), "
+                                f"got {type(value).__name__}")
         if isinstance(self.retention, bool) or not (isinstance(self.retention, (int, float))
                                                     and 0.0 < float(self.retention) <= 1.0):
             raise ValueError(f"retention must be in (0, 1], got {self.retention!r}")
@@ -218,7 +91,7 @@ class Policy:
         if self.is_full:
             raise ValueError("decode_every needs a compressing policy (Policy.full() keeps every token); use e.g. "
                              "Policy.snapkv(0.2, decode_every=128)")
-        if getattr(self.selector, "needs_all_queries", False):
+        if self.selector.needs_all_queries:
             raise ValueError(f"decode_every is not supported with {self.selector!r}: it scores with every query of "
                              "the sequence, which a compressed cache no longer has; use SnapKV or StreamingLLM")
         if self.decode_budget is not None and (not is_integer(self.decode_budget)
@@ -302,10 +175,8 @@ class Policy:
         return self._allocate(num_layers, n_tokens, avg, layers)
 
     def _allocate(self, num_layers: int, n_tokens: int, avg: int, layers: Optional[Sequence[int]]) -> list[int]:
-        if layers is not None and _accepts_layers(self.allocator):
-            budgets = self.allocator.budgets(num_layers, n_tokens, avg, self.window, layers=list(layers))
-        else:
-            budgets = self.allocator.budgets(num_layers, n_tokens, avg, self.window)
+        budgets = self.allocator.budgets(num_layers, n_tokens, avg, self.window,
+                                         layers=None if layers is None else list(layers))
         if len(budgets) != num_layers:
             raise ValueError(f"allocator {self.allocator!r} returned {len(budgets)} budgets for {num_layers} layers")
         return [int(b) for b in budgets]

@@ -1,9 +1,9 @@
-"""The bad-input sweep of issue 13 kept as tables: one per public entry point, each row a call, the exception it
+"""The bad-input sweeps kept as tables: one per public entry point, each row a call, the exception it
 must raise and a fragment its message must hold (so no row passes on the type alone).
 
 The ops have their own table (``tests/test_ops_bad_inputs.py``, CPU and CUDA), the command line its own
 (``tests/test_bad_inputs_cli.py``). Here: ``Policy`` and its constructors, ``KVCompressor``, ``compress(...)`` and
-profile files. ``ROW_COUNTS`` at the end is what the issue's closing note reports.
+profile files. ``ROW_COUNTS`` at the end counts the rows per table.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import torch
 
 from ripplekv_ext import KVCompressor, Policy, compress
 from ripplekv_ext.allocation import UniformAllocator
-from ripplekv_ext.policies import H2OSelector, SnapKVSelector, StreamingLLMSelector
+from ripplekv_ext.selectors import H2OSelector, SnapKVSelector, StreamingLLMSelector
 from ripplekv_ext.profile_file import ProfileError, load_profile, save_profile
 
 pytest.importorskip("transformers")

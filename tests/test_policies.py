@@ -7,7 +7,8 @@ import torch
 
 import ripplekv_ref
 from ripplekv_ext.allocation import PyramidKVAllocator, RippleKVAllocator, UniformAllocator, average_budget
-from ripplekv_ext.policies import DEFAULT_WINDOW, H2OSelector, Policy, SnapKVSelector, StreamingLLMSelector
+from ripplekv_ext.policies import DEFAULT_WINDOW, Policy
+from ripplekv_ext.selectors import H2OSelector, SnapKVSelector, StreamingLLMSelector
 
 ALLOCATORS = [UniformAllocator(), PyramidKVAllocator(), RippleKVAllocator([0.1, 0.9, 0.3, 0.5, 0.2, 0.7])]
 SELECTORS = [SnapKVSelector(), H2OSelector(chunk_size=16), StreamingLLMSelector()]
@@ -129,7 +130,7 @@ def test_bad_policies_are_rejected(kwargs, message):
 
 
 def test_budget_below_window_leaves_the_prompt_uncompressed_with_a_warning():
-    # A prompt too short for the policy must not fail in the middle of a generation (issue 13, item 8).
+    # A prompt too short for the policy must not fail in the middle of a generation.
     from ripplekv_ext.policies import PromptTooShortWarning
 
     with pytest.warns(PromptTooShortWarning, match=r"average budget of 20 tokens, not more than the window \(32\)"):

@@ -1,6 +1,6 @@
-"""Regression tests for the Python-side cases of the bad-input sweep (issue 13, items 2, 3 and 8).
+"""Regression tests for the Python-side cases of the bad-input sweep.
 
-Each test failed on the code before the fix: a second `compress()` block exiting out of order left the model
+The cases: a second `compress()` block exiting out of order left the model
 pointing at a withdrawn attention registration; a profile's `layers` were ignored (sensitivities listed for
 layers [3, 2, 1, 0] landed on [0, 1, 2, 3]); negative or huge sensitivities were accepted or overflowed;
 `load_profile` did not expand `~` and leaked OS errors; a prompt too short for the policy failed mid-generation.
@@ -16,7 +16,8 @@ import torch
 
 from ripplekv_ext import KVCompressor, Policy, compress
 from ripplekv_ext.allocation import RippleKVAllocator, UniformAllocator, average_budget
-from ripplekv_ext.policies import PromptTooShortWarning, SnapKVSelector
+from ripplekv_ext.policies import PromptTooShortWarning
+from ripplekv_ext.selectors import SnapKVSelector
 from ripplekv_ext.profile_file import ProfileError, load_profile, save_profile
 
 pytest.importorskip("transformers")

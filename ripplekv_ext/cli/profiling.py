@@ -74,7 +74,8 @@ def budgets_table(model, prompt_len: int, retention: float, allocators: list[str
     """{allocator: budgets} over the compressible layers, plus those layers."""
     from ripplekv_ext.model_info import compressible_layers
     from ripplekv_ext.methods import make_allocator
-    from ripplekv_ext.policies import Policy, SnapKVSelector
+    from ripplekv_ext.policies import Policy
+    from ripplekv_ext.selectors import SnapKVSelector
 
     layers = compressible_layers(model)
     table = {}

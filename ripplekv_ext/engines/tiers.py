@@ -13,11 +13,11 @@ back the wrapped allocator's budgets, ``T = 1`` gives uniform budgets.
 
 from __future__ import annotations
 
-import inspect
 from typing import Optional, Sequence
 
-from ripplekv_ext.allocation import integer_budgets
+from ripplekv_ext.allocation import Allocator, integer_budgets
 from ripplekv_ext.checks import check_int
+from ripplekv_ext.policies import DEFAULT_WINDOW
 
 __all__ = ["TieredAllocator", "tier_counts"]
 
@@ -32,7 +32,7 @@ def tier_counts(num_layers: int) -> list[int]:
     return [t for t in range(1, num_layers + 1) if num_layers % t == 0]
 
 
-class TieredAllocator:
+class TieredAllocator(Allocator):
     """``base``'s per-layer budgets, rounded to ``num_tiers`` levels over tiers of equal size.
 
     Args:
@@ -45,21 +45,19 @@ class TieredAllocator:
 
     def __init__(self, base, num_tiers: int):
         num_tiers = check_int("num_tiers", num_tiers, 1)
-        if not hasattr(base, "budgets"):
-            raise TypeError(f"base must be an allocator (with .budgets), got {type(base).__name__}")
+        if not isinstance(base, Allocator):
+            raise TypeError(f"base must be a ripplekv_ext.Allocator, got {type(base).__name__}")
         self.base = base
         self.num_tiers = num_tiers
-        self.name = f"{getattr(base, 'name', 'custom')}-t{num_tiers}"
+        self.name = f"{base.name}-t{num_tiers}"
         self._tiers_cache: dict = {}  # membership depends on the layers and window only
 
     def _base_budgets(self, num_layers: int, n_tokens: int, avg_budget: int, window: int,
                       layers: Optional[Sequence[int]]) -> list[int]:
-        # Allocators holding per-layer data (a RippleKV profile) take the layer indices; others have four arguments.
-        if layers is not None and "layers" in inspect.signature(self.base.budgets).parameters:
-            return list(self.base.budgets(num_layers, n_tokens, avg_budget, window, layers=list(layers)))
-        return list(self.base.budgets(num_layers, n_tokens, avg_budget, window))
+        return list(self.base.budgets(num_layers, n_tokens, avg_budget, window,
+                                      layers=None if layers is None else list(layers)))
 
-    def tiers(self, layers: Sequence[int], window: int = 32) -> list[list[int]]:
+    def tiers(self, layers: Sequence[int], window: int = DEFAULT_WINDOW) -> list[list[int]]:
         """The compressible ``layers`` (ascending indices) cut into ``num_tiers`` equal groups, the layers with
         the largest budgets first; each group ascending."""
         layers = [int(x) for x in layers]

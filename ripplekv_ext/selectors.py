@@ -1,0 +1,163 @@
+"""Selectors: which tokens a layer keeps under its budget.
+
+``Selector`` is the type every selector is: ``select`` keeps ``budget`` positions per KV head, the last ``window``
+always among them; ``select_rows`` does the same for each row of a left-padded batch, as if each were alone (the
+base runs each row through ``select``). ``ScoredSelector`` is the common kind: it ``score``s the positions before
+the window and keeps the top ones plus the window, with the fused per-row ops (kvpress's ``ScorerPress`` is the
+model). Any ``Selector`` combines with any allocator in a ``Policy``.
+"""
+
+from __future__ import annotations
+
+import abc
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from ripplekv_ext.checks import check_int
+from ripplekv_ext.ops import h2o_scores, select_topk, select_topk_rows, snapkv_scores, streaming_indices
+
+__all__ = ["Selector", "ScoredSelector", "SnapKVSelector", "H2OSelector", "StreamingLLMSelector"]
+
+
+def _check_choice(name: str, value, choices: tuple) -> None:
+    if value not in choices:
+        raise ValueError(f"{name} must be one of {choices}, got {value!r}")
+
+
+def _check_queries(queries: Tensor, keys: Tensor) -> None:
+    if queries.dim() != 4 or keys.dim() != 4:
+        raise ValueError(f"queries and keys must be 4-D ([B, H_q, W, D] and [B, H_kv, N, D]), got "
+                         f"{queries.dim()}-D and {keys.dim()}-D")
+
+
+class Selector(abc.ABC):
+    """Which ``budget`` of a layer's ``N`` positions each KV head keeps; the last ``window`` always among them.
+
+    ``name`` names the selector in method names (``ALLOCATOR+SELECTOR``); ``needs_all_queries`` says whether it
+    reads the queries of every prompt position (H2O) or only the window's.
+    """
+
+    name: str = "custom"
+    needs_all_queries: bool = False
+
+    @abc.abstractmethod
+    def select(self, queries: Tensor, keys: Tensor, budget: int, window: int,
+               scale: Optional[float] = None) -> Tensor:
+        """int64 ``[B, H_kv, budget]``, ascending. ``queries``: the post-RoPE queries ``[B, H_q, W', D]`` of the
+        last ``W' >= window`` prompt positions (every position when ``needs_all_queries``); ``keys``
+        ``[B, H_kv, N, D]``; ``scale`` the model's softmax scale (None: ``1/sqrt(D)``)."""
+
+    def select_rows(self, queries: Tensor, keys: Tensor, budgets: Tensor, lengths: Tensor, window: int,
+                    scale: Optional[float] = None) -> Tensor:
+        """``select`` for each row of a left-padded batch alone: int64 ``[B, H_kv, C_max]``, row ``b``'s
+        ``min(budgets[b], lengths[b])`` kept positions (in the padded layout, ascending) in its last slots and
+        ``-1`` before them. Row ``b``'s ``n_b = lengths[b]`` real tokens are positions ``[N - n_b, N)``.
+
+        This base runs each row through ``select``; a selector with a batched form overrides it."""
+        b, h_kv, n, _ = keys.shape
+        budgets, lengths = budgets.tolist(), lengths.tolist()
+        kept = [min(budget, length) for budget, length in zip(budgets, lengths)]
+        indices = torch.full((b, h_kv, max(kept, default=0)), -1, dtype=torch.int64, device=keys.device)
+        for row, (length, budget, c) in enumerate(zip(lengths, budgets, kept)):
+            start = n - length
+            if c == 0:
+                continue
+            if budget >= length:
+                positions = torch.arange(start, n, device=keys.device).expand(1, h_kv, length)
+            else:
+                row_queries = queries[row:row + 1, :, max(queries.shape[2] - length, 0):]
+                positions = self.select(row_queries, keys[row:row + 1, :, start:], budget, window, scale) + start
+            indices[row, :, indices.shape[2] - c:] = positions[0]
+        return indices
+
+
+class ScoredSelector(Selector):
+    """Keeps the ``budget - window`` best-scored positions before the window, plus the window.
+
+    A subclass implements ``score``; selection is ``select_topk`` (``select_topk_rows`` for a batch, one call)."""
+
+    @abc.abstractmethod
+    def score(self, queries: Tensor, keys: Tensor, window: int, scale: Optional[float] = None,
+              lengths: Optional[Tensor] = None) -> Tensor:
+        """float32 ``[B, H_kv, N - window]``: higher is kept first. With ``lengths`` (a left-padded batch) each row
+        is scored alone and pad positions score ``-inf``."""
+
+    def select(self, queries: Tensor, keys: Tensor, budget: int, window: int,
+               scale: Optional[float] = None) -> Tensor:
+        return select_topk(self.score(queries, keys, window, scale), budget, window)
+
+    def select_rows(self, queries: Tensor, keys: Tensor, budgets: Tensor, lengths: Tensor, window: int,
+                    scale: Optional[float] = None) -> Tensor:
+        return select_topk_rows(self.score(queries, keys, window, scale, lengths), budgets, window, lengths)
+
+
+class SnapKVSelector(ScoredSelector):
+    """Top tokens by attention mass from the last ``window`` queries, pooled along positions (SnapKV)."""
+
+    name = "snapkv"
+
+    def __init__(self, kernel_size: int = 7, pooling: str = "max", group_reduce: str = "mean"):
+        # Checked here, so a bad option fails when the policy is built, not at the first prefill.
+        if check_int("kernel_size", kernel_size, 1) % 2 == 0:
+            raise ValueError(f"kernel_size must be odd (pooling keeps the length), got {kernel_size}")
+        _check_choice("pooling", pooling, ("max", "avg"))
+        _check_choice("group_reduce", group_reduce, ("mean", "max"))
+        self.kernel_size, self.pooling, self.group_reduce = kernel_size, pooling, group_reduce
+
+    def score(self, queries: Tensor, keys: Tensor, window: int, scale: Optional[float] = None,
+              lengths: Optional[Tensor] = None) -> Tensor:
+        # More queries than the window are accepted and cut to it.
+        _check_queries(queries, keys)
+        if queries.shape[2] < window:
+            raise ValueError(f"queries must hold at least window = {window} positions, got {queries.shape[2]}")
+        return snapkv_scores(queries[:, :, -window:], keys, kernel_size=self.kernel_size, pooling=self.pooling,
+                             group_reduce=self.group_reduce, scale=scale, lengths=lengths)
+
+    def __repr__(self):
+        return (f"SnapKVSelector(kernel_size={self.kernel_size}, pooling={self.pooling!r}, "
+                f"group_reduce={self.group_reduce!r})")
+
+
+class H2OSelector(ScoredSelector):
+    """Top tokens by attention mass accumulated over *all* prompt queries (H2O), plus the window."""
+
+    name = "h2o"
+    needs_all_queries = True
+
+    def __init__(self, chunk_size: int = 1024, group_reduce: str = "mean"):
+        check_int("chunk_size", chunk_size, 1)
+        _check_choice("group_reduce", group_reduce, ("mean", "max"))
+        self.chunk_size, self.group_reduce = chunk_size, group_reduce
+
+    def score(self, queries: Tensor, keys: Tensor, window: int, scale: Optional[float] = None,
+              lengths: Optional[Tensor] = None) -> Tensor:
+        _check_queries(queries, keys)
+        n = keys.shape[2]
+        if queries.shape[2] != n:
+            raise ValueError(f"H2O needs the queries of every prompt position: queries dim 2 must be N = {n}, "
+                             f"got {queries.shape[2]}")
+        scores = h2o_scores(queries, keys, chunk_size=self.chunk_size, scale=scale, group_reduce=self.group_reduce,
+                            lengths=lengths)
+        return scores[..., : n - window].contiguous()
+
+    def __repr__(self):
+        return f"H2OSelector(chunk_size={self.chunk_size}, group_reduce={self.group_reduce!r})"
+
+
+class StreamingLLMSelector(Selector):
+    """The first ``sink`` positions (attention sinks) and the most recent ``budget - sink`` (StreamingLLM)."""
+
+    name = "streamingllm"
+
+    def __init__(self, sink: int = 4):
+        self.sink = check_int("sink", sink, 0)
+
+    def select(self, queries: Tensor, keys: Tensor, budget: int, window: int,
+               scale: Optional[float] = None) -> Tensor:
+        b, h, n, _ = keys.shape
+        return streaming_indices(n, budget, sink=self.sink, batch=b, heads=h, device=keys.device)
+
+    def __repr__(self):
+        return f"StreamingLLMSelector(sink={self.sink})"
