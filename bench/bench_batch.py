@@ -1,6 +1,6 @@
 """Smoke pass of the batch figure (bench/e2e_batch.py) on SmolLM2 at small sizes: three prompts of 96-192 tokens.
 
-The issue's sizes (8 prompts of 1K-2K tokens) are ``bench/e2e_bench.py --figures batch``. This checks what the
+The full sizes (8 prompts of 1K-2K tokens) are ``bench/e2e_bench.py --figures batch``. This checks what the
 figure measures, not its times: the compressed batch generates what each prompt generates alone, its cache holds
 padding on top of the real tokens, and one prompt at a time holds none.
 

@@ -1,4 +1,4 @@
-"""Per-row compression of a left-padded batch (issue 14): the batched op against a Python loop of per-row calls and
+"""Per-row compression of a left-padded batch: the batched op against a Python loop of per-row calls and
 against the reference, in the same run.
 
     .venv/bin/python -m pytest bench/bench_rows.py --benchmark-group-by=param:op

@@ -7,7 +7,7 @@ a plain dict (``e2e_measure.py``: profile, overhead, memory, decode; ``e2e_peer.
 runs the chosen figures, prints tables and writes them all to one JSON file (atomically).
 
     .venv/bin/python bench/e2e_bench.py --quick                    # every figure at 512/1K tokens, ~1-2 min
-    .venv/bin/python bench/e2e_bench.py --figures overhead memory  # the sizes (2K and 8K tokens)
+    .venv/bin/python bench/e2e_bench.py --figures overhead memory  # the full sizes (2K and 8K tokens)
     .venv/bin/python bench/e2e_bench.py --figures decode --out bench/results/e2e_decode.json
 
 This is the benchmark harness of the source checkout, not part of the installed package: it measures the library

@@ -1,4 +1,4 @@
-"""Issue 18: what a stable SmolLM2 profile costs, and which estimator buys stability cheapest.
+"""What a stable SmolLM2 profile costs, and which estimator buys stability cheapest.
 
     # 1. collect per-example, per-layer KLs of several estimator / P / T settings (resumable, 1 thread):
     .venv/bin/python bench/profile_cost.py sweep --runs fisher:1024:64:12 fisher:256:64:20 fisher:256:128:14 \

@@ -1,4 +1,4 @@
-"""Issue 18: how far a profile carries across calibration text.
+"""How far a profile carries across calibration text.
 
 Four domains, each cut into a calibration part and a held-out part that never overlap:
   kjv     the bundled King James Bible (its calibration / evaluation books)

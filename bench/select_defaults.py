@@ -1,4 +1,4 @@
-"""Choose RippleKV's defaults from data (issue 17): the ratio R, the normalisation, the profile's target and sigma.
+"""Choose RippleKV's defaults from data: the ratio R, the normalisation, the profile's target and sigma.
 
 Every candidate is scored by fidelity: the mean KL(Full || compressed) over a teacher-forced continuation of
 ``--cont-len`` tokens after ``--prompt-len``-token prompts, at ``--retention`` (SnapKV selection in every layer,
@@ -34,7 +34,7 @@ from pathlib import Path
 import torch
 
 from ripplekv_ext import allocation, compress
-from ripplekv_ext.policies import Policy
+from ripplekv_ext.policies import DEFAULT_WINDOW, Policy
 
 RESULTS = Path(__file__).resolve().parent / "results" / "select_defaults.json"
 FORMAT = "ripplekv-select-defaults"
@@ -48,7 +48,7 @@ def parse_args(argv=None):
     p.add_argument("--prompt-len", type=int, default=2048)
     p.add_argument("--cont-len", type=int, default=32)
     p.add_argument("--retention", type=float, default=0.2)
-    p.add_argument("--window", type=int, default=32)
+    p.add_argument("--window", type=int, default=DEFAULT_WINDOW)
     p.add_argument("--ratios", default="1.25,1.5,1.75,2.0")
     p.add_argument("--normalizations", default="zscore,minmax")
     p.add_argument("--targets", default="values,keys,both")

@@ -64,7 +64,7 @@ CLI = [
     # top level
     CliCase("no command", [], "the following arguments are required: command"),
     CliCase("unknown command", ["compressify"], "invalid choice: 'compressify'"),
-    CliCase("bench moved", ["bench", "--figures", "memory"], "bench/e2e_bench.py"),
+    CliCase("bench is no command", ["bench", "--figures", "memory"], "invalid choice: 'bench'"),
     CliCase("unknown option", ["eval", "--budget", "100"], "unrecognized arguments: --budget 100"),
     # profile
     CliCase("profile --model missing", ["profile", "--model", "/no/such/model"], "--model must be 'smollm2'"),

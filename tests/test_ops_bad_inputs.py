@@ -1,7 +1,7 @@
 """The bad-input table of every op: case -> the exception type and a fragment of its message, or the empty output
 expected. Each case runs on CPU and, where a GPU exists, on CUDA tensors.
 
-Cases that used to kill the process (SIGFPE in the CPU SnapKV driver on an empty batch) run in a subprocess, so a
+Cases that could kill the process (SIGFPE in the CPU SnapKV driver on an empty batch) run in a subprocess, so a
 crash shows as a failed test instead of ending the run. `python tests/test_ops_bad_inputs.py [cpu|cuda]` prints the
 table with the behaviour of each case (the closing note's table).
 """
@@ -31,7 +31,7 @@ class Case:
     error: Optional[Tuple[type, str]] = None  # (exception type, message fragment), or None: the call returns
     shapes: Optional[list] = None            # expected output shapes when it returns
     check: Optional[Callable] = None         # extra check of the result (device, result)
-    crashed_before: bool = False             # killed the process before the fix: run in a subprocess
+    crashed_before: bool = False             # once killed the process: run in a subprocess
 
 
 def rand(*shape, device, dtype=torch.float32, seed=0):
@@ -312,7 +312,7 @@ def run_case(case: Case, device: str) -> str:
 def test_bad_input_table(name, device):
     case = CASES_BY_NAME[name]
     if case.crashed_before:
-        # In its own process: before the fix this died with SIGFPE, which must show as a failure, not end the run.
+        # In its own process: this once died with SIGFPE, which must show as a failure, not end the run.
         code = f"import test_ops_bad_inputs as t; t.run_case(t.CASES_BY_NAME[{name!r}], {device!r})"
         proc = subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).resolve().parent,
                               capture_output=True, text=True, timeout=300)

@@ -3,7 +3,8 @@
 import subprocess
 import sys
 
-HEAVY = ("transformers", "matplotlib", "rich", "scipy", "ripplekv_ref", "ripplekv_ext.eval", "ripplekv_ext.cli")
+HEAVY = ("transformers", "matplotlib", "rich", "scipy", "ripplekv_ref", "ripplekv_ext.eval", "ripplekv_ext.cli",
+         "ripplekv_ext.engines", "ripplekv_ext.integrations.transformers", "ripplekv_ext.profiler")
 
 
 def test_import_loads_no_evaluation_plotting_table_or_reference_module(tmp_path):

@@ -120,7 +120,7 @@ def test_bad_input(device):
 
 @requires_cuda
 def test_cuda_rows_longer_than_2_31():
-    # 64-bit counters in the radix select (issue 13 item 15): a row of 2^31 + 64 scores.
+    # 64-bit counters in the radix select: a row of 2^31 + 64 scores.
     n = (1 << 31) + 64
     if torch.cuda.get_device_properties(0).total_memory < 4 * n * 2.5:
         pytest.skip("needs about 22 GB of GPU memory")

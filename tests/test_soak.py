@@ -1,4 +1,4 @@
-"""Soak tests (issue 13), kept out of `make test` by the `soak` marker: run them with `make soak`.
+"""Soak tests, kept out of `make test` by the `soak` marker: run them with `make soak`.
 
 1. 1,000 compressed generations of a tiny model in one process, each in its own `compress()` block, cycling
    through the published policies and a few prompt lengths: resident memory (VmRSS) must stay flat after warm-up.

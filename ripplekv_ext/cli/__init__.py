@@ -11,8 +11,6 @@ import sys
 
 __all__ = ["main"]
 
-BENCH_MOVED = ("ripplekv bench: the end-to-end benchmarks are not installed with the package; run "
-               "`python bench/e2e_bench.py --help` from a source checkout of ripplekv_ext")
 
 
 def _one_line(err: BaseException) -> str:
@@ -26,9 +24,6 @@ def main(argv=None) -> int:
     from ripplekv_ext.profile_file import ProfileError
 
     argv = sys.argv[1:] if argv is None else list(argv)
-    if argv[:1] == ["bench"]:
-        print(BENCH_MOVED, file=sys.stderr)
-        return 2
     try:
         args = build_parser().parse_args(argv)
     except SystemExit as exit_:  # a bad argument (2, reported in one line) or --help (0)

@@ -11,6 +11,7 @@ from ripplekv_ext.cli.report import cmd_report
 from ripplekv_ext.eval.report import DEMO_SIZES, PARTS
 from ripplekv_ext.eval.models import DEFAULT_MODEL
 from ripplekv_ext.methods import DEFAULT_METHODS
+from ripplekv_ext.policies import DEFAULT_WINDOW
 
 DESCRIPTION = """The `ripplekv` command line (also `python -m ripplekv_ext`).
 
@@ -206,7 +207,7 @@ def _add_eval_options(p, *, examples: int, prefix_len: int):
     p.add_argument("--user-jsonl", default=None, help="JSONL of {context, question, answers} (task 'user')")
     p.add_argument("--max-prompt-tokens", type=positive_int, default=7500,
                    help="LongBench/user prompts are cut in the middle to this many tokens")
-    p.add_argument("--window", type=positive_int, default=32, help="observation window W")
+    p.add_argument("--window", type=positive_int, default=DEFAULT_WINDOW, help="observation window W")
     p.add_argument("--protocols", type=protocol_list, default=["inside"],
                    help="where the question goes, comma-separated: inside (in the compressed prompt) and/or after "
                         "(compress once, ask many: the context is compressed first, the question follows)")
@@ -293,7 +294,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prompt-len", type=positive_int, required=True)
     p.add_argument("--retention", type=one_retention, required=True, help="one value in (0, 1]")
     p.add_argument("--allocators", type=allocator_list, default=["uniform", "pyramidkv", "ripplekv"])
-    p.add_argument("--window", type=positive_int, default=32)
+    p.add_argument("--window", type=positive_int, default=DEFAULT_WINDOW)
     p.add_argument("--out-dir", default=str(RESULTS_DIR))
     p.set_defaults(func=cmd_allocate)
 
@@ -306,7 +307,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--retentions", type=retention_list, default=[0.1, 0.2, 0.3])
     p.add_argument("--text", default="kjv:evaluation",
                    help="damage is measured on held-out text by default, not on the profile's calibration text")
-    p.add_argument("--window", type=positive_int, default=32)
+    p.add_argument("--window", type=positive_int, default=DEFAULT_WINDOW)
     p.add_argument("--out", default=None, help="report JSON (default: OUT_DIR/diagnostic.json)")
     p.add_argument("--out-dir", default=str(RESULTS_DIR))
     p.set_defaults(func=cmd_diagnose)
@@ -333,9 +334,4 @@ def build_parser() -> argparse.ArgumentParser:
                    cont_len=DEMO_SIZES.cont_len)
     p.add_argument("--reprofile", action="store_true", help="measure the profile again even if one is cached")
     p.set_defaults(func=cmd_demo)
-
-    # The end-to-end benchmarks are a harness of the source checkout (bench/e2e_bench.py), not installed; the
-    # subcommand only says where they went.
-    p = sub.add_parser("bench", help="moved: run bench/e2e_bench.py from a source checkout", add_help=False)
-    p.set_defaults(func=None)
     return parser

@@ -20,6 +20,7 @@ from ripplekv_ext.eval.fidelity import SharedPrefill, continuation_logits_fn, ev
 from ripplekv_ext.eval.runner import evaluate, protocol_generate_fn
 from ripplekv_ext.hook import compress
 from ripplekv_ext.methods import is_full, make_policy
+from ripplekv_ext.policies import DEFAULT_WINDOW
 
 FORMAT = "ripplekv-eval"
 FORMAT_VERSION = 2  # 2: fidelity cells keep each example's KL (for paired comparisons) and a CI of the mean
@@ -56,7 +57,7 @@ def _load_resumable(path: Optional[Path], settings: dict) -> dict:
 
 def run_grid(model, tokenizer, methods: Sequence[str], retentions: Sequence[float], *, profile=None,
              fidelity_ids: Optional[torch.Tensor] = None, prefix_len: int = 0, task_examples=(),
-             window: int = 32, settings: Optional[dict] = None, out_path=None, progress: bool = True,
+             window: int = DEFAULT_WINDOW, settings: Optional[dict] = None, out_path=None, progress: bool = True,
              log=print, protocols: Sequence[str] = ("inside",)) -> dict:
     """Evaluate every method at every retention (Full once) and return the results document.
 

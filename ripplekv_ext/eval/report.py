@@ -1,4 +1,4 @@
-"""The results report behind `ripplekv report` and `ripplekv demo`: the evidence of issue 17, with its uncertainty.
+"""The results report behind `ripplekv report` and `ripplekv demo`: the methods' evidence, with its uncertainty.
 
 Three parts, each a methods x retentions grid (:func:`ripplekv_ext.eval.grid.run_grid`) saved to its own JSON file
 in the output folder after every cell, so an interrupted report resumes where it stopped:
@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Callable, Sequence
 
 from ripplekv_ext.eval.grid import cell_key, run_grid
+from ripplekv_ext.policies import DEFAULT_WINDOW
 
 PARTS = ("fidelity", "passkey", "needle")
 # RippleKV is compared example by example with the methods whose selector it shares (SnapKV's), where the
@@ -51,7 +52,7 @@ class ReportSizes:
     passkey_depths: int = 5
     needle_lengths: tuple[int, ...] = (1024, 1536, 2048)
     needle_depths: tuple[float, ...] = (0, 25, 50, 75, 100)
-    window: int = 32
+    window: int = DEFAULT_WINDOW
     seed: int = 0
     text: str = "kjv:evaluation"
 

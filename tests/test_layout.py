@@ -1,0 +1,150 @@
+"""The source tree's shape: one door to transformers, no import cycles, no private reach-ins, small modules.
+
+These read the sources (ast and text), so they run from a source checkout only.
+"""
+
+import ast
+import re
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGE = ROOT / "ripplekv_ext"
+DOOR = PACKAGE / "integrations" / "transformers"
+if not (PACKAGE / "__init__.py").is_file() or not (ROOT / "bench").is_dir():
+    pytest.skip("needs the source checkout", allow_module_level=True)
+
+PACKAGE_FILES = sorted(PACKAGE.rglob("*.py"))
+BENCH_FILES = sorted((ROOT / "bench").glob("*.py"))
+TEST_FILES = sorted((ROOT / "tests").rglob("*.py"))
+
+
+def _relative(path: Path) -> str:
+    return str(path.relative_to(ROOT))
+
+
+def _module_name(path: Path) -> str:
+    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+# What only the transformers integration may touch: transformers' private attention and cache plumbing.
+DOOR_ONLY = ("_attn_implementation_internal", "cache.layers[", ".forward =", "PagedAttentionCache", "_global_mapping")
+
+
+@pytest.mark.parametrize("needle", DOOR_ONLY)
+def test_transformers_internals_are_touched_only_by_the_integration(needle):
+    found = [f"{_relative(path)}:{number}" for path in PACKAGE_FILES + BENCH_FILES if DOOR not in path.parents
+             for number, line in enumerate(path.read_text().splitlines(), 1) if needle in line]
+    assert found == []
+
+
+def test_the_checks_above_can_fail():
+    # The integration itself holds each of them: the needles are spelled as the code spells them.
+    door_text = "\n".join(path.read_text() for path in DOOR.rglob("*.py"))
+    assert [needle for needle in DOOR_ONLY if needle not in door_text] == []
+
+
+# The compiled library is a module too (no .py file).
+MODULES = {_module_name(path) for path in PACKAGE_FILES} | {"ripplekv_ext._C"}
+
+
+def _imports(path: Path) -> set[str]:
+    """The ripplekv_ext modules ``path`` imports, at its top or inside functions. ``from package import module``
+    imports that module (the package's ``__init__`` runs first either way: Python's initialisation, not a use of
+    the package's namespace)."""
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.level == 0 and (node.module or "").startswith("ripplekv_ext"):
+            for alias in node.names:
+                submodule = f"{node.module}.{alias.name}"
+                names.add(submodule if submodule in MODULES else node.module)
+        elif isinstance(node, ast.Import):
+            names.update(alias.name for alias in node.names if alias.name.startswith("ripplekv_ext"))
+    return names
+
+
+def _import_graph() -> dict[str, set[str]]:
+    return {_module_name(path): {dep for dep in _imports(path) if dep in MODULES and dep != _module_name(path)}
+            for path in PACKAGE_FILES}
+
+
+def test_no_import_cycle_between_modules():
+    graph, state, cycles = _import_graph(), {}, []
+
+    def visit(module, trail):
+        state[module] = "open"
+        for dep in sorted(graph[module]):
+            if state.get(dep) == "open":
+                cycles.append(" -> ".join(trail[trail.index(dep):] + [dep]))
+            elif dep not in state and dep in graph:
+                visit(dep, trail + [dep])
+        state[module] = "done"
+
+    for module in sorted(graph):
+        if module not in state:
+            visit(module, [module])
+    assert cycles == []
+
+
+def test_core_imports_neither_eval_cli_nor_engines():
+    outside = ("ripplekv_ext.eval", "ripplekv_ext.cli", "ripplekv_ext.engines")
+    # `python -m ripplekv_ext` runs the command line: __main__ is the CLI's entry, not the core.
+    core = [path for path in PACKAGE_FILES if not _module_name(path).startswith(outside + ("ripplekv_ext.__main__",))]
+    found = {_relative(path): sorted(dep for dep in _imports(path) if dep.startswith(outside)) for path in core}
+    assert {path: deps for path, deps in found.items() if deps} == {}
+
+
+# Where a framework's private attributes may be read and set: its integration (an engine plugin is one too).
+FRAMEWORK_DOORS = (PACKAGE / "integrations", PACKAGE / "engines" / "vllm")
+
+
+def _outside_the_door(paths) -> list[Path]:
+    return [path for path in paths if not any(door in path.parents for door in FRAMEWORK_DOORS)]
+
+
+def _private_names_defined_here() -> set[str]:
+    """Private attributes and methods the package's own classes define (``self._x = ...``, ``def _x``)."""
+    names = set()
+    for path in _outside_the_door(PACKAGE_FILES):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.FunctionDef) and node.name.startswith("_") and not node.name.startswith("__"):
+                names.add(node.name)
+            elif (isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store) and node.attr.startswith("_")
+                  and not node.attr.startswith("__")):
+                names.add(node.attr)
+    return names
+
+
+def test_no_private_reach_ins_in_the_package_or_benchmarks():
+    private = _private_names_defined_here()
+    found = []
+    for path in _outside_the_door(PACKAGE_FILES) + BENCH_FILES:
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("ripplekv_ext"):
+                found += [f"{_relative(path)}:{node.lineno} from {node.module} import {alias.name}"
+                          for alias in node.names if alias.name.startswith("_") and alias.name != "_C"]
+            elif (isinstance(node, ast.Attribute) and node.attr in private
+                  and not (isinstance(node.value, ast.Name) and node.value.id in ("self", "cls"))):
+                found.append(f"{_relative(path)}:{node.lineno} {ast.unparse(node)}")
+    assert found == []
+
+
+def test_no_package_module_over_400_lines():
+    sizes = {_relative(path): len(path.read_text().splitlines()) for path in PACKAGE_FILES}
+    assert {path: size for path, size in sizes.items() if size > 400} == {}
+
+
+def test_no_module_level_getattr():
+    found = [_relative(path) for path in PACKAGE_FILES
+             if any(isinstance(node, ast.FunctionDef) and node.name == "__getattr__"
+                    for node in ast.parse(path.read_text()).body)]
+    assert found == []
+
+
+def test_no_issue_numbers_in_code_tests_or_benchmarks():
+    pattern = re.compile(r"\bissues? #?\d+", re.IGNORECASE)
+    found = [f"{_relative(path)}:{number}" for path in PACKAGE_FILES + BENCH_FILES + TEST_FILES
+             for number, line in enumerate(path.read_text().splitlines(), 1) if pattern.search(line)]
+    assert found == []
