@@ -1,0 +1,236 @@
+"""Serving benchmark of the vLLM plugin: what a KV budget buys inside vLLM, at the same KV cache memory.
+
+Every request is submitted at t = 0 to one vLLM engine (the CPU build, ``requirements/vllm.txt``) whose KV cache
+holds ``--blocks`` blocks of ``--block-size`` tokens of every layer; each method runs the same requests, greedy and
+without EOS (every request generates exactly its ``max_tokens``):
+
+* ``full``: stock vLLM (the plugin installed but not asked for);
+* ``snapkv``: the plugin, uniform budgets at ``--retention`` (one tier);
+* ``ripplekv``: the plugin, RippleKV budgets from ``--profile`` rounded to ``--tiers`` tiers.
+
+A tier's block holds ``1 / T`` of the layers of a stock block, so a ``T``-tier engine gets ``T x --blocks`` blocks:
+the same bytes. Measured per method: peak concurrent requests (most requests in vLLM's running queue after a
+step), generated and total tokens/s over the whole run, mean request latency, preemptions, and how many requests'
+greedy tokens equal Full's. The engines run in this process, one after the other (``VLLM_ENABLE_V1_MULTIPROCESSING=0``
+so the scheduler can be read), on ``OMP_NUM_THREADS`` threads (default 1) without binding to cores; absolute
+tokens/s on a CPU mean little, the ratios to Full in the same run are the result.
+
+Run it with the vLLM environment's Python (``make test-vllm`` builds ``.venv-vllm``)::
+
+    OMP_NUM_THREADS=1 .venv-vllm/bin/python bench/e2e_serving_vllm.py --out bench/results/e2e_serving_vllm.json
+    OMP_NUM_THREADS=1 .venv-vllm/bin/python bench/e2e_serving_vllm.py --quick     # a tiny random model, ~1 min
+
+The default model is SmolLM2-135M-Instruct as ``ripplekv_ext`` converts it (``~/.cache/ripplekv/smollm2-135m-instruct``,
+written by ``.venv/bin/ripplekv demo`` or any SmolLM2 run of the main environment; ``--model`` takes any local Llama-like
+folder with safetensors weights) with the shipped SmolLM2 profile; prompts are random token ids (the serving figures
+do not depend on the text). This is a harness of the source checkout, not part of the installed package.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import platform
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+# Read when vLLM is imported.
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+import torch  # noqa: E402
+
+RESULTS_DIR = Path(__file__).resolve().parent / "results"
+DEFAULT_MODEL = Path(os.environ.get("RIPPLEKV_CACHE_DIR", "~/.cache/ripplekv")).expanduser() / "smollm2-135m-instruct"
+DEFAULT_PROFILE = Path(__file__).resolve().parents[1] / "ripplekv_ext/eval/profiles/smollm2_profile_P1024_T64_n8.json"
+METHODS = ("full", "snapkv", "ripplekv")
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default=str(DEFAULT_MODEL), help="local model folder (config.json + safetensors)")
+    p.add_argument("--profile", default=str(DEFAULT_PROFILE), help="RippleKV profile of --model")
+    p.add_argument("--methods", default=",".join(METHODS), help=f"comma-separated, from {METHODS}")
+    p.add_argument("--requests", type=int, default=32)
+    p.add_argument("--prompt-min", type=int, default=512)
+    p.add_argument("--prompt-max", type=int, default=1024)
+    p.add_argument("--new-min", type=int, default=32)
+    p.add_argument("--new-max", type=int, default=64)
+    p.add_argument("--blocks", type=int, default=160, help="KV cache blocks of a stock engine (all layers)")
+    p.add_argument("--block-size", type=int, default=32)
+    p.add_argument("--max-batched-tokens", type=int, default=512, help="vLLM's token budget per step (chunks)")
+    p.add_argument("--retention", type=float, default=0.2)
+    p.add_argument("--tiers", type=int, default=5, help="RippleKV's tiers (must divide the layer count)")
+    p.add_argument("--dtype", default="float32")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--quick", action="store_true", help="a tiny random Llama and a few short requests")
+    p.add_argument("--out", default=str(RESULTS_DIR / "e2e_serving_vllm.json"))
+    args = p.parse_args(argv)
+    args.methods = [m.strip() for m in args.methods.split(",") if m.strip()]
+    bad = [m for m in args.methods if m not in METHODS]
+    if bad or "full" not in args.methods:
+        p.error(f"--methods must include full and name only {METHODS}, got {args.methods}")
+    return args
+
+
+def tiny_model(folder: Path) -> tuple[str, str]:
+    """A 4-layer random Llama (head size 64) and a made-up profile for it, for --quick."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from ripplekv_ext.profile_file import Profile, describe_model, save_profile
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=2048, hidden_size=256, intermediate_size=512, num_hidden_layers=4,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=64, max_position_embeddings=4096,
+                         tie_word_embeddings=False)
+    model = LlamaForCausalLM(config).float()
+    model.save_pretrained(folder / "model", safe_serialization=True)
+    sensitivity = [0.4, 0.1, 0.2, 0.05]
+    profile = Profile(model=describe_model(model, "tiny-llama"),
+                      method={"target": "values", "sigma": 1.0, "seed": 0, "draws": 1, "metric": "kl"},
+                      calibration={"source": "synthetic", "num_examples": 1, "prefix_len": 64, "cont_len": 8},
+                      layers=[0, 1, 2, 3], sensitivity=sensitivity, stderr=[0.0] * 4, per_example=[sensitivity],
+                      compressible_layers=[0, 1, 2, 3], stability={"split_half_spearman": None, "until_stable": False},
+                      cost={"seconds": 0.0, "tokens_processed": 0, "device": "cpu"})
+    save_profile(profile, folder / "profile.json")
+    return str(folder / "model"), str(folder / "profile.json")
+
+
+def make_requests(vocab: int, args) -> list[tuple[list[int], int]]:
+    generator = torch.Generator().manual_seed(args.seed)
+    lengths = torch.randint(args.prompt_min, args.prompt_max + 1, (args.requests,), generator=generator).tolist()
+    news = torch.randint(args.new_min, args.new_max + 1, (args.requests,), generator=generator).tolist()
+    return [(torch.randint(3, vocab, (n,), generator=generator).tolist(), m) for n, m in zip(lengths, news)]
+
+
+def run(model: str, requests, args, ripplekv=None) -> dict:
+    from vllm import LLM, SamplingParams
+    from vllm.distributed import cleanup_dist_env_and_memory
+
+    from ripplekv_ext.engines.vllm.settings import Settings, plan_for
+
+    config = json.loads(Path(model, "config.json").read_text())
+    tiers = 1
+    if ripplekv is not None:
+        tiers = plan_for(Settings.from_config(ripplekv), config["num_hidden_layers"], args.block_size).num_tiers
+    longest = max(len(p) + m for p, m in requests)
+    kwargs = dict(model=model, skip_tokenizer_init=True, dtype=args.dtype, enforce_eager=True,
+                  block_size=args.block_size, num_gpu_blocks_override=args.blocks * tiers,
+                  max_model_len=-(-longest // args.block_size) * args.block_size, gpu_memory_utilization=0.2,
+                  enable_prefix_caching=False, max_num_seqs=len(requests),
+                  max_num_batched_tokens=args.max_batched_tokens)
+    if ripplekv is not None:
+        kwargs["additional_config"] = {"ripplekv": ripplekv}
+    llm = LLM(**kwargs)
+    try:
+        engine = llm.llm_engine
+        scheduler = engine.engine_core.engine_core.scheduler
+        pool = scheduler.kv_cache_manager.block_pool
+        preemptions = []
+        preempt = scheduler._preempt_request
+
+        def counting_preempt(request, *a, **k):
+            preemptions.append(request.request_id)
+            return preempt(request, *a, **k)
+
+        scheduler._preempt_request = counting_preempt
+        tokens, latency = {}, {}
+        peak = steps = 0
+        min_free = pool.get_num_free_blocks()
+        start = time.perf_counter()
+        for i, (prompt, new) in enumerate(requests):
+            engine.add_request(str(i), {"prompt_token_ids": prompt},
+                               SamplingParams(temperature=0, max_tokens=new, ignore_eos=True))
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                if out.finished:
+                    tokens[out.request_id] = list(out.outputs[0].token_ids)
+                    latency[out.request_id] = time.perf_counter() - start
+            steps += 1
+            peak = max(peak, len(scheduler.running))
+            min_free = min(min_free, pool.get_num_free_blocks())
+        wall = time.perf_counter() - start
+        group = scheduler.kv_cache_config.kv_cache_groups[0].kv_cache_spec
+        block_bytes = group.page_size_bytes * len(scheduler.kv_cache_config.kv_cache_groups[0].layer_names)
+    finally:
+        del llm
+        gc.collect()
+        cleanup_dist_env_and_memory()
+    generated = sum(len(t) for t in tokens.values())
+    prompt_tokens = sum(len(p) for p, _ in requests)
+    return {"peak_requests": peak, "seconds": wall, "steps": steps, "generated_tokens": generated,
+            "prompt_tokens": prompt_tokens, "generated_tokens_per_s": generated / wall,
+            "total_tokens_per_s": (generated + prompt_tokens) / wall,
+            "mean_latency_s": sum(latency.values()) / len(latency), "max_latency_s": max(latency.values()),
+            "preemptions": len(preemptions), "tiers": tiers, "kv_blocks": args.blocks * tiers,
+            "kv_cache_bytes": args.blocks * tiers * block_bytes, "min_free_blocks": min_free,
+            "tokens": [tokens[str(i)] for i in range(len(requests))]}
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+    import vllm
+
+    import ripplekv_ext
+
+    model, profile = args.model, args.profile
+    with tempfile.TemporaryDirectory() as scratch:
+        if args.quick:
+            model, profile = tiny_model(Path(scratch))
+            args.requests, args.prompt_min, args.prompt_max, args.new_min, args.new_max = 12, 256, 512, 16, 32
+            args.blocks, args.tiers = 48, 2
+        elif not Path(model, "config.json").is_file():
+            print(f"no model at {model}: run `.venv/bin/ripplekv demo` once (it converts SmolLM2 into "
+                  "~/.cache/ripplekv), or pass --model FOLDER", file=sys.stderr)
+            return 2
+        vocab = json.loads(Path(model, "config.json").read_text())["vocab_size"]
+        requests = make_requests(vocab, args)
+        methods = {"full": None,
+                   "snapkv": {"method": "snapkv", "retention": args.retention},
+                   "ripplekv": {"method": "ripplekv", "retention": args.retention, "tiers": args.tiers,
+                                "profile": profile}}
+        print(f"{len(requests)} requests, prompts {args.prompt_min}-{args.prompt_max} tokens, {args.new_min}-"
+              f"{args.new_max} new; KV cache of {args.blocks} blocks x {args.block_size} tokens (all layers); "
+              f"{os.environ['OMP_NUM_THREADS']} thread(s)", flush=True)
+        rows = {}
+        for name in args.methods:
+            rows[name] = row = run(model, requests, args, methods[name])
+            row["settings"] = methods[name]
+            print(f"  {name:<9} peak {row['peak_requests']:>3} requests  {row['generated_tokens_per_s']:7.2f} gen "
+                  f"tok/s  {row['total_tokens_per_s']:8.1f} total tok/s  mean latency {row['mean_latency_s']:6.1f} s"
+                  f"  preemptions {row['preemptions']}  ({row['seconds']:.0f} s)", flush=True)
+    full = rows["full"]
+    for row in rows.values():
+        row["concurrency_vs_full"] = row["peak_requests"] / full["peak_requests"]
+        row["throughput_vs_full"] = row["generated_tokens_per_s"] / full["generated_tokens_per_s"]
+        row["total_throughput_vs_full"] = row["total_tokens_per_s"] / full["total_tokens_per_s"]
+        row["latency_vs_full"] = row["mean_latency_s"] / full["mean_latency_s"]
+        row["requests_with_full_tokens"] = sum(a == b for a, b in zip(row["tokens"], full["tokens"]))
+    for row in rows.values():
+        del row["tokens"]
+    result = {"benchmark": "e2e_serving_vllm", "command": " ".join([Path(sys.executable).name] + sys.argv),
+              "model": "tiny random Llama (--quick)" if args.quick else model, "requests": args.requests,
+              "prompt_range": [args.prompt_min, args.prompt_max], "new_tokens_range": [args.new_min, args.new_max],
+              "stock_kv_blocks": args.blocks, "block_size": args.block_size,
+              "max_batched_tokens": args.max_batched_tokens, "retention": args.retention, "tiers": args.tiers,
+              "dtype": args.dtype, "threads": int(os.environ["OMP_NUM_THREADS"]), "vllm": vllm.__version__,
+              "torch": torch.__version__, "ripplekv_ext": ripplekv_ext.__version__, "machine": platform.machine(),
+              "cpus": os.cpu_count(), "methods": rows}
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_suffix(".tmp")
+    tmp.write_text(json.dumps(result, indent=2) + "\n")
+    tmp.replace(out)
+    print(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
