@@ -1,3 +1,6 @@
+"""gather_kv (and gather_kv_into, its form writing into given buffers): the reference, hand-picked rows, opcheck over
+the samples, and the bad-input table."""
+
 import re
 
 import pytest
@@ -6,7 +9,10 @@ from hypothesis import given, settings, strategies as st
 
 import ripplekv_ext
 import ripplekv_ref
-from conftest import requires_cuda
+from conftest import DEVICES, requires_cuda
+from op_samples import FLOAT_DTYPES, bnhd, idx, rand
+from op_tables import (Case, by_name, check_row, extension_only, opcheck_sample, other_device, reference_ops,
+                       refused_by_the_reference, sample_ids)
 
 
 def make_inputs(B, H, N, D, C, dtype, device, seed=0):
@@ -190,3 +196,145 @@ def test_bad_index_with_pad_slots_writes_nothing(device):
     with pytest.raises(RuntimeError, match=re.escape("got -3 at [0, 1, 2] (nothing was written)")):
         ripplekv_ext.gather_kv(k, v, i, out=(keys_out, values_out))
     assert bool((keys_out == 5).all()) and bool((values_out == 5).all())
+
+
+# ---- samples: every float dtype, non-contiguous inputs, empty batches, pad slots; opcheck over each ------------------
+
+def gather_kv_samples(device):
+    out = []
+    for dtype in FLOAT_DTYPES:
+        k, v = rand(2, 3, 20, 8, device=device, dtype=dtype), rand(2, 3, 20, 8, device=device, dtype=dtype, seed=1)
+        out.append((f"{dtype}", (k, v, idx(2, 3, 7, n=20, device=device))))
+    k, v = rand(2, 3, 20, 8, device=device), rand(2, 3, 20, 8, device=device, seed=1)
+    out.append(("bnhd", (bnhd(k), bnhd(v), idx(2, 3, 7, n=20, device=device))))
+    out.append(("strided indices", (k, v, idx(2, 3, 14, n=20, device=device)[:, :, ::2])))
+    out.append(("empty batch", (k[:0], v[:0], idx(0, 3, 7, n=20, device=device))))
+    out.append(("no index", (k, v, idx(2, 3, 0, n=20, device=device))))
+    out.append(("pad slots (-1)", (k, v, idx(2, 3, 7, n=20, device=device).index_fill(
+        2, torch.tensor([0, 1], device=device), -1))))
+    return out
+
+
+def gather_kv_into_samples(device):
+    out = []
+    for name, (k, v, i) in gather_kv_samples(device):
+        shape = (k.shape[0], k.shape[1], i.shape[2], k.shape[3])
+        out.append((name, (k, v, i, torch.empty(shape, dtype=k.dtype, device=device),
+                           torch.empty(shape, dtype=k.dtype, device=device))))
+    k, v = rand(1, 2, 20, 8, device=device), rand(1, 2, 20, 8, device=device, seed=1)
+    cache = torch.empty(1, 2, 12, 8, device=device)
+    out.append(("slice of a larger cache", (k, v, idx(1, 2, 5, n=20, device=device), cache[:, :, :5],
+                                            torch.empty(1, 2, 5, 8, device=device))))
+    return out
+
+
+SAMPLES = {"gather_kv": gather_kv_samples, "gather_kv_into": gather_kv_into_samples}
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("op, position", sample_ids(SAMPLES))
+def test_opcheck_samples(op, position, device):
+    opcheck_sample(SAMPLES[op], position, op, device)
+
+
+# ---- the bad-input table (op_tables.py), on CPU and CUDA ----------------------------------------------------------
+
+def _gather_into(device, keys_out=None, values_out=None, bad_index=False, n=10, c=3):
+    k, v = rand(2, 2, n, 4, device=device), rand(2, 2, n, 4, device=device, seed=1)
+    i = idx(2, 2, c, n=n, device=device)
+    if bad_index:
+        i[1, 1, c - 1] = n  # the last row: every other row would be written first by a row-by-row check
+    ko = torch.zeros(2, 2, c, 4, device=device) if keys_out is None else keys_out(k, v)
+    vo = torch.zeros(2, 2, c, 4, device=device) if values_out is None else values_out(k, v, ko)
+    ripplekv_ext.gather_kv(k, v, i, out=(ko, vo))
+    return ko, vo
+
+
+BAD_INPUTS = [
+    # Empty inputs give empty outputs of the right shape.
+    Case("gather_kv B=0", lambda d: ripplekv_ext.gather_kv(
+        rand(0, 2, 10, 4, device=d), rand(0, 2, 10, 4, device=d), idx(0, 2, 3, n=10, device=d)),
+         shapes=[(0, 2, 3, 4)] * 2),
+    Case("gather_kv H=0", lambda d: ripplekv_ext.gather_kv(
+        rand(1, 0, 10, 4, device=d), rand(1, 0, 10, 4, device=d), idx(1, 0, 3, n=10, device=d)),
+         shapes=[(1, 0, 3, 4)] * 2),
+    Case("gather_kv N=0, C=0", lambda d: ripplekv_ext.gather_kv(
+        rand(1, 2, 0, 4, device=d), rand(1, 2, 0, 4, device=d), idx(1, 2, 0, n=1, device=d)),
+         shapes=[(1, 2, 0, 4)] * 2),
+    Case("gather_kv D=0", lambda d: ripplekv_ext.gather_kv(
+        rand(1, 2, 10, 0, device=d), rand(1, 2, 10, 0, device=d), idx(1, 2, 3, n=10, device=d)),
+         shapes=[(1, 2, 3, 0)] * 2),
+    # Every tensor on one device (meta included): no uninitialised memory, no silent no-op.
+    Case("gather_kv indices on another device", lambda d: ripplekv_ext.gather_kv(
+        rand(1, 2, 10, 4, device=d), rand(1, 2, 10, 4, device=d), idx(1, 2, 3, n=10, device=other_device(d))),
+         error=(RuntimeError, "every tensor must be on one device")),
+    Case("gather_kv out on another device", lambda d: _gather_into(
+        d, keys_out=lambda k, v: torch.empty(2, 2, 3, 4, device=other_device(d)),
+        values_out=lambda k, v, ko: torch.empty(2, 2, 3, 4, device=other_device(d))),
+         error=(RuntimeError, "every tensor must be on one device")),
+    # gather_kv_into validates everything before writing anything.
+    Case("gather_kv out aliases keys (in-place compaction)", lambda d: _gather_into(
+        d, keys_out=lambda k, v: k[:, :, :3]), error=(RuntimeError, "keys_out must not share memory with keys")),
+    Case("gather_kv values_out overlaps keys_out", lambda d: _gather_into(
+        d, keys_out=lambda k, v: torch.zeros(2, 2, 4, 4, device=d)[:, :, :3],
+        values_out=lambda k, v, ko: torch.as_strided(ko, ko.shape, ko.stride(), ko.storage_offset() + 4)),
+         error=(RuntimeError, "keys_out must not share memory with values_out")),
+    Case("gather_kv stride-0 output", lambda d: _gather_into(
+        d, keys_out=lambda k, v: torch.zeros(1, 1, 1, 4, device=d).expand(2, 2, 3, 4)),
+         error=(RuntimeError, "keys_out must not have elements that share memory")),
+    Case("gather_kv out-of-range index in the last row", lambda d: _gather_into(d, bad_index=True),
+         error=(RuntimeError, "indices must lie in [0, N) = [0, 10) or be -1 (a pad slot, written with zeros), got 10 "
+                              "at [1, 1, 2] (nothing was written)")),
+    Case("gather_kv negative index", lambda d: ripplekv_ext.gather_kv(
+        rand(1, 2, 10, 4, device=d), rand(1, 2, 10, 4, device=d), torch.tensor([[[0, -2], [2, 3]]], device=d)),
+         error=(RuntimeError, "indices must lie in [0, N) = [0, 10) or be -1 (a pad slot, written with zeros), got -2 "
+                              "at [0, 0, 1]")),
+    Case("gather_kv index -1 (a pad slot)", lambda d: ripplekv_ext.gather_kv(
+        rand(1, 2, 10, 4, device=d), rand(1, 2, 10, 4, device=d), torch.tensor([[[-1, 5], [2, 3]]], device=d)),
+         shapes=[(1, 2, 2, 4)] * 2,
+         check=lambda d, r: bool((r[0][0, 0, 0] == 0).all()) and bool((r[1][0, 0, 0] == 0).all())),
+]
+BAD_INPUTS_BY_NAME = by_name(BAD_INPUTS)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("name", list(BAD_INPUTS_BY_NAME))
+def test_bad_input_table(name, device):
+    check_row(__name__, BAD_INPUTS_BY_NAME, name, device)
+
+
+@pytest.mark.parametrize("name", refused_by_the_reference(BAD_INPUTS))
+def test_reference_agrees_on_errors(name):
+    # The reference must refuse what the op refuses (errors of its own type), except the checks it has no reason
+    # to make.
+    if extension_only(name):
+        pytest.skip("an extension-only check")
+    with reference_ops(), pytest.raises((ValueError, RuntimeError, ZeroDivisionError)):
+        BAD_INPUTS_BY_NAME[name].call("cpu")
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_gather_into_leaves_outputs_untouched_on_error(device):
+    # The engine's preallocated cache must be as it was after a rejected call.
+    k, v = rand(2, 2, 10, 4, device=device), rand(2, 2, 10, 4, device=device, seed=1)
+    i = idx(2, 2, 3, n=10, device=device)
+    i[1, 1, 2] = 10
+    ko, vo = torch.full((2, 2, 3, 4), 7.0, device=device), torch.full((2, 2, 3, 4), 7.0, device=device)
+    with pytest.raises(RuntimeError, match="must lie in"):
+        ripplekv_ext.gather_kv(k, v, i, out=(ko, vo))
+    assert bool((ko == 7).all()) and bool((vo == 7).all())
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_gather_into_accepts_disjoint_views_of_one_buffer(device):
+    # K and V interleaved in one engine buffer [B, H, C, 2, D]: the outputs share a storage but no element.
+    k, v = rand(1, 2, 10, 4, device=device), rand(1, 2, 10, 4, device=device, seed=1)
+    i = idx(1, 2, 3, n=10, device=device)
+    buf = torch.zeros(1, 2, 3, 2, 4, device=device)
+    ripplekv_ext.gather_kv(k, v, i, out=(buf[:, :, :, 0], buf[:, :, :, 1]))
+    k_ref, v_ref = ripplekv_ref.gather_kv(k, v, i)
+    assert torch.equal(buf[:, :, :, 0], k_ref) and torch.equal(buf[:, :, :, 1], v_ref)
+    # A slice of a larger preallocated cache (not contiguous) is a fine output too.
+    cache = torch.zeros(1, 2, 8, 4, device=device)
+    ripplekv_ext.gather_kv(k, v, i, out=(cache[:, :, :3], torch.zeros(1, 2, 3, 4, device=device)))
+    assert torch.equal(cache[:, :, :3], k_ref)

@@ -55,17 +55,6 @@ def nan_at(t, *index):
     return t
 
 
-def _gather_into(device, keys_out=None, values_out=None, bad_index=False, n=10, c=3):
-    k, v = rand(2, 2, n, 4, device=device), rand(2, 2, n, 4, device=device, seed=1)
-    i = idx(2, 2, c, n=n, device=device)
-    if bad_index:
-        i[1, 1, c - 1] = n  # the last row: every other row would be written first by a row-by-row check
-    ko = torch.zeros(2, 2, c, 4, device=device) if keys_out is None else keys_out(k, v)
-    vo = torch.zeros(2, 2, c, 4, device=device) if values_out is None else values_out(k, v, ko)
-    rk.gather_kv(k, v, i, out=(ko, vo))
-    return ko, vo
-
-
 def _scores_nan_like_reference(device, result):
     assert torch.isnan(result).any(), "NaN inputs must give NaN scores"
 
@@ -101,14 +90,6 @@ CASES = [
          shapes=[(0, 2, 54), (3,)]),
     Case("select_topk_packed L=0", lambda d: rk.select_topk_packed(rand(0, 1, 2, 40, device=d), [], 4),
          shapes=[(1, 2, 0), (1,)]),
-    Case("gather_kv B=0", lambda d: rk.gather_kv(rand(0, 2, 10, 4, device=d), rand(0, 2, 10, 4, device=d),
-                                                 idx(0, 2, 3, n=10, device=d)), shapes=[(0, 2, 3, 4)] * 2),
-    Case("gather_kv H=0", lambda d: rk.gather_kv(rand(1, 0, 10, 4, device=d), rand(1, 0, 10, 4, device=d),
-                                                 idx(1, 0, 3, n=10, device=d)), shapes=[(1, 0, 3, 4)] * 2),
-    Case("gather_kv N=0, C=0", lambda d: rk.gather_kv(rand(1, 2, 0, 4, device=d), rand(1, 2, 0, 4, device=d),
-                                                      idx(1, 2, 0, n=1, device=d)), shapes=[(1, 2, 0, 4)] * 2),
-    Case("gather_kv D=0", lambda d: rk.gather_kv(rand(1, 2, 10, 0, device=d), rand(1, 2, 10, 0, device=d),
-                                                 idx(1, 2, 3, n=10, device=d)), shapes=[(1, 2, 3, 0)] * 2),
     Case("gather_kv_packed B=0", lambda d: _packed_gather(d, b=0), shapes=[(0, 2, 7, 4)] * 2),
 
     # Sizes that have no meaning raise, as the reference does.
@@ -152,38 +133,12 @@ CASES = [
     Case("h2o_scores queries on another device", lambda d: rk.h2o_scores(
         rand(1, 4, 32, 8, device=other_device(d)), rand(1, 2, 32, 8, device=d)),
          error=(RuntimeError, "every tensor must be on one device")),
-    Case("gather_kv indices on another device", lambda d: rk.gather_kv(
-        rand(1, 2, 10, 4, device=d), rand(1, 2, 10, 4, device=d), idx(1, 2, 3, n=10, device=other_device(d))),
-         error=(RuntimeError, "every tensor must be on one device")),
-    Case("gather_kv out on another device", lambda d: _gather_into(
-        d, keys_out=lambda k, v: torch.empty(2, 2, 3, 4, device=other_device(d)),
-        values_out=lambda k, v, ko: torch.empty(2, 2, 3, 4, device=other_device(d))),
-         error=(RuntimeError, "every tensor must be on one device")),
     Case("gather_kv_packed offsets on another device", lambda d: rk.gather_kv_packed(
         [rand(1, 2, 12, 4, device=d)], [rand(1, 2, 12, 4, device=d)], idx(1, 2, 3, n=12, device=d),
         torch.tensor([0, 3], device=other_device(d))),
          error=(RuntimeError, "every tensor must be on one device")),
 
     # gather_kv_into validates everything before writing anything.
-    Case("gather_kv out aliases keys (in-place compaction)", lambda d: _gather_into(
-        d, keys_out=lambda k, v: k[:, :, :3]), error=(RuntimeError, "keys_out must not share memory with keys")),
-    Case("gather_kv values_out overlaps keys_out", lambda d: _gather_into(
-        d, keys_out=lambda k, v: torch.zeros(2, 2, 4, 4, device=d)[:, :, :3],
-        values_out=lambda k, v, ko: torch.as_strided(ko, ko.shape, ko.stride(), ko.storage_offset() + 4)),
-         error=(RuntimeError, "keys_out must not share memory with values_out")),
-    Case("gather_kv stride-0 output", lambda d: _gather_into(
-        d, keys_out=lambda k, v: torch.zeros(1, 1, 1, 4, device=d).expand(2, 2, 3, 4)),
-         error=(RuntimeError, "keys_out must not have elements that share memory")),
-    Case("gather_kv out-of-range index in the last row", lambda d: _gather_into(d, bad_index=True),
-         error=(RuntimeError, "indices must lie in [0, N) = [0, 10) or be -1 (a pad slot, written with zeros), got 10 "
-                              "at [1, 1, 2] (nothing was written)")),
-    Case("gather_kv negative index", lambda d: rk.gather_kv(rand(1, 2, 10, 4, device=d), rand(1, 2, 10, 4, device=d),
-                                                            torch.tensor([[[0, -2], [2, 3]]], device=d)),
-         error=(RuntimeError, "indices must lie in [0, N) = [0, 10) or be -1 (a pad slot, written with zeros), got -2 "
-                              "at [0, 0, 1]")),
-    Case("gather_kv index -1 (a pad slot)", lambda d: rk.gather_kv(
-        rand(1, 2, 10, 4, device=d), rand(1, 2, 10, 4, device=d), torch.tensor([[[-1, 5], [2, 3]]], device=d)),
-         shapes=[(1, 2, 2, 4)] * 2, check=lambda d, r: bool((r[0][0, 0, 0] == 0).all()) and bool((r[1][0, 0, 0] == 0).all())),
     Case("gather_kv_packed out-of-range index", lambda d: _packed_gather(d, bad_index=True),
          error=(RuntimeError, "indices_flat must lie in [0, N) = [0, 12), got -1")),
     Case("gather_kv_packed offsets[0] != 0", lambda d: _packed_gather(d, offsets=[1, 3, 7]),
@@ -319,33 +274,6 @@ def test_bad_input_table(name, device):
         assert proc.returncode == 0, f"{name} on {device}: exit {proc.returncode}\n{proc.stderr[-2000:]}"
     else:
         run_case(case, device)
-
-
-@pytest.mark.parametrize("device", DEVICES)
-def test_gather_into_leaves_outputs_untouched_on_error(device):
-    # The engine's preallocated cache must be as it was after a rejected call (before: 3 of 4 rows written).
-    k, v = rand(2, 2, 10, 4, device=device), rand(2, 2, 10, 4, device=device, seed=1)
-    i = idx(2, 2, 3, n=10, device=device)
-    i[1, 1, 2] = 10
-    ko, vo = torch.full((2, 2, 3, 4), 7.0, device=device), torch.full((2, 2, 3, 4), 7.0, device=device)
-    with pytest.raises(RuntimeError, match="must lie in"):
-        rk.gather_kv(k, v, i, out=(ko, vo))
-    assert bool((ko == 7).all()) and bool((vo == 7).all())
-
-
-@pytest.mark.parametrize("device", DEVICES)
-def test_gather_into_accepts_disjoint_views_of_one_buffer(device):
-    # K and V interleaved in one engine buffer [B, H, C, 2, D]: the outputs share a storage but no element.
-    k, v = rand(1, 2, 10, 4, device=device), rand(1, 2, 10, 4, device=device, seed=1)
-    i = idx(1, 2, 3, n=10, device=device)
-    buf = torch.zeros(1, 2, 3, 2, 4, device=device)
-    rk.gather_kv(k, v, i, out=(buf[:, :, :, 0], buf[:, :, :, 1]))
-    k_ref, v_ref = ripplekv_ref.gather_kv(k, v, i)
-    assert torch.equal(buf[:, :, :, 0], k_ref) and torch.equal(buf[:, :, :, 1], v_ref)
-    # A slice of a larger preallocated cache (not contiguous) is a fine output too.
-    cache = torch.zeros(1, 2, 8, 4, device=device)
-    rk.gather_kv(k, v, i, out=(cache[:, :, :3], torch.zeros(1, 2, 3, 4, device=device)))
-    assert torch.equal(cache[:, :, :3], k_ref)
 
 
 @pytest.mark.parametrize("device", DEVICES)
