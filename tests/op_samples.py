@@ -127,21 +127,7 @@ def select_topk_packed(device):
             ("empty batch", (s[:, :0], [10, 10, 10], 4))]
 
 
-def gather_kv_packed(device):
-    out = []
-    for dtype in FLOAT_DTYPES:
-        keys = [rand(2, 2, 20, 8, device=device, dtype=dtype, seed=s) for s in range(3)]
-        values = [rand(2, 2, 20, 8, device=device, dtype=dtype, seed=s + 3) for s in range(3)]
-        out.append((f"{dtype}", (keys, values, idx(2, 2, 9, n=20, device=device), torch.tensor([0, 2, 6, 9], device=device))))
-    keys = [bnhd(rand(2, 2, 20, 8, device=device, seed=s)) for s in range(2)]
-    out.append(("bnhd", (keys, keys[::-1], idx(2, 2, 5, n=20, device=device), torch.tensor([0, 3, 5], device=device))))
-    out.append(("empty batch", ([k[:0] for k in keys], [k[:0] for k in keys], idx(0, 2, 5, n=20, device=device),
-                                torch.tensor([0, 3, 5], device=device))))
-    return out
-
-
-SAMPLES = {f.__name__: f for f in (snapkv_scores, snapkv_compress, select_topk, h2o_scores,
-                                   select_topk_packed, gather_kv_packed, select_topk_rows, snapkv_compress_rows)}
+SAMPLES = {f.__name__: f for f in (snapkv_scores, snapkv_compress, select_topk, h2o_scores, select_topk_packed, select_topk_rows, snapkv_compress_rows)}
 
 
 def samples(op: str, device):
