@@ -84,28 +84,6 @@ def snapkv_compress(device):
     return out
 
 
-def select_topk(device):
-    s = rand(2, 3, 30, device=device)
-    out = [(f"budget {b}", (s, b, 4)) for b in (4, 5, 20, 34, 50)]
-    out.append(("no window", (s, 10, 0)))
-    out.append(("strided", (rand(2, 3, 60, device=device)[:, :, ::2], 10, 4)))
-    out.append(("empty batch", (s[:0], 10, 4)))
-    return out
-
-
-def select_topk_rows(device):
-    def args(scores, lengths, budgets, where=device):
-        return (scores, torch.tensor(budgets, dtype=torch.int64, device=where), 4,
-                torch.tensor(lengths, dtype=torch.int64, device=where))
-
-    s = rand(3, 2, 30, device=device)
-    return [("budgets by row", args(s, [34, 20, 10], [10, 15, 10])),
-            ("all-pad, whole and short rows", args(s, [0, 12, 3], [10, 34, 8])),
-            ("lengths on cpu", args(s, [34, 34, 30], [12, 12, 12], where="cpu")),
-            ("strided", args(rand(3, 2, 60, device=device)[:, :, ::2], [34, 31, 5], [6, 7, 4])),
-            ("empty batch", args(s[:0], [], []))]
-
-
 def h2o_scores(device):
     out = []
     for dtype in FLOAT_DTYPES:
@@ -120,14 +98,7 @@ def h2o_scores(device):
     return out
 
 
-def select_topk_packed(device):
-    s = rand(3, 2, 2, 30, device=device)
-    return [("mixed budgets", (s, [4, 20, 50], 4)), ("one layer", (s[:1], [12], 4)),
-            ("strided", (rand(3, 2, 2, 60, device=device)[..., ::2], [6, 6, 6], 4)),
-            ("empty batch", (s[:, :0], [10, 10, 10], 4))]
-
-
-SAMPLES = {f.__name__: f for f in (snapkv_scores, snapkv_compress, select_topk, h2o_scores, select_topk_packed, select_topk_rows, snapkv_compress_rows)}
+SAMPLES = {f.__name__: f for f in (snapkv_scores, snapkv_compress, h2o_scores, snapkv_compress_rows)}
 
 
 def samples(op: str, device):

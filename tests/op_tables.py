@@ -26,7 +26,7 @@ HERE = Path(__file__).resolve().parent
 I64_MAX = 2 ** 63 - 1
 
 # The file of each op's tests: it defines ``SAMPLES`` (op name -> ``samples(device)``) and ``BAD_INPUTS``.
-OP_TEST_MODULES = ("test_gather_kv", "test_gather_kv_packed")
+OP_TEST_MODULES = ("test_gather_kv", "test_gather_kv_packed", "test_select_topk", "test_select_topk_packed", "test_select_topk_rows")
 
 
 @dataclass

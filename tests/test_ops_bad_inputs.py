@@ -83,13 +83,6 @@ CASES = [
          shapes=[(0, 2, 32)]),
     Case("h2o_scores N=0", lambda d: rk.h2o_scores(rand(1, 4, 0, 8, device=d), rand(1, 2, 0, 8, device=d)),
          shapes=[(1, 2, 0)]),
-    Case("select_topk B=0", lambda d: rk.select_topk(rand(0, 2, 40, device=d), 20, 4), shapes=[(0, 2, 20)]),
-    Case("select_topk H=0", lambda d: rk.select_topk(rand(1, 0, 40, device=d), 20, 4), shapes=[(1, 0, 20)]),
-    Case("select_topk N=0", lambda d: rk.select_topk(rand(1, 2, 0, device=d), 20, 0), shapes=[(1, 2, 0)]),
-    Case("select_topk_packed B=0", lambda d: rk.select_topk_packed(rand(2, 0, 2, 40, device=d), [10, 50], 4),
-         shapes=[(0, 2, 54), (3,)]),
-    Case("select_topk_packed L=0", lambda d: rk.select_topk_packed(rand(0, 1, 2, 40, device=d), [], 4),
-         shapes=[(1, 2, 0), (1,)]),
 
     # Sizes that have no meaning raise, as the reference does.
     Case("snapkv_scores H_q=0", lambda d: rk.snapkv_scores(rand(1, 0, 8, 16, device=d), rand(1, 2, 64, 16, device=d)),
@@ -111,13 +104,6 @@ CASES = [
          error=(TypeError, "kernel_size must be an integer, got bool")),
 
     # Budgets near 2**63 keep everything; a window that large cannot make N.
-    Case("select_topk budget 2**63-1", lambda d: rk.select_topk(rand(1, 2, 40, device=d), I64_MAX, 4),
-         shapes=[(1, 2, 44)], check=lambda d, r: torch.equal(r.cpu(), torch.arange(44).expand(1, 2, 44))),
-    Case("select_topk window 2**63-1", lambda d: rk.select_topk(rand(1, 2, 40, device=d), 20, I64_MAX),
-         error=(RuntimeError, "overflows int64")),
-    Case("select_topk_packed budget 2**63-1", lambda d: rk.select_topk_packed(rand(2, 1, 2, 40, device=d),
-                                                                              [I64_MAX, 10], 4),
-         shapes=[(1, 2, 54), (3,)]),
     Case("snapkv_compress budget 2**63-1", lambda d: rk.snapkv_compress(
         rand(1, 4, 8, 16, device=d), rand(1, 2, 64, 16, device=d), rand(1, 2, 64, 16, device=d), I64_MAX),
          shapes=[(1, 2, 64, 16), (1, 2, 64, 16), (1, 2, 64)]),
@@ -136,26 +122,10 @@ CASES = [
     # gather_kv_into validates everything before writing anything.
 
     # Per-row ops of left-padded batches: lengths and budgets int64 [B], one per row.
-    Case("select_topk_rows B=0", lambda d: rk.select_topk_rows(rand(0, 2, 40, device=d), torch.zeros(0, dtype=torch.long),
-                                                               4, torch.zeros(0, dtype=torch.long)), shapes=[(0, 2, 0)]),
     Case("snapkv_compress_rows B=0", lambda d: rk.snapkv_compress_rows(
         rand(0, 4, 8, 16, device=d), rand(0, 2, 64, 16, device=d), rand(0, 2, 64, 16, device=d),
         torch.zeros(0, dtype=torch.long), torch.zeros(0, dtype=torch.long)),
          shapes=[(0, 2, 0, 16), (0, 2, 0, 16), (0, 2, 0)]),
-    Case("select_topk_rows every row all-pad", lambda d: rk.select_topk_rows(
-        rand(2, 2, 40, device=d), torch.tensor([10, 10]), 4, torch.tensor([0, 0])), shapes=[(2, 2, 0)]),
-    Case("select_topk_rows budget below window", lambda d: rk.select_topk_rows(
-        rand(2, 2, 40, device=d), torch.tensor([10, 3]), 4, torch.tensor([44, 30])),
-         error=(RuntimeError, "budgets[1] must be >= window (4) when row 1 is compressed")),
-    Case("select_topk_rows length above N", lambda d: rk.select_topk_rows(
-        rand(2, 2, 40, device=d), torch.tensor([10, 10]), 4, torch.tensor([45, 30])),
-         error=(RuntimeError, "lengths[0] (real tokens of row 0) must be in [0, N] = [0, 44], got 45")),
-    Case("select_topk_rows budgets of another size", lambda d: rk.select_topk_rows(
-        rand(2, 2, 40, device=d), torch.tensor([10]), 4, torch.tensor([44, 30])),
-         error=(RuntimeError, "budgets dim 0 (B) must be 2, got 1")),
-    Case("select_topk_rows lengths on the meta device", lambda d: rk.select_topk_rows(
-        rand(2, 2, 40, device=d), torch.tensor([10, 10]), 4, torch.tensor([44, 30], device="meta")),
-         error=(RuntimeError, "lengths must be on the CPU or on the device of the data")),
     Case("snapkv_compress_rows budget below window", lambda d: rk.snapkv_compress_rows(
         rand(2, 4, 8, 16, device=d), rand(2, 2, 64, 16, device=d), rand(2, 2, 64, 16, device=d),
         torch.tensor([20, 5]), torch.tensor([64, 30])),
@@ -174,22 +144,11 @@ CASES = [
     Case("h2o_scores lengths=32", lambda d: rk.h2o_scores(rand(1, 4, 32, 8, device=d), rand(1, 2, 32, 8, device=d),
                                                           lengths=32),
          error=(TypeError, "h2o_scores: lengths must be an int64 [B] tensor or a list of ints")),
-    Case("select_topk_rows budgets=10", lambda d: rk.select_topk_rows(rand(1, 2, 40, device=d), 10, 4, [44]),
-         error=(TypeError, "select_topk_rows: budgets must be an int64 [B] tensor or a list of ints")),
-    Case("select_topk_rows lengths='44'", lambda d: rk.select_topk_rows(rand(1, 2, 40, device=d), [10], 4, "44"),
-         error=(TypeError, "select_topk_rows: lengths must be an int64 [B] tensor or a list of ints "
-                           "(one per batch row), got str")),
     Case("snapkv_compress_rows lengths=64", lambda d: rk.snapkv_compress_rows(
         rand(1, 4, 8, 16, device=d), rand(1, 2, 64, 16, device=d), rand(1, 2, 64, 16, device=d), [20], 64),
          error=(TypeError, "snapkv_compress_rows: lengths must be an int64 [B] tensor or a list of ints")),
-    Case("select_topk_packed budgets=10", lambda d: rk.select_topk_packed(rand(2, 1, 2, 40, device=d), 10, 4),
-         error=(TypeError, "select_topk_packed: budgets must be an int64 [L] tensor or a list of ints "
-                           "(one per layer)")),
     Case("snapkv_scores lengths as a tuple", lambda d: rk.snapkv_scores(
         rand(1, 4, 8, 16, device=d), rand(1, 2, 64, 16, device=d), lengths=(64,)), shapes=[(1, 2, 56)]),
-    Case("select_topk_rows NaN in a compressed row", lambda d: rk.select_topk_rows(
-        nan_at(rand(2, 2, 40, device=d), 1, 0, 30), torch.tensor([10, 10]), 4, torch.tensor([44, 30])),
-         error=(RuntimeError, "scores must not contain NaN, got NaN in batch row 1 (KV head 0, position 30)")),
     Case("snapkv_compress_rows NaN in a real key", lambda d: rk.snapkv_compress_rows(
         rand(2, 4, 8, 16, device=d), nan_at(rand(2, 2, 64, 16, device=d), 1, 0, 40, 0), rand(2, 2, 64, 16, device=d),
         torch.tensor([20, 20]), torch.tensor([64, 30])),
@@ -209,13 +168,6 @@ CASES = [
     Case("h2o_scores NaN in a key", lambda d: rk.h2o_scores(
         rand(1, 4, 32, 8, device=d), nan_at(rand(1, 2, 32, 8, device=d), 0, 0, 5, 0)),
          shapes=[(1, 2, 32)], check=_scores_nan_like_reference),
-    Case("select_topk NaN", lambda d: rk.select_topk(nan_at(rand(2, 2, 40, device=d), 1, 0, 7), 20, 4),
-         error=(RuntimeError, "scores must not contain NaN, got NaN")),
-    Case("select_topk NaN, budget == window", lambda d: rk.select_topk(nan_at(rand(2, 2, 40, device=d), 1, 1, 7), 4, 4),
-         error=(RuntimeError, "of row 3 (row = b * H_kv + h)")),
-    Case("select_topk_packed NaN in layer 1", lambda d: rk.select_topk_packed(
-        nan_at(rand(2, 1, 2, 40, device=d), 1, 0, 1, 3), [10, 10], 4),
-         error=(RuntimeError, "of row 1 (row = b * H_kv + h) of layer 1")),
     Case("snapkv_compress NaN, budget == window", lambda d: rk.snapkv_compress(
         rand(1, 4, 8, 16, device=d), nan_at(rand(1, 2, 64, 16, device=d), 0, 1, 60, 3),
         rand(1, 2, 64, 16, device=d), 8), error=(RuntimeError, "scores must not contain NaN")),

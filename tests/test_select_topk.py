@@ -1,4 +1,5 @@
-"""select_topk against the reference (indices exact), a brute-force oracle and hand-worked rows."""
+"""select_topk against the reference (indices exact), a brute-force oracle and hand-worked rows; opcheck over the
+samples, and the bad-input table."""
 
 import pytest
 import torch
@@ -6,7 +7,10 @@ from hypothesis import given, settings, strategies as st
 
 import ripplekv_ext
 import ripplekv_ref
-from conftest import requires_cuda
+from conftest import DEVICES, requires_cuda
+from op_samples import nan_at, rand
+from op_tables import (Case, I64_MAX, by_name, check_row, extension_only, opcheck_sample, reference_ops,
+                       refused_by_the_reference, sample_ids)
 
 INF = float("inf")
 
@@ -132,3 +136,61 @@ def test_cuda_rows_longer_than_2_31():
     # Two more: ties at 0, which go to the lowest positions, with the picks past 2^31 still in order.
     idx = ripplekv_ext.select_topk(scores, 6 + 2, 2)
     assert idx[0, 0, :6].tolist() == [0, 1, 5, (1 << 31) - 1, (1 << 31) + 7, n - 1]
+
+
+# ---- samples: budgets below, at and above N, no window, strided, an empty batch; opcheck over each -------------------
+
+def select_topk_samples(device):
+    s = rand(2, 3, 30, device=device)
+    out = [(f"budget {b}", (s, b, 4)) for b in (4, 5, 20, 34, 50)]
+    out.append(("no window", (s, 10, 0)))
+    out.append(("strided", (rand(2, 3, 60, device=device)[:, :, ::2], 10, 4)))
+    out.append(("empty batch", (s[:0], 10, 4)))
+    return out
+
+
+SAMPLES = {"select_topk": select_topk_samples}
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("op, position", sample_ids(SAMPLES))
+def test_opcheck_samples(op, position, device):
+    opcheck_sample(SAMPLES[op], position, op, device)
+
+
+# ---- the bad-input table (op_tables.py), on CPU and CUDA ----------------------------------------------------------
+
+BAD_INPUTS = [
+    # Empty inputs give empty outputs of the right shape.
+    Case("select_topk B=0", lambda d: ripplekv_ext.select_topk(rand(0, 2, 40, device=d), 20, 4), shapes=[(0, 2, 20)]),
+    Case("select_topk H=0", lambda d: ripplekv_ext.select_topk(rand(1, 0, 40, device=d), 20, 4), shapes=[(1, 0, 20)]),
+    Case("select_topk N=0", lambda d: ripplekv_ext.select_topk(rand(1, 2, 0, device=d), 20, 0), shapes=[(1, 2, 0)]),
+    # A budget near 2**63 keeps everything; a window that large cannot make N.
+    Case("select_topk budget 2**63-1", lambda d: ripplekv_ext.select_topk(rand(1, 2, 40, device=d), I64_MAX, 4),
+         shapes=[(1, 2, 44)], check=lambda d, r: torch.equal(r.cpu(), torch.arange(44).expand(1, 2, 44))),
+    Case("select_topk window 2**63-1", lambda d: ripplekv_ext.select_topk(rand(1, 2, 40, device=d), 20, I64_MAX),
+         error=(RuntimeError, "overflows int64")),
+    # NaN scores: the selection raises, naming the row.
+    Case("select_topk NaN", lambda d: ripplekv_ext.select_topk(nan_at(rand(2, 2, 40, device=d), 1, 0, 7), 20, 4),
+         error=(RuntimeError, "scores must not contain NaN, got NaN")),
+    Case("select_topk NaN, budget == window", lambda d: ripplekv_ext.select_topk(
+        nan_at(rand(2, 2, 40, device=d), 1, 1, 7), 4, 4),
+         error=(RuntimeError, "of row 3 (row = b * H_kv + h)")),
+]
+BAD_INPUTS_BY_NAME = by_name(BAD_INPUTS)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("name", list(BAD_INPUTS_BY_NAME))
+def test_bad_input_table(name, device):
+    check_row(__name__, BAD_INPUTS_BY_NAME, name, device)
+
+
+@pytest.mark.parametrize("name", refused_by_the_reference(BAD_INPUTS))
+def test_reference_agrees_on_errors(name):
+    # The reference must refuse what the op refuses (errors of its own type), except the checks it has no reason
+    # to make.
+    if extension_only(name):
+        pytest.skip("an extension-only check")
+    with reference_ops(), pytest.raises((ValueError, RuntimeError, ZeroDivisionError)):
+        BAD_INPUTS_BY_NAME[name].call("cpu")

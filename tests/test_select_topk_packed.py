@@ -1,11 +1,15 @@
 """select_topk_packed: every layer selected in one call, against the reference and the per-layer ops (with
-gather_kv_packed, its partner, for the whole packed pipeline)."""
+gather_kv_packed, its partner, for the whole packed pipeline); opcheck over the samples, and the bad-input table."""
 
 import pytest
 import torch
 
 import ripplekv_ext
 import ripplekv_ref
+from conftest import DEVICES
+from op_samples import nan_at, rand
+from op_tables import (Case, I64_MAX, by_name, check_row, extension_only, opcheck_sample, reference_ops,
+                       refused_by_the_reference, sample_ids)
 
 
 def make(L, B, H, N, D, W, dtype, device, seed=0):
@@ -70,3 +74,61 @@ def test_bad_input(device):
         ripplekv_ext.select_topk_packed(scores, torch.tensor([6.0, 7.0]), 4)
     with pytest.raises(RuntimeError, match=r"scores must be a 4-D tensor \[L, B, H_kv, N - W\], got 3-D"):
         ripplekv_ext.select_topk_packed(scores[0], [6], 4)
+
+
+# ---- samples: mixed budgets, one layer, strided, an empty batch; opcheck over each -----------------------------------
+
+def select_topk_packed_samples(device):
+    s = rand(3, 2, 2, 30, device=device)
+    return [("mixed budgets", (s, [4, 20, 50], 4)), ("one layer", (s[:1], [12], 4)),
+            ("strided", (rand(3, 2, 2, 60, device=device)[..., ::2], [6, 6, 6], 4)),
+            ("empty batch", (s[:, :0], [10, 10, 10], 4))]
+
+
+SAMPLES = {"select_topk_packed": select_topk_packed_samples}
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("op, position", sample_ids(SAMPLES))
+def test_opcheck_samples(op, position, device):
+    opcheck_sample(SAMPLES[op], position, op, device)
+
+
+# ---- the bad-input table (op_tables.py), on CPU and CUDA ----------------------------------------------------------
+
+BAD_INPUTS = [
+    # Empty inputs give empty outputs of the right shape.
+    Case("select_topk_packed B=0", lambda d: ripplekv_ext.select_topk_packed(rand(2, 0, 2, 40, device=d), [10, 50], 4),
+         shapes=[(0, 2, 54), (3,)]),
+    Case("select_topk_packed L=0", lambda d: ripplekv_ext.select_topk_packed(rand(0, 1, 2, 40, device=d), [], 4),
+         shapes=[(1, 2, 0), (1,)]),
+    # A budget near 2**63 keeps everything.
+    Case("select_topk_packed budget 2**63-1", lambda d: ripplekv_ext.select_topk_packed(
+        rand(2, 1, 2, 40, device=d), [I64_MAX, 10], 4),
+         shapes=[(1, 2, 54), (3,)]),
+    # A lone int where one value per layer is expected: say what the argument must be.
+    Case("select_topk_packed budgets=10", lambda d: ripplekv_ext.select_topk_packed(rand(2, 1, 2, 40, device=d), 10, 4),
+         error=(TypeError, "select_topk_packed: budgets must be an int64 [L] tensor or a list of ints "
+                           "(one per layer)")),
+    # NaN scores: the selection raises, naming the row and the layer.
+    Case("select_topk_packed NaN in layer 1", lambda d: ripplekv_ext.select_topk_packed(
+        nan_at(rand(2, 1, 2, 40, device=d), 1, 0, 1, 3), [10, 10], 4),
+         error=(RuntimeError, "of row 1 (row = b * H_kv + h) of layer 1")),
+]
+BAD_INPUTS_BY_NAME = by_name(BAD_INPUTS)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("name", list(BAD_INPUTS_BY_NAME))
+def test_bad_input_table(name, device):
+    check_row(__name__, BAD_INPUTS_BY_NAME, name, device)
+
+
+@pytest.mark.parametrize("name", refused_by_the_reference(BAD_INPUTS))
+def test_reference_agrees_on_errors(name):
+    # The reference must refuse what the op refuses (errors of its own type), except the checks it has no reason
+    # to make.
+    if extension_only(name):
+        pytest.skip("an extension-only check")
+    with reference_ops(), pytest.raises((ValueError, RuntimeError, ZeroDivisionError)):
+        BAD_INPUTS_BY_NAME[name].call("cpu")

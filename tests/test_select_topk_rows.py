@@ -1,11 +1,15 @@
-"""select_topk_rows: per-row budgets of a left-padded batch, against the reference and against each row alone."""
+"""select_topk_rows: per-row budgets of a left-padded batch, against the reference and against each row alone;
+opcheck over the samples, and the bad-input table."""
 
 import pytest
 import torch
 
 import ripplekv_ext
 import ripplekv_ref
-from conftest import requires_cuda
+from conftest import DEVICES, requires_cuda
+from op_samples import nan_at, rand
+from op_tables import (Case, by_name, check_row, extension_only, opcheck_sample, reference_ops,
+                       refused_by_the_reference, sample_ids)
 
 W = 4
 N = 30
@@ -132,3 +136,78 @@ def test_cuda_lengths_on_the_device_or_the_cpu():
         got = ripplekv_ext.select_topk_rows(scores, torch.tensor(budgets, device=where), W,
                                             torch.tensor(lengths, device=where))
         assert torch.equal(got.cpu(), expected)
+
+
+# ---- samples: budgets by row, all-pad and short rows, lengths on the CPU, strided, an empty batch; opcheck over each -
+
+def select_topk_rows_samples(device):
+    def args(scores, lengths, budgets, where=device):
+        return (scores, torch.tensor(budgets, dtype=torch.int64, device=where), 4,
+                torch.tensor(lengths, dtype=torch.int64, device=where))
+
+    s = rand(3, 2, 30, device=device)
+    return [("budgets by row", args(s, [34, 20, 10], [10, 15, 10])),
+            ("all-pad, whole and short rows", args(s, [0, 12, 3], [10, 34, 8])),
+            ("lengths on cpu", args(s, [34, 34, 30], [12, 12, 12], where="cpu")),
+            ("strided", args(rand(3, 2, 60, device=device)[:, :, ::2], [34, 31, 5], [6, 7, 4])),
+            ("empty batch", args(s[:0], [], []))]
+
+
+SAMPLES = {"select_topk_rows": select_topk_rows_samples}
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("op, position", sample_ids(SAMPLES))
+def test_opcheck_samples(op, position, device):
+    opcheck_sample(SAMPLES[op], position, op, device)
+
+
+# ---- the bad-input table (op_tables.py), on CPU and CUDA ----------------------------------------------------------
+
+BAD_INPUTS = [
+    Case("select_topk_rows B=0", lambda d: ripplekv_ext.select_topk_rows(
+        rand(0, 2, 40, device=d), torch.zeros(0, dtype=torch.long), 4, torch.zeros(0, dtype=torch.long)),
+         shapes=[(0, 2, 0)]),
+    Case("select_topk_rows every row all-pad", lambda d: ripplekv_ext.select_topk_rows(
+        rand(2, 2, 40, device=d), torch.tensor([10, 10]), 4, torch.tensor([0, 0])), shapes=[(2, 2, 0)]),
+    Case("select_topk_rows budget below window", lambda d: ripplekv_ext.select_topk_rows(
+        rand(2, 2, 40, device=d), torch.tensor([10, 3]), 4, torch.tensor([44, 30])),
+         error=(RuntimeError, "budgets[1] must be >= window (4) when row 1 is compressed")),
+    Case("select_topk_rows length above N", lambda d: ripplekv_ext.select_topk_rows(
+        rand(2, 2, 40, device=d), torch.tensor([10, 10]), 4, torch.tensor([45, 30])),
+         error=(RuntimeError, "lengths[0] (real tokens of row 0) must be in [0, N] = [0, 44], got 45")),
+    Case("select_topk_rows budgets of another size", lambda d: ripplekv_ext.select_topk_rows(
+        rand(2, 2, 40, device=d), torch.tensor([10]), 4, torch.tensor([44, 30])),
+         error=(RuntimeError, "budgets dim 0 (B) must be 2, got 1")),
+    Case("select_topk_rows lengths on the meta device", lambda d: ripplekv_ext.select_topk_rows(
+        rand(2, 2, 40, device=d), torch.tensor([10, 10]), 4, torch.tensor([44, 30], device="meta")),
+         error=(RuntimeError, "lengths must be on the CPU or on the device of the data")),
+    # A lone int where one value per row is expected: say what the argument must be.
+    Case("select_topk_rows budgets=10", lambda d: ripplekv_ext.select_topk_rows(rand(1, 2, 40, device=d), 10, 4, [44]),
+         error=(TypeError, "select_topk_rows: budgets must be an int64 [B] tensor or a list of ints")),
+    Case("select_topk_rows lengths='44'", lambda d: ripplekv_ext.select_topk_rows(
+        rand(1, 2, 40, device=d), [10], 4, "44"),
+         error=(TypeError, "select_topk_rows: lengths must be an int64 [B] tensor or a list of ints "
+                           "(one per batch row), got str")),
+    # NaN in a row that is compressed: the selection raises, naming the row.
+    Case("select_topk_rows NaN in a compressed row", lambda d: ripplekv_ext.select_topk_rows(
+        nan_at(rand(2, 2, 40, device=d), 1, 0, 30), torch.tensor([10, 10]), 4, torch.tensor([44, 30])),
+         error=(RuntimeError, "scores must not contain NaN, got NaN in batch row 1 (KV head 0, position 30)")),
+]
+BAD_INPUTS_BY_NAME = by_name(BAD_INPUTS)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("name", list(BAD_INPUTS_BY_NAME))
+def test_bad_input_table(name, device):
+    check_row(__name__, BAD_INPUTS_BY_NAME, name, device)
+
+
+@pytest.mark.parametrize("name", refused_by_the_reference(BAD_INPUTS))
+def test_reference_agrees_on_errors(name):
+    # The reference must refuse what the op refuses (errors of its own type), except the checks it has no reason
+    # to make.
+    if extension_only(name):
+        pytest.skip("an extension-only check")
+    with reference_ops(), pytest.raises((ValueError, RuntimeError, ZeroDivisionError)):
+        BAD_INPUTS_BY_NAME[name].call("cpu")
