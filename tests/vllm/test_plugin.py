@@ -164,9 +164,10 @@ def test_plugin_is_loaded_by_vllm_and_stock_engines_stay_stock(model_dir, stock_
         assert greedy(llm, prompts()[:2]) == stock_tokens[:2]
 
 
-def test_import_ripplekv_ext_does_not_import_vllm():
+def test_import_ripplekv_ext_does_not_import_vllm(tmp_path):
     code = "import sys, ripplekv_ext, ripplekv_ext.engines; print('vllm' in sys.modules)"
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    # Outside the checkout: its ripplekv_ext folder (no compiled library) would shadow the installed package.
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=tmp_path)
     assert out.stdout.strip() == "False"
 
 
@@ -267,7 +268,7 @@ def test_free_blocks_rise_by_the_dropped_blocks_after_each_prefill(model_dir, ri
 
 # -- the version guard and the refusals -------------------------------------------------------------------------------
 
-def test_version_guard(model_dir):
+def test_version_guard(model_dir, tmp_path):
     assert plugin.SUPPORTED_VLLM == "0.32.0"
     plugin.check_vllm_version()  # the release this environment pins
     code = f"""
@@ -282,7 +283,7 @@ try:
 except RuntimeError as e:
     print("REFUSED", e)
 """
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=tmp_path)
     assert out.returncode == 0, out.stderr[-3000:]
     line = [x for x in out.stdout.splitlines() if x.startswith("REFUSED")]
     assert line and "vLLM 0.32.0" in line[0] and "vLLM 0.31.0 is installed" in line[0]

@@ -17,7 +17,7 @@ import math
 import os
 from typing import Optional, Sequence
 
-from ripplekv_ext.allocation import PyramidKVAllocator, RippleKVAllocator, UniformAllocator
+from ripplekv_ext.allocation import Allocator, PyramidKVAllocator, RippleKVAllocator, UniformAllocator
 from ripplekv_ext.checks import check_int, is_integer
 from ripplekv_ext.compressor import KVCompressor
 from ripplekv_ext.engines.tiers import TieredAllocator, tier_counts
@@ -89,28 +89,26 @@ class Settings:
         return cls(**json.loads(text))
 
 
-class BlockAlignedAllocator:
+class BlockAlignedAllocator(Allocator):
     """``base``'s budgets raised so that every layer drops whole blocks of ``block_size`` tokens.
 
     A layer with budget ``C < N`` keeps ``N - block_size * floor((N - C) / block_size)`` tokens (at least ``C``, fewer
     than ``C + block_size``): the ``N - C`` tokens it would drop, rounded down to whole blocks. The engine keeps a
     layer's tokens in the last blocks of its prompt and frees the first ones, so new tokens keep their slots and
-    every freed block is whole; a layer dropping less than one block keeps its whole prompt.
+    every freed block is whole; a layer dropping less than one block keeps its whole prompt. The raised budgets sum
+    to more than ``L * avg_budget``: by less than a block per layer, the memory a paged engine cannot free anyway.
     """
 
-    def __init__(self, base, block_size: int):
-        if not hasattr(base, "budgets"):
-            raise TypeError(f"base must be an allocator (with .budgets), got {type(base).__name__}")
+    def __init__(self, base: Allocator, block_size: int):
+        if not isinstance(base, Allocator):
+            raise TypeError(f"base must be a ripplekv_ext.Allocator, got {type(base).__name__}")
         self.base = base
         self.block_size = check_int("block_size", block_size, 1)
-        self.name = f"{getattr(base, 'name', 'custom')}-b{self.block_size}"
+        self.name = f"{base.name}-b{self.block_size}"
 
     def budgets(self, num_layers: int, n_tokens: int, avg_budget: int, window: int,
                 layers: Optional[Sequence[int]] = None) -> list[int]:
-        if layers is not None:
-            base = self.base.budgets(num_layers, n_tokens, avg_budget, window, layers=list(layers))
-        else:
-            base = self.base.budgets(num_layers, n_tokens, avg_budget, window)
+        base = self.base.budgets(num_layers, n_tokens, avg_budget, window, layers=layers)
         return [aligned_budget(int(b), n_tokens, self.block_size) for b in base]
 
     def __repr__(self):
