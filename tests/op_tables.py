@@ -26,7 +26,9 @@ HERE = Path(__file__).resolve().parent
 I64_MAX = 2 ** 63 - 1
 
 # The file of each op's tests: it defines ``SAMPLES`` (op name -> ``samples(device)``) and ``BAD_INPUTS``.
-OP_TEST_MODULES = ("test_gather_kv", "test_gather_kv_packed", "test_select_topk", "test_select_topk_packed", "test_select_topk_rows")
+OP_TEST_MODULES = ("test_gather_kv", "test_gather_kv_packed", "test_select_topk", "test_select_topk_packed",
+                   "test_select_topk_rows", "test_snapkv_scores", "test_snapkv_compress", "test_snapkv_compress_rows",
+                   "test_h2o_scores")
 
 
 @dataclass
@@ -53,6 +55,13 @@ def other_device(device):
 
 def scores_nan_like_reference(device, result):
     assert torch.isnan(result).any(), "NaN inputs must give NaN scores"
+
+
+def assert_same_nan_scores(got, want):
+    """The reference's policy: NaN/inf inputs give NaN scores at the same positions, the others agree."""
+    assert torch.equal(torch.isnan(got), torch.isnan(want))
+    finite = ~torch.isnan(want)
+    torch.testing.assert_close(got[finite], want[finite], rtol=1e-4, atol=1e-5)
 
 
 def run_case(case: Case, device: str) -> str:

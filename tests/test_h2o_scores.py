@@ -1,4 +1,5 @@
-"""h2o_scores against the reference, hand-worked values and identities."""
+"""h2o_scores against the reference, hand-worked values and identities; opcheck over the samples, and the bad-input
+table."""
 
 import pytest
 import torch
@@ -6,6 +7,10 @@ from hypothesis import given, settings, strategies as st
 
 import ripplekv_ext
 import ripplekv_ref
+from conftest import DEVICES
+from op_samples import FLOAT_DTYPES, bnhd, nan_at, rand
+from op_tables import (Case, assert_same_nan_scores, by_name, check_row, extension_only, opcheck_sample, other_device,
+                       reference_ops, refused_by_the_reference, sample_ids, scores_nan_like_reference)
 
 TOL = dict(rtol=1e-5, atol=1e-5)
 
@@ -103,3 +108,84 @@ def test_bad_input(device):
     for args, message in cases:
         with pytest.raises(RuntimeError, match=message):
             ripplekv_ext.h2o_scores(*args)
+
+
+# ---- samples: every float dtype, chunks and options, bnhd, an empty batch, lengths; opcheck over each ----------------
+
+def h2o_scores_samples(device):
+    out = []
+    for dtype in FLOAT_DTYPES:
+        out.append((f"{dtype}", (rand(1, 4, 24, 8, device=device, dtype=dtype),
+                                 rand(1, 2, 24, 8, device=device, dtype=dtype, seed=1), 1024, None, "mean")))
+    q, k = rand(2, 4, 24, 8, device=device), rand(2, 2, 24, 8, device=device, seed=1)
+    out.append(("chunks, scale, group max", (q, k, 5, 0.3, "max")))
+    out.append(("bnhd", (bnhd(q), bnhd(k), 8, None, "mean")))
+    out.append(("empty batch", (q[:0], k[:0], 8, None, "mean")))
+    out.append(("lengths", (q, k, 5, None, "mean", torch.tensor([24, 9], device=device))))
+    out.append(("lengths, all-pad row", (bnhd(q), bnhd(k), 8, 0.3, "max", torch.tensor([0, 24]))))
+    return out
+
+
+SAMPLES = {"h2o_scores": h2o_scores_samples}
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("op, position", sample_ids(SAMPLES))
+def test_opcheck_samples(op, position, device):
+    opcheck_sample(SAMPLES[op], position, op, device)
+
+
+# ---- the bad-input table (op_tables.py), on CPU and CUDA ----------------------------------------------------------
+
+BAD_INPUTS = [
+    # Empty inputs give empty outputs of the right shape.
+    Case("h2o_scores B=0", lambda d: ripplekv_ext.h2o_scores(rand(0, 4, 32, 8, device=d), rand(0, 2, 32, 8, device=d)),
+         shapes=[(0, 2, 32)]),
+    Case("h2o_scores N=0", lambda d: ripplekv_ext.h2o_scores(rand(1, 4, 0, 8, device=d), rand(1, 2, 0, 8, device=d)),
+         shapes=[(1, 2, 0)]),
+    # Sizes that have no meaning raise, as the reference does.
+    Case("h2o_scores H_q=0", lambda d: ripplekv_ext.h2o_scores(
+        rand(1, 0, 32, 8, device=d), rand(1, 2, 32, 8, device=d)),
+         error=(RuntimeError, "must be a positive multiple of the keys heads")),
+    Case("h2o_scores D=0", lambda d: ripplekv_ext.h2o_scores(rand(1, 4, 32, 0, device=d), rand(1, 2, 32, 0, device=d)),
+         error=(RuntimeError, "head dimension D (dim 3) must be >= 1, got 0")),
+    # Every tensor on one device (meta included): no uninitialised memory, no silent no-op.
+    Case("h2o_scores queries on another device", lambda d: ripplekv_ext.h2o_scores(
+        rand(1, 4, 32, 8, device=other_device(d)), rand(1, 2, 32, 8, device=d)),
+         error=(RuntimeError, "every tensor must be on one device")),
+    # lengths: int64 [B], one per row; a lone int says what the argument must be.
+    Case("h2o_scores lengths of another size", lambda d: ripplekv_ext.h2o_scores(
+        rand(1, 4, 32, 8, device=d), rand(1, 2, 32, 8, device=d), lengths=torch.tensor([32, 32])),
+         error=(RuntimeError, "lengths dim 0 (B) must be 1, got 2")),
+    Case("h2o_scores lengths=32", lambda d: ripplekv_ext.h2o_scores(
+        rand(1, 4, 32, 8, device=d), rand(1, 2, 32, 8, device=d), lengths=32),
+         error=(TypeError, "h2o_scores: lengths must be an int64 [B] tensor or a list of ints")),
+    # NaN policy: scoring propagates NaN into the scores (the selection that follows raises).
+    Case("h2o_scores NaN in a key", lambda d: ripplekv_ext.h2o_scores(
+        rand(1, 4, 32, 8, device=d), nan_at(rand(1, 2, 32, 8, device=d), 0, 0, 5, 0)),
+         shapes=[(1, 2, 32)], check=scores_nan_like_reference),
+]
+BAD_INPUTS_BY_NAME = by_name(BAD_INPUTS)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("name", list(BAD_INPUTS_BY_NAME))
+def test_bad_input_table(name, device):
+    check_row(__name__, BAD_INPUTS_BY_NAME, name, device)
+
+
+@pytest.mark.parametrize("name", refused_by_the_reference(BAD_INPUTS))
+def test_reference_agrees_on_errors(name):
+    # The reference must refuse what the op refuses (errors of its own type), except the checks it has no reason
+    # to make.
+    if extension_only(name):
+        pytest.skip("an extension-only check")
+    with reference_ops(), pytest.raises((ValueError, RuntimeError, ZeroDivisionError)):
+        BAD_INPUTS_BY_NAME[name].call("cpu")
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_nan_scores_match_reference(device):
+    # The policy is the reference's: NaN/inf inputs give NaN scores at the same positions on every backend.
+    args = (rand(1, 4, 32, 8, device=device), nan_at(rand(1, 2, 32, 8, device=device), 0, 0, 5, 0))
+    assert_same_nan_scores(ripplekv_ext.h2o_scores(*args), ripplekv_ref.h2o_scores(*args))

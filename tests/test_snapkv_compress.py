@@ -1,4 +1,5 @@
-"""snapkv_compress (score, select and gather in one op) against the reference and the unfused ops."""
+"""snapkv_compress (score, select and gather in one op) against the reference and the unfused ops; opcheck over the
+samples, and the bad-input table."""
 
 import pytest
 import torch
@@ -6,6 +7,10 @@ from hypothesis import given, settings, strategies as st
 
 import ripplekv_ext
 import ripplekv_ref
+from conftest import DEVICES
+from op_samples import FLOAT_DTYPES, bnhd, nan_at, rand
+from op_tables import (Case, I64_MAX, by_name, check_row, extension_only, opcheck_sample, other_device, reference_ops,
+                       refused_by_the_reference, sample_ids)
 from test_snapkv_scores import SCORE_TOL, SHAPES, assert_same_selection, make_window  # noqa: F401
 
 
@@ -92,3 +97,83 @@ def test_compress_bad_input(device):
     bad_q[0, 1, 2, 3] = float("nan")
     with pytest.raises(RuntimeError, match=r"NaN"):
         ripplekv_ext.snapkv_compress(bad_q, k, v, 6)
+
+
+# ---- samples: every float dtype, budgets from the window to above N, options, bnhd, an empty batch; opcheck over each 
+
+def snapkv_compress_samples(device):
+    out = []
+    for dtype in FLOAT_DTYPES:
+        out.append((f"{dtype}", (rand(1, 4, 4, 16, device=device, dtype=dtype),
+                                 rand(1, 2, 40, 16, device=device, dtype=dtype, seed=1),
+                                 rand(1, 2, 40, 16, device=device, dtype=dtype, seed=2), 12, 7, "max", "mean", None)))
+    q, k, v = (rand(2, 4, 4, 16, device=device), rand(2, 2, 40, 16, device=device, seed=1),
+               rand(2, 2, 40, 16, device=device, seed=2))
+    for budget in (4, 39, 40, 100):  # window only, just compressing, N, above N
+        out.append((f"budget {budget}", (q, k, v, budget, 7, "max", "mean", None)))
+    out.append(("avg, group max, scale", (q, k, v, 10, 3, "avg", "max", 0.5)))
+    out.append(("bnhd", (bnhd(q), bnhd(k), bnhd(v), 10, 7, "max", "mean", None)))
+    out.append(("empty batch", (q[:0], k[:0], v[:0], 10, 7, "max", "mean", None)))
+    return out
+
+
+SAMPLES = {"snapkv_compress": snapkv_compress_samples}
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("op, position", sample_ids(SAMPLES))
+def test_opcheck_samples(op, position, device):
+    opcheck_sample(SAMPLES[op], position, op, device)
+
+
+# ---- the bad-input table (op_tables.py), on CPU and CUDA ----------------------------------------------------------
+
+BAD_INPUTS = [
+    # Empty batches give empty outputs. The first in a subprocess (crashed_before): a SIGFPE in the CPU driver would
+    # end the run.
+    Case("snapkv_compress B=0", lambda d: ripplekv_ext.snapkv_compress(
+        rand(0, 4, 8, 16, device=d), rand(0, 2, 64, 16, device=d), rand(0, 2, 64, 16, device=d), 20),
+         shapes=[(0, 2, 20, 16), (0, 2, 20, 16), (0, 2, 20)], crashed_before=True),
+    Case("snapkv_compress B=0, budget >= N", lambda d: ripplekv_ext.snapkv_compress(
+        rand(0, 4, 8, 16, device=d), rand(0, 2, 64, 16, device=d), rand(0, 2, 64, 16, device=d), 64),
+         shapes=[(0, 2, 64, 16), (0, 2, 64, 16), (0, 2, 64)]),
+    # Sizes that have no meaning raise, as the reference does.
+    Case("snapkv_compress D=0", lambda d: ripplekv_ext.snapkv_compress(
+        rand(1, 4, 8, 0, device=d), rand(1, 2, 64, 0, device=d), rand(1, 2, 64, 0, device=d), 20),
+         error=(RuntimeError, "head dimension D (dim 3) must be >= 1, got 0")),
+    Case("snapkv_compress kernel_size=True", lambda d: ripplekv_ext.snapkv_compress(
+        rand(1, 4, 8, 16, device=d), rand(1, 2, 64, 16, device=d), rand(1, 2, 64, 16, device=d), 20, kernel_size=True),
+         error=(TypeError, "kernel_size must be an integer, got bool")),
+    # A budget near 2**63 keeps everything.
+    Case("snapkv_compress budget 2**63-1", lambda d: ripplekv_ext.snapkv_compress(
+        rand(1, 4, 8, 16, device=d), rand(1, 2, 64, 16, device=d), rand(1, 2, 64, 16, device=d), I64_MAX),
+         shapes=[(1, 2, 64, 16), (1, 2, 64, 16), (1, 2, 64)]),
+    # Every tensor on one device (meta included): no uninitialised memory, no silent no-op.
+    Case("snapkv_compress values on another device", lambda d: ripplekv_ext.snapkv_compress(
+        rand(1, 4, 8, 16, device=d), rand(1, 2, 64, 16, device=d), rand(1, 2, 64, 16, device=other_device(d)), 20),
+         error=(RuntimeError, "every tensor must be on one device")),
+    # NaN scores: the selection raises, whether or not the budget leaves anything to select.
+    Case("snapkv_compress NaN, budget == window", lambda d: ripplekv_ext.snapkv_compress(
+        rand(1, 4, 8, 16, device=d), nan_at(rand(1, 2, 64, 16, device=d), 0, 1, 60, 3),
+        rand(1, 2, 64, 16, device=d), 8), error=(RuntimeError, "scores must not contain NaN")),
+    Case("snapkv_compress NaN, budget > window", lambda d: ripplekv_ext.snapkv_compress(
+        nan_at(rand(1, 4, 8, 16, device=d), 0, 0, 0, 0), rand(1, 2, 64, 16, device=d),
+        rand(1, 2, 64, 16, device=d), 20), error=(RuntimeError, "scores must not contain NaN")),
+]
+BAD_INPUTS_BY_NAME = by_name(BAD_INPUTS)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("name", list(BAD_INPUTS_BY_NAME))
+def test_bad_input_table(name, device):
+    check_row(__name__, BAD_INPUTS_BY_NAME, name, device)
+
+
+@pytest.mark.parametrize("name", refused_by_the_reference(BAD_INPUTS))
+def test_reference_agrees_on_errors(name):
+    # The reference must refuse what the op refuses (errors of its own type), except the checks it has no reason
+    # to make.
+    if extension_only(name):
+        pytest.skip("an extension-only check")
+    with reference_ops(), pytest.raises((ValueError, RuntimeError, ZeroDivisionError)):
+        BAD_INPUTS_BY_NAME[name].call("cpu")

@@ -1,12 +1,15 @@
 """snapkv_compress_rows: a left-padded batch compressed per row in one call, against the reference and against
-snapkv_compress of each row alone."""
+snapkv_compress of each row alone; opcheck over the samples, and the bad-input table."""
 
 import pytest
 import torch
 
 import ripplekv_ext
 import ripplekv_ref
-from conftest import requires_cuda
+from conftest import DEVICES, requires_cuda
+from op_samples import FLOAT_DTYPES, bnhd, nan_at, rand
+from op_tables import (Case, by_name, check_row, extension_only, opcheck_sample, reference_ops,
+                       refused_by_the_reference, sample_ids)
 from test_snapkv_scores import assert_same_selection, make_window
 
 W = 6
@@ -158,3 +161,83 @@ def test_cuda_lengths_on_the_device():
     out = ripplekv_ext.snapkv_compress_rows(q, k, v, torch.tensor(budgets, device="cuda"),
                                             torch.tensor(lengths, device="cuda"))
     check_rows(q, k, v, budgets, lengths, out)
+
+
+# ---- samples: every float dtype, all-pad and short rows, options, bnhd, an empty batch; opcheck over each ------------
+
+def lengths_and_budgets(lengths, budgets, device):
+    return (torch.tensor(budgets, dtype=torch.int64, device=device),
+            torch.tensor(lengths, dtype=torch.int64, device=device))
+
+
+def snapkv_compress_rows_samples(device):
+    out = []
+    for dtype in FLOAT_DTYPES:
+        q, k, v = (rand(3, 4, 4, 16, device=device, dtype=dtype),
+                   rand(3, 2, 40, 16, device=device, dtype=dtype, seed=1),
+                   rand(3, 2, 40, 16, device=device, dtype=dtype, seed=2))
+        out.append((f"{dtype}", (q, k, v, *lengths_and_budgets([40, 25, 9], [12, 20, 9], device), 7, "max", "mean",
+                                 None)))
+    q, k, v = (rand(3, 4, 4, 16, device=device), rand(3, 2, 40, 16, device=device, seed=1),
+               rand(3, 2, 40, 16, device=device, seed=2))
+    out.append(("all-pad and short rows", (q, k, v, *lengths_and_budgets([0, 40, 2], [8, 4, 8], device), 7, "max",
+                                           "mean", None)))
+    out.append(("avg, group max, scale", (q, k, v, *lengths_and_budgets([40, 30, 20], [10, 10, 10], device), 3, "avg",
+                                          "max", 0.5)))
+    out.append(("bnhd", (bnhd(q), bnhd(k), bnhd(v), *lengths_and_budgets([33, 40, 12], [10, 9, 8], device), 7,
+                         "max", "mean", None)))
+    out.append(("empty batch", (q[:0], k[:0], v[:0], *lengths_and_budgets([], [], device), 7, "max", "mean", None)))
+    return out
+
+
+SAMPLES = {"snapkv_compress_rows": snapkv_compress_rows_samples}
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("op, position", sample_ids(SAMPLES))
+def test_opcheck_samples(op, position, device):
+    opcheck_sample(SAMPLES[op], position, op, device)
+
+
+# ---- the bad-input table (op_tables.py), on CPU and CUDA ----------------------------------------------------------
+
+BAD_INPUTS = [
+    Case("snapkv_compress_rows B=0", lambda d: ripplekv_ext.snapkv_compress_rows(
+        rand(0, 4, 8, 16, device=d), rand(0, 2, 64, 16, device=d), rand(0, 2, 64, 16, device=d),
+        torch.zeros(0, dtype=torch.long), torch.zeros(0, dtype=torch.long)),
+         shapes=[(0, 2, 0, 16), (0, 2, 0, 16), (0, 2, 0)]),
+    Case("snapkv_compress_rows budget below window", lambda d: ripplekv_ext.snapkv_compress_rows(
+        rand(2, 4, 8, 16, device=d), rand(2, 2, 64, 16, device=d), rand(2, 2, 64, 16, device=d),
+        torch.tensor([20, 5]), torch.tensor([64, 30])),
+         error=(RuntimeError, "budgets[1] must be >= window (8) when row 1 is compressed")),
+    # A lone int where one value per row is expected: say what the argument must be.
+    Case("snapkv_compress_rows lengths=64", lambda d: ripplekv_ext.snapkv_compress_rows(
+        rand(1, 4, 8, 16, device=d), rand(1, 2, 64, 16, device=d), rand(1, 2, 64, 16, device=d), [20], 64),
+         error=(TypeError, "snapkv_compress_rows: lengths must be an int64 [B] tensor or a list of ints")),
+    # NaN in a real key raises, naming the row; NaN in a pad is never read.
+    Case("snapkv_compress_rows NaN in a real key", lambda d: ripplekv_ext.snapkv_compress_rows(
+        rand(2, 4, 8, 16, device=d), nan_at(rand(2, 2, 64, 16, device=d), 1, 0, 40, 0), rand(2, 2, 64, 16, device=d),
+        torch.tensor([20, 20]), torch.tensor([64, 30])),
+         error=(RuntimeError, "scores must not contain NaN, got NaN in batch row 1")),
+    Case("snapkv_compress_rows NaN in a pad key", lambda d: ripplekv_ext.snapkv_compress_rows(
+        rand(2, 4, 8, 16, device=d), nan_at(rand(2, 2, 64, 16, device=d), 1, 0, 10, 0), rand(2, 2, 64, 16, device=d),
+        torch.tensor([20, 20]), torch.tensor([64, 30])),
+         shapes=[(2, 2, 20, 16), (2, 2, 20, 16), (2, 2, 20)], check=lambda d, r: not bool(torch.isnan(r[0]).any())),
+]
+BAD_INPUTS_BY_NAME = by_name(BAD_INPUTS)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("name", list(BAD_INPUTS_BY_NAME))
+def test_bad_input_table(name, device):
+    check_row(__name__, BAD_INPUTS_BY_NAME, name, device)
+
+
+@pytest.mark.parametrize("name", refused_by_the_reference(BAD_INPUTS))
+def test_reference_agrees_on_errors(name):
+    # The reference must refuse what the op refuses (errors of its own type), except the checks it has no reason
+    # to make.
+    if extension_only(name):
+        pytest.skip("an extension-only check")
+    with reference_ops(), pytest.raises((ValueError, RuntimeError, ZeroDivisionError)):
+        BAD_INPUTS_BY_NAME[name].call("cpu")

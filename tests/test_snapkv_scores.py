@@ -1,4 +1,5 @@
-"""snapkv_scores against the reference, hand-worked values and adversarial inputs (snapkv_compress: its own file)."""
+"""snapkv_scores against the reference, hand-worked values and adversarial inputs (snapkv_compress: its own file);
+opcheck over the samples, and the bad-input table."""
 
 import os
 import subprocess
@@ -10,7 +11,10 @@ from hypothesis import given, settings, strategies as st
 
 import ripplekv_ext
 import ripplekv_ref
-from conftest import requires_cuda
+from conftest import DEVICES, requires_cuda
+from op_samples import FLOAT_DTYPES, bnhd, nan_at, rand
+from op_tables import (Case, assert_same_nan_scores, by_name, check_row, extension_only, opcheck_sample, other_device,
+                       reference_ops, refused_by_the_reference, sample_ids, scores_nan_like_reference)
 
 # Scores are fp32 whatever the input dtype (inputs are upcast exactly), so one tolerance serves all
 # dtypes; it covers the different summation order of the tiled kernels.
@@ -264,3 +268,99 @@ def test_cuda_graph_capture_of_scoring_and_compression():
     for got, want in zip(captured, eager):
         assert torch.equal(got, want)
     assert torch.equal(captured_idx, eager_idx)
+
+
+# ---- samples: every float dtype, options, no pooling, a transposed cache, an empty batch, lengths; opcheck over each -
+
+def snapkv_scores_samples(device):
+    out = []
+    for dtype in FLOAT_DTYPES:
+        out.append((f"{dtype}", (rand(1, 4, 4, 16, device=device, dtype=dtype),
+                                 rand(1, 2, 40, 16, device=device, dtype=dtype, seed=1), 7, "max", "mean", None)))
+    q, k = rand(2, 4, 4, 16, device=device), rand(2, 2, 40, 16, device=device, seed=1)
+    out.append(("avg, group max, scale", (q, k, 3, "avg", "max", 0.5)))
+    out.append(("no pooling", (q, k, 1, "max", "mean", None)))
+    out.append(("bnhd", (bnhd(q), bnhd(k), 5, "max", "mean", None)))
+    out.append(("empty batch", (q[:0], k[:0], 7, "max", "mean", None)))
+    out.append(("lengths", (q, k, 7, "max", "mean", None, torch.tensor([40, 17], device=device))))
+    out.append(("lengths on cpu, short row", (bnhd(q), bnhd(k), 5, "avg", "max", None, torch.tensor([3, 40]))))
+    return out
+
+
+SAMPLES = {"snapkv_scores": snapkv_scores_samples}
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("op, position", sample_ids(SAMPLES))
+def test_opcheck_samples(op, position, device):
+    opcheck_sample(SAMPLES[op], position, op, device)
+
+
+# ---- the bad-input table (op_tables.py), on CPU and CUDA ----------------------------------------------------------
+
+BAD_INPUTS = [
+    # An empty batch gives empty scores. In a subprocess (crashed_before): a SIGFPE in the CPU driver would end the run.
+    Case("snapkv_scores B=0", lambda d: ripplekv_ext.snapkv_scores(
+        rand(0, 4, 8, 16, device=d), rand(0, 2, 64, 16, device=d)),
+         shapes=[(0, 2, 56)], crashed_before=True),
+    # Sizes that have no meaning raise, as the reference does.
+    Case("snapkv_scores H_q=0", lambda d: ripplekv_ext.snapkv_scores(
+        rand(1, 0, 8, 16, device=d), rand(1, 2, 64, 16, device=d)),
+         error=(RuntimeError, "must be a positive multiple of the keys heads")),
+    Case("snapkv_scores D=0", lambda d: ripplekv_ext.snapkv_scores(
+        rand(1, 4, 8, 0, device=d), rand(1, 2, 64, 0, device=d)),
+         error=(RuntimeError, "head dimension D (dim 3) must be >= 1, got 0")),
+    Case("snapkv_scores kernel_size=True", lambda d: ripplekv_ext.snapkv_scores(
+        rand(1, 4, 8, 16, device=d), rand(1, 2, 64, 16, device=d), kernel_size=True),
+         error=(TypeError, "kernel_size must be an integer, got bool")),
+    # Every tensor on one device (meta included): no uninitialised memory, no silent no-op.
+    Case("snapkv_scores q_window on another device", lambda d: ripplekv_ext.snapkv_scores(
+        rand(1, 4, 8, 16, device=d).to(other_device(d)), rand(1, 2, 64, 16, device=d)),
+         error=(RuntimeError, "every tensor must be on one device")),
+    # lengths: int64 [B], one per row.
+    Case("snapkv_scores lengths above N", lambda d: ripplekv_ext.snapkv_scores(
+        rand(1, 4, 8, 16, device=d), rand(1, 2, 64, 16, device=d), lengths=torch.tensor([65])),
+         error=(RuntimeError, "lengths[0] (real tokens of row 0) must be in [0, N] = [0, 64], got 65")),
+    Case("snapkv_scores lengths=5", lambda d: ripplekv_ext.snapkv_scores(
+        rand(1, 4, 8, 16, device=d), rand(1, 2, 64, 16, device=d), lengths=5),
+         error=(TypeError, "snapkv_scores: lengths must be an int64 [B] tensor or a list of ints (one per batch row), "
+                           "got int (5)")),
+    Case("snapkv_scores lengths as a tuple", lambda d: ripplekv_ext.snapkv_scores(
+        rand(1, 4, 8, 16, device=d), rand(1, 2, 64, 16, device=d), lengths=(64,)), shapes=[(1, 2, 56)]),
+    # NaN policy: scoring propagates NaN into the scores (the selection that follows raises).
+    Case("snapkv_scores NaN in a window key", lambda d: ripplekv_ext.snapkv_scores(
+        rand(1, 4, 8, 16, device=d), nan_at(rand(1, 2, 64, 16, device=d), 0, 1, 60, 3)),
+         shapes=[(1, 2, 56)], check=scores_nan_like_reference),
+    Case("snapkv_scores inf in q_window", lambda d: ripplekv_ext.snapkv_scores(
+        rand(1, 4, 8, 16, device=d).index_fill(3, torch.tensor([0], device=d), float("inf")),
+        rand(1, 2, 64, 16, device=d)), shapes=[(1, 2, 56)], check=scores_nan_like_reference),
+]
+BAD_INPUTS_BY_NAME = by_name(BAD_INPUTS)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("name", list(BAD_INPUTS_BY_NAME))
+def test_bad_input_table(name, device):
+    check_row(__name__, BAD_INPUTS_BY_NAME, name, device)
+
+
+@pytest.mark.parametrize("name", refused_by_the_reference(BAD_INPUTS))
+def test_reference_agrees_on_errors(name):
+    # The reference must refuse what the op refuses (errors of its own type), except the checks it has no reason
+    # to make.
+    if extension_only(name):
+        pytest.skip("an extension-only check")
+    with reference_ops(), pytest.raises((ValueError, RuntimeError, ZeroDivisionError)):
+        BAD_INPUTS_BY_NAME[name].call("cpu")
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("case", ["snapkv NaN key", "snapkv inf query"])
+def test_nan_scores_match_reference(case, device):
+    # The policy is the reference's: NaN/inf inputs give NaN scores at the same positions on every backend.
+    q, k = rand(1, 4, 8, 16, device=device), rand(1, 2, 64, 16, device=device)
+    if case == "snapkv NaN key":
+        args = (q, nan_at(k, 0, 1, 60, 3))
+    else:
+        args = (nan_at(q, 0, 0, 2, 1).nan_to_num(posinf=float("inf"), nan=float("inf")), k)
+    assert_same_nan_scores(ripplekv_ext.snapkv_scores(*args), ripplekv_ref.snapkv_scores(*args))
