@@ -1,4 +1,5 @@
-"""The supported version ranges and the transformers adapters (ripplekv_ext.integrations.transformers.versions).
+"""The transformers integration (ripplekv_ext.integrations.transformers): the supported version ranges and the
+adapters within them (``versions``), and ``CompressedLayer``'s logical lengths under crop.
 
 `make test` runs this file twice: in .venv (the newest pinned transformers) and in .venv-min (the oldest supported
 one), so every adapter is checked against the transformers it adapts to, on both ends of the range.
