@@ -6,6 +6,9 @@ import torch
 import ripplekv_ref
 from ripplekv_ext import KVCompressor, Policy
 from ripplekv_ext.allocation import average_budget
+from ripplekv_ext.selectors import H2OSelector, Selector
+
+WINDOW = 8
 
 
 def _layer(b=2, h_kv=2, groups=3, n=96, d=16, seed=0, dtype=torch.float32):
@@ -131,3 +134,107 @@ def test_on_compress_sees_each_call_with_its_inputs_outputs_and_budget():
 def test_on_compress_must_be_callable():
     with pytest.raises(TypeError, match="on_compress must be callable or None, got int"):
         KVCompressor(Policy.snapkv(0.25), num_layers=2, on_compress=3)
+
+
+# ---- left-padded batches: compress_rows and select_rows, each row as if alone ------------------------------------
+
+ROW_POLICIES = {
+    "snapkv": Policy.snapkv(0.3, window=WINDOW),
+    "pyramidkv": Policy.pyramidkv(0.3, window=WINDOW),
+    "h2o": Policy.h2o(0.3, window=WINDOW),
+    "streamingllm": Policy.streamingllm(0.3, window=WINDOW),
+    "pyramidkv+h2o": Policy(Policy.pyramidkv(0.3).allocator, H2OSelector(), 0.3, WINDOW),
+}
+# The short rows are too short for 30%: left whole, as documented.
+short_rows_left_whole = pytest.mark.filterwarnings("ignore::ripplekv_ext.policies.PromptTooShortWarning")
+
+
+def _rows_layer(b, n, seed=0, h_kv=2, groups=2, d=16):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(b, h_kv * groups, n, d, generator=g), torch.randn(b, h_kv, n, d, generator=g),
+            torch.randn(b, h_kv, n, d, generator=g))
+
+
+@short_rows_left_whole
+@pytest.mark.parametrize("policy_name", ["snapkv", "pyramidkv", "h2o", "streamingllm"])
+def test_compress_rows_equals_each_row_alone(policy_name):
+    policy = ROW_POLICIES[policy_name]
+    comp = KVCompressor(policy, num_layers=3)
+    lengths = [64, 40, 5, 0, 20]
+    q, k, v = _rows_layer(len(lengths), 64)
+    queries = q if policy.selector.needs_all_queries else q[:, :, -WINDOW:]
+    for layer in range(3):
+        keys_c, values_c, key_mask = comp.compress_rows(layer, queries, k, v, torch.tensor(lengths))
+        c_max = keys_c.shape[2]
+        assert keys_c.shape == values_c.shape == (5, 2, c_max, 16) and key_mask.shape == (5, c_max)
+        for row, n in enumerate(lengths):
+            if n == 0:
+                assert not key_mask[row].any() and not keys_c[row].any()
+                continue
+            start = 64 - n
+            row_q = q[row:row + 1, :, start:] if policy.selector.needs_all_queries else q[row:row + 1, :, -WINDOW:]
+            alone_k, alone_v = comp.compress(layer, row_q, k[row:row + 1, :, start:], v[row:row + 1, :, start:])
+            kept = alone_k.shape[2]
+            assert kept == min(comp.layer_budget(layer, n), n)
+            assert torch.equal(keys_c[row:row + 1, :, c_max - kept:], alone_k)
+            assert torch.equal(values_c[row:row + 1, :, c_max - kept:], alone_v)
+            assert key_mask[row].tolist() == [False] * (c_max - kept) + [True] * kept
+            assert not keys_c[row, :, :c_max - kept].any()
+
+
+@short_rows_left_whole
+@pytest.mark.parametrize("policy_name", ["snapkv", "h2o", "pyramidkv+h2o"])
+def test_per_row_ops_equal_the_row_loop(policy_name):
+    # A scored selector's select_rows runs the per-row ops (one call for the batch); the Selector base's runs each
+    # row alone through select.
+    policy = ROW_POLICIES[policy_name]
+    comp = KVCompressor(policy, num_layers=2)
+    lengths = (64, 40, 5, 0, 20, 33)
+    q, k, _ = _rows_layer(len(lengths), 64, seed=4)
+    queries = q if policy.selector.needs_all_queries else q[:, :, -WINDOW:]
+    for layer in range(2):
+        batched = comp.select_rows(layer, queries, k, torch.tensor(lengths))
+        budgets = torch.tensor(comp.layer_row_budgets(layer, lengths))
+        loop = Selector.select_rows(policy.selector, queries, k, budgets, torch.tensor(lengths), WINDOW)
+        assert torch.equal(batched, loop)
+
+
+def test_select_rows_matches_the_reference_ops():
+    # Independent of KVCompressor.compress: the reference SnapKV on each row's own tokens.
+    comp = KVCompressor(Policy.snapkv(0.25, window=WINDOW), num_layers=1)
+    lengths = [96, 50]
+    q, k, _ = _rows_layer(2, 96, seed=3)
+    idx = comp.select_rows(0, q[:, :, -WINDOW:], k, lengths)
+    for row, n in enumerate(lengths):
+        budget = comp.layer_budget(0, n)
+        ref = ripplekv_ref.select_topk(ripplekv_ref.snapkv_scores(q[row:row + 1, :, -WINDOW:],
+                                                                  k[row:row + 1, :, 96 - n:]), budget, WINDOW)
+        assert torch.equal(idx[row:row + 1, :, idx.shape[2] - budget:], ref + 96 - n)
+        assert (idx[row, :, :idx.shape[2] - budget] == -1).all()
+
+
+@short_rows_left_whole
+def test_row_budgets_and_uncompressed_batches():
+    comp = KVCompressor(Policy.pyramidkv(0.3, window=WINDOW), num_layers=4, compressible_layers=[0, 2, 3])
+    assert comp.row_budgets([100, 0]) == [comp.budgets(100), [0, None, 0, 0]]
+    assert comp.layer_row_budgets(1, [100, 50]) is None
+    assert comp.layer_row_budgets(2, [100, 50]) == [comp.layer_budget(2, 100), comp.layer_budget(2, 50)]
+    q, k, v = _rows_layer(2, 20)
+    keys_c, values_c, key_mask = comp.compress_rows(0, q[:, :, -WINDOW:], k, v, [20, 4])  # nothing cut
+    assert keys_c is k and values_c is v and key_mask.sum(dim=1).tolist() == [20, 4]
+    q, k, v = _rows_layer(2, 30)
+    keys_c, _, key_mask = comp.compress_rows(1, q, k, v, [30, 4])  # not compressible
+    assert keys_c is k and key_mask[1].tolist() == [False] * 26 + [True] * 4
+
+
+@pytest.mark.parametrize("lengths,message", [
+    ([30], r"one length per row \(2\), got 1"),
+    ([31, 3], r"lengths must be in \[0, N = 30\], got \[31\] in rows \[0\]"),
+    ([-1, 3], r"got \[-1\] in rows \[0\]"),
+    (torch.tensor([1.0, 2.0]), "lengths must be an integer tensor"),
+])
+def test_compress_rows_rejects_bad_lengths(lengths, message):
+    comp = KVCompressor(Policy.snapkv(0.3, window=WINDOW), num_layers=1)
+    q, k, v = _rows_layer(2, 30)
+    with pytest.raises(ValueError, match=message):
+        comp.compress_rows(0, q, k, v, lengths)

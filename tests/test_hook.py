@@ -263,7 +263,7 @@ def test_on_compress_sees_every_compressed_layer_once_per_prefill(arch):
 # --- Batches, padding, short prompts --------------------------------------------------------------------------
 
 def test_right_padding_is_a_clear_error():
-    # Left-padded batches are compressed row by row (tests/test_batches.py); right padding is refused.
+    # Left-padded batches are compressed row by row (tests/test_hook_batches.py); right padding is refused.
     model = tiny_model("llama")
     ids = _ids()
     mask = torch.ones_like(ids)

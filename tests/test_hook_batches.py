@@ -1,9 +1,10 @@
-"""Left-padded batches under compression: each row behaves exactly as its prompt alone.
+"""Left-padded batches under ``compress()`` (ripplekv_ext.hook): each row behaves exactly as its prompt alone.
 
 The oracle is the model itself: every row of a padded batch is also run alone (no padding) under the same policy,
 and the batch must give that row the same logits (prefill, a multi-token continuation, decode steps) and the same
 greedy tokens. The alone runs go through ``KVCompressor.compress`` on an unpadded batch of one, which
-``test_hook.py`` checks against an independent masked computation; the batch goes through ``compress_rows``.
+``test_hook.py`` checks against an independent masked computation; the batch goes through ``compress_rows``
+(``test_compressor.py`` checks it row by row).
 """
 
 import importlib.util
@@ -12,19 +13,17 @@ import warnings
 import pytest
 import torch
 
-import ripplekv_ref
-from ripplekv_ext import KVCompressor, Policy, compress
+from ripplekv_ext import Policy, compress
 from ripplekv_ext.eval.models import tiny_model
 from ripplekv_ext.model_info import compressible_layers
 from ripplekv_ext.policies import PromptTooShortWarning
-from ripplekv_ext.selectors import H2OSelector, Selector
+from ripplekv_ext.selectors import H2OSelector
 
 transformers = pytest.importorskip("transformers")
 from transformers.cache_utils import DynamicSlidingWindowLayer  # noqa: E402
 
 from ripplekv_ext.integrations.transformers import cache_argument, output_cache  # noqa: E402
 from ripplekv_ext.integrations.transformers import CompressedLayer  # noqa: E402
-from ripplekv_ext.masks import row_lengths  # noqa: E402
 
 CACHE = cache_argument()
 WINDOW = 8
@@ -264,16 +263,6 @@ def test_right_padding_holes_and_empty_rows_are_clear_errors():
         model(ids, attention_mask=right)  # Full leaves the model alone, padding included
 
 
-def test_row_lengths():
-    assert row_lengths(None) is None
-    assert row_lengths(torch.ones(2, 5, dtype=torch.long)) is None
-    mask = torch.tensor([[0, 0, 1, 1], [1, 1, 1, 1], [0, 0, 0, 1]])
-    assert row_lengths(mask).tolist() == [2, 4, 1]
-    assert row_lengths(mask.bool()).tolist() == [2, 4, 1]
-    with pytest.raises(ValueError, match="must be a 2-D"):
-        row_lengths(mask[None])
-
-
 # --- The compressed cache layer -------------------------------------------------------------------------------
 
 def test_compressed_layer_carries_its_key_mask():
@@ -328,96 +317,6 @@ def test_on_compress_reports_rows():
         assert step.key_mask.sum(dim=1).tolist() == [min(b, n) for b, n in zip(budgets, LENGTHS)]
         assert session.last_row_kept[step.layer_idx] == step.key_mask.sum(dim=1).tolist()
         assert step.kept_keys.shape[2] == session.last_budgets[step.layer_idx] == max(step.key_mask.sum(dim=1))
-
-
-# --- KVCompressor without transformers ------------------------------------------------------------------------
-
-def _layer(b, n, seed=0, h_kv=2, groups=2, d=16):
-    g = torch.Generator().manual_seed(seed)
-    return (torch.randn(b, h_kv * groups, n, d, generator=g), torch.randn(b, h_kv, n, d, generator=g),
-            torch.randn(b, h_kv, n, d, generator=g))
-
-
-@pytest.mark.parametrize("policy_name", ["snapkv", "pyramidkv", "h2o", "streamingllm"])
-def test_compress_rows_equals_each_row_alone(policy_name):
-    policy = _policies(3)[policy_name]
-    comp = KVCompressor(policy, num_layers=3)
-    lengths = [64, 40, 5, 0, 20]
-    q, k, v = _layer(len(lengths), 64)
-    queries = q if policy.selector.needs_all_queries else q[:, :, -WINDOW:]
-    for layer in range(3):
-        keys_c, values_c, key_mask = comp.compress_rows(layer, queries, k, v, torch.tensor(lengths))
-        c_max = keys_c.shape[2]
-        assert keys_c.shape == values_c.shape == (5, 2, c_max, 16) and key_mask.shape == (5, c_max)
-        for row, n in enumerate(lengths):
-            if n == 0:
-                assert not key_mask[row].any() and not keys_c[row].any()
-                continue
-            start = 64 - n
-            row_q = q[row:row + 1, :, start:] if policy.selector.needs_all_queries else q[row:row + 1, :, -WINDOW:]
-            alone_k, alone_v = comp.compress(layer, row_q, k[row:row + 1, :, start:], v[row:row + 1, :, start:])
-            kept = alone_k.shape[2]
-            assert kept == min(comp.layer_budget(layer, n), n)
-            assert torch.equal(keys_c[row:row + 1, :, c_max - kept:], alone_k)
-            assert torch.equal(values_c[row:row + 1, :, c_max - kept:], alone_v)
-            assert key_mask[row].tolist() == [False] * (c_max - kept) + [True] * kept
-            assert not keys_c[row, :, :c_max - kept].any()
-
-
-@pytest.mark.parametrize("policy_name", ["snapkv", "h2o", "pyramidkv+h2o"])
-def test_per_row_ops_equal_the_row_loop(policy_name):
-    # A scored selector's select_rows runs the per-row ops (one call for the batch); the Selector base's runs each
-    # row alone through select.
-    policy = _policies(2)[policy_name]
-    comp = KVCompressor(policy, num_layers=2)
-    lengths = (64, 40, 5, 0, 20, 33)
-    q, k, _ = _layer(len(lengths), 64, seed=4)
-    queries = q if policy.selector.needs_all_queries else q[:, :, -WINDOW:]
-    for layer in range(2):
-        batched = comp.select_rows(layer, queries, k, torch.tensor(lengths))
-        budgets = torch.tensor(comp.layer_row_budgets(layer, lengths))
-        loop = Selector.select_rows(policy.selector, queries, k, budgets, torch.tensor(lengths), WINDOW)
-        assert torch.equal(batched, loop)
-
-
-def test_select_rows_matches_the_reference_ops():
-    # Independent of KVCompressor.compress: the reference SnapKV on each row's own tokens.
-    comp = KVCompressor(Policy.snapkv(0.25, window=WINDOW), num_layers=1)
-    lengths = [96, 50]
-    q, k, _ = _layer(2, 96, seed=3)
-    idx = comp.select_rows(0, q[:, :, -WINDOW:], k, lengths)
-    for row, n in enumerate(lengths):
-        budget = comp.layer_budget(0, n)
-        ref = ripplekv_ref.select_topk(ripplekv_ref.snapkv_scores(q[row:row + 1, :, -WINDOW:],
-                                                                  k[row:row + 1, :, 96 - n:]), budget, WINDOW)
-        assert torch.equal(idx[row:row + 1, :, idx.shape[2] - budget:], ref + 96 - n)
-        assert (idx[row, :, :idx.shape[2] - budget] == -1).all()
-
-
-def test_row_budgets_and_uncompressed_batches():
-    comp = KVCompressor(Policy.pyramidkv(0.3, window=WINDOW), num_layers=4, compressible_layers=[0, 2, 3])
-    assert comp.row_budgets([100, 0]) == [comp.budgets(100), [0, None, 0, 0]]
-    assert comp.layer_row_budgets(1, [100, 50]) is None
-    assert comp.layer_row_budgets(2, [100, 50]) == [comp.layer_budget(2, 100), comp.layer_budget(2, 50)]
-    q, k, v = _layer(2, 20)
-    keys_c, values_c, key_mask = comp.compress_rows(0, q[:, :, -WINDOW:], k, v, [20, 4])  # nothing cut
-    assert keys_c is k and values_c is v and key_mask.sum(dim=1).tolist() == [20, 4]
-    q, k, v = _layer(2, 30)
-    keys_c, _, key_mask = comp.compress_rows(1, q, k, v, [30, 4])  # not compressible
-    assert keys_c is k and key_mask[1].tolist() == [False] * 26 + [True] * 4
-
-
-@pytest.mark.parametrize("lengths,message", [
-    ([30], r"one length per row \(2\), got 1"),
-    ([31, 3], r"lengths must be in \[0, N = 30\], got \[31\] in rows \[0\]"),
-    ([-1, 3], r"got \[-1\] in rows \[0\]"),
-    (torch.tensor([1.0, 2.0]), "lengths must be an integer tensor"),
-])
-def test_compress_rows_rejects_bad_lengths(lengths, message):
-    comp = KVCompressor(Policy.snapkv(0.3, window=WINDOW), num_layers=1)
-    q, k, v = _layer(2, 30)
-    with pytest.raises(ValueError, match=message):
-        comp.compress_rows(0, q, k, v, lengths)
 
 
 # --- SmolLM2: four real prompts, lengths differing by 2x -------------------------------------------------------
