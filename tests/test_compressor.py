@@ -238,3 +238,34 @@ def test_compress_rows_rejects_bad_lengths(lengths, message):
     q, k, v = _rows_layer(2, 30)
     with pytest.raises(ValueError, match=message):
         comp.compress_rows(0, q, k, v, lengths)
+
+
+# ---- compression during decoding: the budgets of a longer sequence, an explicit budget ---------------------------
+
+@pytest.mark.parametrize("policy", [Policy.ripplekv([1.0, 5.0, 2.0, 0.5], 0.2, window=8, decode_every=64),
+                                    Policy.pyramidkv(0.2, window=8, decode_every=64)], ids=["ripplekv", "pyramidkv"])
+def test_decode_budgets_hold_the_prompts_total_at_every_length(policy):
+    compressor = KVCompressor(policy, num_layers=4)
+    avg = round(0.2 * 1000)
+    for n_seen in (1000, 1064, 3000, 9000):
+        budgets = compressor.decode_budgets(n_seen, 1000)
+        assert sum(budgets) == 4 * avg, (n_seen, budgets)
+        assert budgets == policy.allocator.budgets(4, n_seen, avg, 8)
+    assert compressor.decode_budgets(150, 30) == [150] * 4  # a prompt too short for its retention stays whole
+    assert KVCompressor(Policy.snapkv(0.2, window=8, decode_every=64, decode_budget=50), 4).decode_budgets(
+        3000, 20) == [50] * 4
+
+
+def test_compress_with_an_explicit_budget_matches_the_reference():
+    g = torch.Generator().manual_seed(4)
+    q, k, v = (torch.randn(2, 4, n, 16, generator=g) for n in (WINDOW, 90, 90))
+    compressor = KVCompressor(Policy.snapkv(0.2, window=WINDOW, decode_every=16), num_layers=1)
+    keys_c, values_c = compressor.compress(0, q, k, v, budget=30)
+    scores = ripplekv_ref.snapkv_scores(q, k)
+    want = ripplekv_ref.select_topk(scores, 30, WINDOW)
+    torch.testing.assert_close(keys_c, ripplekv_ref.gather_kv(k, v, want)[0])
+    torch.testing.assert_close(values_c, ripplekv_ref.gather_kv(k, v, want)[1])
+    keys_r, _, key_mask = compressor.compress_rows(0, q, k, v, [90, 60], budgets=[30, 20])
+    assert key_mask.sum(dim=1).tolist() == [30, 20]
+    alone = compressor.compress(0, q[1:], k[1:, :, 30:], v[1:, :, 30:], budget=20)[0]
+    torch.testing.assert_close(keys_r[1:, :, 10:], alone)

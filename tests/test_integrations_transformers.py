@@ -1,5 +1,6 @@
 """The transformers integration (ripplekv_ext.integrations.transformers): the supported version ranges and the
-adapters within them (``versions``), and ``CompressedLayer``'s logical lengths under crop.
+adapters within them (``versions``), and what ``CompressedLayer`` keeps of its own (logical lengths under crop, the
+decode state that follows its rows).
 
 `make test` runs this file twice: in .venv (the newest pinned transformers) and in .venv-min (the oldest supported
 one), so every adapter is checked against the transformers it adapts to, on both ends of the range.
@@ -172,3 +173,21 @@ def test_generate_under_compression(model):
                              pad_token_id=0)
     assert out.shape == (1, 70)
     assert session.last_budgets == {0: average_budget(0.25, 64), 1: average_budget(0.25, 64)}
+
+
+# --- CompressedLayer's decode state follows its rows ------------------------------------------------------------
+
+def test_batch_reshuffles_move_the_decode_state_with_the_rows():
+    # Beam search and sampled repeats reorder a compressed layer's rows: the newest queries and the prompt lengths
+    # that set each row's budgets must follow them.
+    keys = torch.arange(3.0)[:, None, None, None].expand(3, 1, 5, 2).contiguous()
+    layer = CompressedLayer(keys, keys.clone(), seen_tokens=5)
+    layer.remember_queries(torch.arange(3.0)[:, None, None, None].expand(3, 2, 6, 2), window=4)
+    layer.prompt_lengths = torch.tensor([5, 4, 3])
+    assert layer.recent_queries.shape == (3, 2, 4, 2)
+    layer.reorder_cache(torch.tensor([2, 0, 1]))
+    assert layer.prompt_lengths.tolist() == [3, 5, 4] and layer.recent_queries[:, 0, 0, 0].tolist() == [2, 0, 1]
+    layer.batch_select_indices(torch.tensor([0, 2]))
+    assert layer.prompt_lengths.tolist() == [3, 4] and layer.keys[:, 0, 0, 0].tolist() == [2, 1]
+    layer.batch_repeat_interleave(2)
+    assert layer.prompt_lengths.tolist() == [3, 3, 4, 4] and layer.recent_queries[:, 0, 0, 0].tolist() == [2, 2, 1, 1]

@@ -7,6 +7,7 @@ import torch
 
 import ripplekv_ref
 from ripplekv_ext.allocation import PyramidKVAllocator, RippleKVAllocator, UniformAllocator, average_budget
+from ripplekv_ext import KVCompressor
 from ripplekv_ext.policies import DEFAULT_WINDOW, Policy
 from ripplekv_ext.selectors import H2OSelector, SnapKVSelector, StreamingLLMSelector
 
@@ -147,3 +148,35 @@ def test_snapkv_needs_the_window():
     q, k = _qkv(n=40)
     with pytest.raises(ValueError, match=r"at least window = 8 positions, got 4"):
         SnapKVSelector().select(q[:, :, -4:], k, budget=16, window=8)
+
+
+# ---- compression during decoding: decode_every and decode_budget ---------------------------------------------------
+
+@pytest.mark.parametrize("build, message", [
+    (lambda: Policy.snapkv(0.2, decode_every=0), "decode_every must be an integer >= 1"),
+    (lambda: Policy.snapkv(0.2, decode_every=-64), "decode_every must be an integer >= 1"),
+    (lambda: Policy.snapkv(0.2, decode_every=1.5), "decode_every must be an integer >= 1"),
+    (lambda: Policy.snapkv(0.2, decode_every=True), "decode_every must be an integer >= 1"),
+    (lambda: Policy.snapkv(0.2, window=32, decode_every=64, decode_budget=32), "decode_budget must be an integer > "
+                                                                               "window = 32"),
+    (lambda: Policy.snapkv(0.2, window=32, decode_every=64, decode_budget=8), "decode_budget must be an integer >"),
+    (lambda: Policy.snapkv(0.2, decode_budget=256), "decode_budget=256 needs decode_every"),
+    (lambda: Policy(decode_every=64), "decode_every needs a compressing policy"),
+    (lambda: Policy(Policy.h2o(0.2).allocator, Policy.h2o(0.2).selector, 0.2, decode_every=64),
+     "decode_every is not supported with H2OSelector"),
+    (lambda: Policy.snapkv(0.2).decode_layer_budgets(4, 100, 100), "does not compress during decoding"),
+    (lambda: KVCompressor(Policy.snapkv(0.2, window=8), 1).compress(0, *(torch.zeros(1, 1, n, 4) for n in
+                                                                          (8, 50, 50)), budget=4),
+     "budget must be an integer >= window = 8"),
+    (lambda: KVCompressor(Policy.snapkv(0.5, window=8), 1).compress_rows(
+        0, *(torch.zeros(2, 1, n, 4) for n in (8, 50, 50)), [50, 40], budgets=[20]),
+     r"budgets must hold one budget per row \(2\), got 1"),
+])
+def test_bad_decode_options_raise_clear_errors(build, message):
+    with pytest.raises(ValueError, match=message):
+        build()
+
+
+def test_decode_every_is_off_by_default_and_named_when_on():
+    assert Policy.snapkv(0.2).decode_every is None and Policy.snapkv(0.2).name == "uniform+snapkv@0.2"
+    assert Policy.snapkv(0.2, decode_every=128).name == "uniform+snapkv@0.2,decode_every=128"

@@ -1,9 +1,11 @@
-"""Compression during decoding: ``Policy(..., decode_every=K)`` keeps every layer within its budget.
+"""Compression during decoding under ``compress()`` (ripplekv_ext.hook): ``Policy(..., decode_every=K)`` keeps every
+layer within its budget.
 
 Oracles: Full (while nothing was cut, the logits must be Full's), a prefill compression of the same tokens (the
 first decode-time selection must pick what a prefill of that sequence picks), layer 0's keys (they depend only on
 the token and its position, so teacher-forced StreamingLLM must hold Full's layer-0 keys at exactly the sink and
-recent positions), each prompt alone (a left-padded batch), the allocator (budget totals) and the reference ops.
+recent positions), each prompt alone (a left-padded batch) and the allocator (budget totals). The decode budgets and
+an explicit budget of ``KVCompressor`` are in ``test_compressor.py``, the options' checks in ``test_policies.py``.
 """
 
 from __future__ import annotations
@@ -13,7 +15,6 @@ import gc
 import pytest
 import torch
 
-import ripplekv_ref
 from ripplekv_ext import KVCompressor, Policy, compress
 from ripplekv_ext.eval.models import tiny_model
 
@@ -225,84 +226,7 @@ def test_left_padded_batch_generates_what_each_row_generates_alone(arch, name):
                                    atol=1e-4, rtol=1e-4)
 
 
-# ---- budgets, the KVCompressor API, bad input ----------------------------------------------------------------
-
-@pytest.mark.parametrize("policy", [Policy.ripplekv([1.0, 5.0, 2.0, 0.5], 0.2, window=8, decode_every=64),
-                                    Policy.pyramidkv(0.2, window=8, decode_every=64)], ids=["ripplekv", "pyramidkv"])
-def test_decode_budgets_hold_the_prompts_total_at_every_length(policy):
-    compressor = KVCompressor(policy, num_layers=4)
-    avg = round(0.2 * 1000)
-    for n_seen in (1000, 1064, 3000, 9000):
-        budgets = compressor.decode_budgets(n_seen, 1000)
-        assert sum(budgets) == 4 * avg, (n_seen, budgets)
-        assert budgets == policy.allocator.budgets(4, n_seen, avg, 8)
-    assert compressor.decode_budgets(150, 30) == [150] * 4  # a prompt too short for its retention stays whole
-    assert KVCompressor(Policy.snapkv(0.2, window=8, decode_every=64, decode_budget=50), 4).decode_budgets(
-        3000, 20) == [50] * 4
-
-
-def test_compress_with_an_explicit_budget_matches_the_reference():
-    g = torch.Generator().manual_seed(4)
-    q, k, v = (torch.randn(2, 4, n, 16, generator=g) for n in (WINDOW, 90, 90))
-    compressor = KVCompressor(Policy.snapkv(0.2, window=WINDOW, decode_every=16), num_layers=1)
-    keys_c, values_c = compressor.compress(0, q, k, v, budget=30)
-    scores = ripplekv_ref.snapkv_scores(q, k)
-    want = ripplekv_ref.select_topk(scores, 30, WINDOW)
-    torch.testing.assert_close(keys_c, ripplekv_ref.gather_kv(k, v, want)[0])
-    torch.testing.assert_close(values_c, ripplekv_ref.gather_kv(k, v, want)[1])
-    keys_r, _, key_mask = compressor.compress_rows(0, q, k, v, [90, 60], budgets=[30, 20])
-    assert key_mask.sum(dim=1).tolist() == [30, 20]
-    alone = compressor.compress(0, q[1:], k[1:, :, 30:], v[1:, :, 30:], budget=20)[0]
-    torch.testing.assert_close(keys_r[1:, :, 10:], alone)
-
-
-@pytest.mark.parametrize("build, message", [
-    (lambda: Policy.snapkv(0.2, decode_every=0), "decode_every must be an integer >= 1"),
-    (lambda: Policy.snapkv(0.2, decode_every=-64), "decode_every must be an integer >= 1"),
-    (lambda: Policy.snapkv(0.2, decode_every=1.5), "decode_every must be an integer >= 1"),
-    (lambda: Policy.snapkv(0.2, decode_every=True), "decode_every must be an integer >= 1"),
-    (lambda: Policy.snapkv(0.2, window=32, decode_every=64, decode_budget=32), "decode_budget must be an integer > "
-                                                                               "window = 32"),
-    (lambda: Policy.snapkv(0.2, window=32, decode_every=64, decode_budget=8), "decode_budget must be an integer >"),
-    (lambda: Policy.snapkv(0.2, decode_budget=256), "decode_budget=256 needs decode_every"),
-    (lambda: Policy(decode_every=64), "decode_every needs a compressing policy"),
-    (lambda: Policy(Policy.h2o(0.2).allocator, Policy.h2o(0.2).selector, 0.2, decode_every=64),
-     "decode_every is not supported with H2OSelector"),
-    (lambda: Policy.snapkv(0.2).decode_layer_budgets(4, 100, 100), "does not compress during decoding"),
-    (lambda: KVCompressor(Policy.snapkv(0.2, window=8), 1).compress(0, *(torch.zeros(1, 1, n, 4) for n in
-                                                                          (8, 50, 50)), budget=4),
-     "budget must be an integer >= window = 8"),
-    (lambda: KVCompressor(Policy.snapkv(0.5, window=8), 1).compress_rows(
-        0, *(torch.zeros(2, 1, n, 4) for n in (8, 50, 50)), [50, 40], budgets=[20]),
-     r"budgets must hold one budget per row \(2\), got 1"),
-])
-def test_bad_decode_options_raise_clear_errors(build, message):
-    with pytest.raises(ValueError, match=message):
-        build()
-
-
-def test_policy_name_and_default_stay_as_they_were():
-    assert Policy.snapkv(0.2).decode_every is None and Policy.snapkv(0.2).name == "uniform+snapkv@0.2"
-    assert Policy.snapkv(0.2, decode_every=128).name == "uniform+snapkv@0.2,decode_every=128"
-
-
-def test_batch_reshuffles_move_the_decode_state_with_the_rows():
-    # Beam search and sampled repeats reorder a compressed layer's rows: the newest queries and the prompt lengths
-    # that set each row's budgets must follow them.
-    from ripplekv_ext.integrations.transformers import CompressedLayer
-
-    keys = torch.arange(3.0)[:, None, None, None].expand(3, 1, 5, 2).contiguous()
-    layer = CompressedLayer(keys, keys.clone(), seen_tokens=5)
-    layer.remember_queries(torch.arange(3.0)[:, None, None, None].expand(3, 2, 6, 2), window=4)
-    layer.prompt_lengths = torch.tensor([5, 4, 3])
-    assert layer.recent_queries.shape == (3, 2, 4, 2)
-    layer.reorder_cache(torch.tensor([2, 0, 1]))
-    assert layer.prompt_lengths.tolist() == [3, 5, 4] and layer.recent_queries[:, 0, 0, 0].tolist() == [2, 0, 1]
-    layer.batch_select_indices(torch.tensor([0, 2]))
-    assert layer.prompt_lengths.tolist() == [3, 4] and layer.keys[:, 0, 0, 0].tolist() == [2, 1]
-    layer.batch_repeat_interleave(2)
-    assert layer.prompt_lengths.tolist() == [3, 3, 4, 4] and layer.recent_queries[:, 0, 0, 0].tolist() == [2, 2, 1, 1]
-
+# ---- teacher forcing in chunks --------------------------------------------------------------------------------
 
 @torch.no_grad()
 def _chunked_logits(model, policy, ids, continuation, chunk):
