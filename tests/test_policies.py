@@ -7,6 +7,7 @@ import pytest
 import torch
 
 import ripplekv_ref
+from api_tables import INF, NAN, Case, check_case, params
 from ripplekv_ext.allocation import PyramidKVAllocator, RippleKVAllocator, UniformAllocator, average_budget
 from ripplekv_ext import KVCompressor
 from ripplekv_ext.policies import DEFAULT_WINDOW, Policy
@@ -138,3 +139,76 @@ def test_bad_decode_options_raise_clear_errors(build, message):
 def test_decode_every_is_off_by_default_and_named_when_on():
     assert Policy.snapkv(0.2).decode_every is None and Policy.snapkv(0.2).name == "uniform+snapkv@0.2"
     assert Policy.snapkv(0.2, decode_every=128).name == "uniform+snapkv@0.2,decode_every=128"
+
+
+# ---- the bad-input table (api_tables.py): Policy and its constructors ---------------------------------------------
+
+def _policy(retention=0.2, window=32):
+    return Policy(UniformAllocator(), SnapKVSelector(), retention, window)
+
+
+BAD_INPUTS = [
+    Case("retention 0", lambda c: _policy(0.0), ValueError, "retention must be in (0, 1]"),
+    Case("retention 1.5", lambda c: _policy(1.5), ValueError, "retention must be in (0, 1]"),
+    Case("retention -0.1", lambda c: _policy(-0.1), ValueError, "retention must be in (0, 1]"),
+    Case("retention nan", lambda c: _policy(NAN), ValueError, "retention must be in (0, 1], got nan"),
+    Case("retention inf", lambda c: _policy(INF), ValueError, "retention must be in (0, 1], got inf"),
+    Case("retention str", lambda c: _policy("0.2"), ValueError, "retention must be in (0, 1], got '0.2'"),
+    Case("retention True", lambda c: _policy(True), ValueError, "retention must be in (0, 1], got True"),
+    Case("retention tensor", lambda c: _policy(torch.tensor(0.2)), ValueError, "retention must be in (0, 1]"),
+    Case("window 0", lambda c: _policy(window=0), ValueError, "window must be an integer >= 1, got 0"),
+    Case("window -4", lambda c: _policy(window=-4), ValueError, "window must be an integer >= 1"),
+    Case("window 2.5", lambda c: _policy(window=2.5), ValueError, "window must be an integer >= 1, got 2.5"),
+    Case("window True", lambda c: _policy(window=True), ValueError, "window must be an integer >= 1, got True"),
+    Case("allocator without selector", lambda c: Policy(UniformAllocator(), None, 0.2), ValueError,
+         "needs both an allocator and a selector"),
+    Case("selector without allocator", lambda c: Policy(None, H2OSelector(), 0.2), ValueError,
+         "needs both an allocator and a selector"),
+    Case("snapkv kernel_size 0", lambda c: SnapKVSelector(kernel_size=0), ValueError,
+         "kernel_size must be an integer >= 1, got 0"),
+    Case("snapkv kernel_size even", lambda c: SnapKVSelector(kernel_size=4), ValueError, "kernel_size must be odd"),
+    Case("snapkv pooling bogus", lambda c: Policy.snapkv(0.2, pooling="bogus"), ValueError,
+         "pooling must be one of ('max', 'avg'), got 'bogus'"),
+    Case("snapkv group_reduce bogus", lambda c: SnapKVSelector(group_reduce="sum"), ValueError,
+         "group_reduce must be one of ('mean', 'max')"),
+    Case("h2o chunk_size 0", lambda c: Policy.h2o(0.2, chunk_size=0), ValueError,
+         "chunk_size must be an integer >= 1, got 0"),
+    Case("streamingllm sink -1", lambda c: Policy.streamingllm(0.2, sink=-1), ValueError,
+         "sink must be an integer >= 0, got -1"),
+    Case("snapkv retention 0", lambda c: Policy.snapkv(0), ValueError, "retention must be in (0, 1]"),
+    Case("snapkv window 0", lambda c: Policy.snapkv(0.2, window=0), ValueError, "window must be an integer >= 1"),
+    Case("h2o retention 2", lambda c: Policy.h2o(2.0), ValueError, "retention must be in (0, 1]"),
+    Case("streamingllm retention nan", lambda c: Policy.streamingllm(NAN), ValueError, "retention must be in"),
+    Case("pyramidkv retention -1", lambda c: Policy.pyramidkv(-1), ValueError, "retention must be in (0, 1]"),
+    Case("ripplekv profile None", lambda c: Policy.ripplekv(None, 0.2), ValueError,
+         "sensitivity must be a sequence of numbers, got NoneType"),
+    Case("ripplekv profile path str", lambda c: Policy.ripplekv("profile.json", 0.2), ValueError,
+         "sensitivity must be a sequence of numbers, got str"),
+    Case("ripplekv empty", lambda c: Policy.ripplekv([], 0.2), ValueError, "sensitivity must not be empty"),
+    Case("ripplekv nan", lambda c: Policy.ripplekv([1.0, NAN], 0.2), ValueError,
+         "sensitivity must be finite, got nan at index 1"),
+    Case("ripplekv inf", lambda c: Policy.ripplekv([INF, 1.0], 0.2), ValueError, "sensitivity must be finite"),
+    Case("ripplekv negative", lambda c: Policy.ripplekv([1.0, -0.5], 0.2), ValueError, "never negative"),
+    Case("ripplekv ratio 0", lambda c: Policy.ripplekv([1.0, 2.0], 0.2, ratio=0), ValueError,
+         "ratio must be a finite number >= 1"),
+    Case("ripplekv ratio nan", lambda c: Policy.ripplekv([1.0, 2.0], 0.2, ratio=NAN), ValueError,
+         "ratio must be a finite number >= 1"),
+    Case("layer_budgets n_tokens 0", lambda c: Policy.snapkv(0.2).layer_budgets(4, 0), ValueError,
+         "n_tokens must be an integer >= 1, got 0"),
+    Case("layer_budgets n_tokens 2.5", lambda c: Policy.snapkv(0.2).layer_budgets(4, 2.5), ValueError,
+         "n_tokens must be an integer >= 1"),
+    Case("layer_budgets num_layers 0", lambda c: Policy.snapkv(0.2).layer_budgets(0, 1000), ValueError,
+         "num_layers must be an integer >= 1"),
+    Case("ripplekv profile of 2 layers for 4", lambda c: Policy.ripplekv([1.0, 2.0], 0.2).layer_budgets(4, 1000),
+         ValueError, "num_layers must match the profile's 2"),
+]
+
+
+@pytest.mark.parametrize("case", params(BAD_INPUTS))
+def test_bad_input_table(case):
+    check_case(case, None)
+
+
+def test_bad_input_table_has_distinct_ids():
+    ids = [case.id for case in BAD_INPUTS]
+    assert len(ids) == len(set(ids)) and all(case.fragment for case in BAD_INPUTS)
