@@ -85,92 +85,6 @@ def _edited(ctx, name, edit):
     return _write(ctx, name, data=data)
 
 
-def _with_nan(ctx, tensor, index):
-    t = tensor.clone()
-    t[index] = NAN
-    return t
-
-
-# ---- KVCompressor: constructor, budgets, compress ---------------------------------------------------------------
-
-def _compress_with(policy, q, k, v, layer=0):
-    return KVCompressor(policy, num_layers=4).compress(layer, q, k, v)
-
-
-COMPRESSOR = [
-    Case("policy str", lambda c: KVCompressor("snapkv", 4), TypeError, "policy must be a ripplekv_ext.Policy"),
-    Case("policy None", lambda c: KVCompressor(None, 4), TypeError, "got NoneType"),
-    Case("num_layers 0", lambda c: KVCompressor(Policy.snapkv(0.2), 0), ValueError, "num_layers must be an integer >= 1"),
-    Case("num_layers True", lambda c: KVCompressor(Policy.snapkv(0.2), True), ValueError, "got True"),
-    Case("num_layers 2.0", lambda c: KVCompressor(Policy.snapkv(0.2), 2.0), ValueError, "got 2.0"),
-    Case("compressible out of range", lambda c: KVCompressor(Policy.snapkv(0.2), 4, [4]), ValueError,
-         "compressible_layers must be distinct indices in [0, 4), got [4]"),
-    Case("compressible negative", lambda c: KVCompressor(Policy.snapkv(0.2), 4, [-1]), ValueError,
-         "distinct indices in [0, 4)"),
-    Case("compressible duplicate", lambda c: KVCompressor(Policy.snapkv(0.2), 4, [1, 1]), ValueError,
-         "distinct indices"),
-    Case("compressible 1.5", lambda c: KVCompressor(Policy.snapkv(0.2), 4, [1.5]), ValueError, "got [1.5]"),
-    Case("compressible True", lambda c: KVCompressor(Policy.snapkv(0.2), 4, [True]), ValueError, "got [True]"),
-    Case("on_compress not callable", lambda c: KVCompressor(Policy.snapkv(0.2), 4, on_compress=5), TypeError,
-         "on_compress must be callable or None"),
-    Case("budgets 0", lambda c: c.snapkv.budgets(0), ValueError, "n_tokens must be an integer >= 1, got 0"),
-    Case("budgets -3", lambda c: c.snapkv.budgets(-3), ValueError, "n_tokens must be an integer >= 1"),
-    Case("budgets 1.5", lambda c: c.snapkv.budgets(1.5), ValueError, "got 1.5"),
-    Case("budgets True", lambda c: c.snapkv.budgets(True), ValueError, "got True"),
-    Case("layer_budget layer 4", lambda c: c.snapkv.layer_budget(4, 100), ValueError,
-         "layer_idx must be an integer in [0, 4), got 4"),
-    Case("compress layer -1", lambda c: c.snapkv.compress(-1, c.q, c.k, c.v), ValueError,
-         "layer_idx must be an integer in [0, 4), got -1"),
-    Case("compress layer True", lambda c: c.snapkv.compress(True, c.q, c.k, c.v), ValueError, "got True"),
-    Case("compress values shape", lambda c: c.snapkv.compress(0, c.q, c.k, c.v[:, :, :10]), ValueError,
-         "values must have the shape of keys"),
-    Case("compress keys 3-D", lambda c: c.snapkv.compress(0, c.q, c.k[0], c.v[0]), ValueError,
-         "keys must be 4-D [B, H_kv, N, D], got 3-D"),
-    Case("compress queries 3-D", lambda c: c.snapkv.compress(0, c.q[0], c.k, c.v), ValueError,
-         "queries and keys must be 4-D"),
-    Case("compress queries shorter than window", lambda c: c.snapkv.compress(0, c.q[:, :, :4], c.k, c.v),
-         ValueError, "queries must hold at least window = 8 positions, got 4"),
-    Case("compress query heads not a multiple", lambda c: c.snapkv.compress(0, torch.randn(1, 3, 8, 16), c.k, c.v),
-         RuntimeError, "must be a positive multiple of the keys heads"),
-    Case("compress head dim mismatch", lambda c: c.snapkv.compress(0, torch.randn(1, 4, 8, 8), c.k, c.v),
-         RuntimeError, "(D) must be 8, got 16"),
-    Case("compress batch mismatch", lambda c: c.snapkv.compress(0, torch.randn(2, 4, 8, 16), c.k, c.v),
-         RuntimeError, "(B) must be 2, got 1"),
-    Case("compress float64", lambda c: c.snapkv.compress(0, c.q.double(), c.k.double(), c.v.double()), RuntimeError,
-         "must be float32, float16 or bfloat16"),
-    Case("compress int keys", lambda c: c.snapkv.compress(0, c.q, c.k.long(), c.v.long()), RuntimeError,
-         "must have the dtype of q_window"),
-    Case("compress NaN key", lambda c: c.snapkv.compress(0, c.q, _with_nan(c, c.k, (0, 0, 3, 0)), c.v),
-         RuntimeError, "must not contain NaN"),
-    Case("compress inf query", lambda c: c.snapkv.compress(0, c.q * INF, c.k, c.v), RuntimeError,
-         "must not contain NaN"),
-    Case("compress NaN scale", lambda c: c.snapkv.compress(0, c.q, c.k, c.v, scale=NAN), RuntimeError,
-         "must not contain NaN"),
-    Case("compress queries on meta", lambda c: c.snapkv.compress(0, c.q.to("meta"), c.k, c.v), RuntimeError,
-         "every tensor must be on one device"),
-    Case("h2o queries not every position", lambda c: _compress_with(Policy.h2o(0.5, window=8), c.q, c.k, c.v),
-         ValueError, "H2O needs the queries of every prompt position"),
-    Case("streamingllm sink above budget", lambda c: _compress_with(Policy.streamingllm(0.5, window=8, sink=100),
-                                                                    c.q, c.k, c.v),
-         ValueError, "budget must be >= sink (100)"),
-    Case("compress_rows lengths per row", lambda c: c.snapkv.compress_rows(0, c.q, c.k, c.v, [64, 64]), ValueError,
-         "lengths must hold one length per row (1), got 2"),
-    Case("compress_rows length above N", lambda c: c.snapkv.compress_rows(0, c.q, c.k, c.v, [65]), ValueError,
-         "lengths must be in [0, N = 64]"),
-    Case("compress_rows negative length", lambda c: c.snapkv.compress_rows(0, c.q, c.k, c.v, [-1]), ValueError,
-         "lengths must be in [0, N = 64]"),
-    Case("compress_rows float tensor", lambda c: c.snapkv.compress_rows(0, c.q, c.k, c.v, torch.tensor([64.0])),
-         ValueError, "lengths must be an integer tensor"),
-    Case("compress_rows 1.5", lambda c: c.snapkv.compress_rows(0, c.q, c.k, c.v, [1.5]), ValueError,
-         "lengths must be integers"),
-]
-
-
-@pytest.mark.parametrize("case", params(COMPRESSOR))
-def test_kv_compressor(case, ctx):
-    check_case(case, ctx)
-
-
 # ---- compress(model, policy) ------------------------------------------------------------------------------------
 
 def _enter(model, policy, **kwargs):
@@ -298,11 +212,11 @@ def test_refused_save_writes_nothing(ctx):
     assert not (ctx.tmp / "never.json").exists() and not (ctx.tmp / "dict.json").exists()
 
 
-ROW_COUNTS = {"KVCompressor": len(COMPRESSOR), "compress()": len(HOOK),
+ROW_COUNTS = {"compress()": len(HOOK),
               "profile files": len(PROFILE_FILES)}
 
 
 def test_every_table_has_rows_with_distinct_ids():
-    for table in (COMPRESSOR, HOOK, PROFILE_FILES):
+    for table in (HOOK, PROFILE_FILES):
         ids = [case.id for case in table]
         assert len(ids) == len(set(ids)) and all(case.fragment for case in table)
