@@ -15,7 +15,7 @@ from typing import Callable, NamedTuple
 import pytest
 import torch
 
-from ripplekv_ext import KVCompressor, Policy, compress
+from ripplekv_ext import KVCompressor, Policy
 from ripplekv_ext.profile_file import ProfileError, load_profile, save_profile
 
 pytest.importorskip("transformers")
@@ -83,56 +83,6 @@ def _edited(ctx, name, edit):
     data = json.loads(json.dumps(ctx.good))
     edit(data)
     return _write(ctx, name, data=data)
-
-
-# ---- compress(model, policy) ------------------------------------------------------------------------------------
-
-def _enter(model, policy, **kwargs):
-    with compress(model, policy, **kwargs):
-        pass
-
-
-def _nested(c):
-    with compress(c.model, Policy.snapkv(0.5, window=8)):
-        _enter(c.model, Policy.h2o(0.5, window=8))
-
-
-def _generate(c, ids, **kwargs):
-    with compress(c.model, Policy.snapkv(0.5, window=8)), torch.no_grad():
-        return c.model.generate(ids, max_new_tokens=2, do_sample=False, **kwargs)
-
-
-HOOK = [
-    Case("policy str", lambda c: _enter(c.model, "snapkv"), TypeError, "policy must be a ripplekv_ext.Policy"),
-    Case("policy None", lambda c: _enter(c.model, None), TypeError, "got NoneType"),
-    Case("attention flash", lambda c: _enter(c.model, Policy.snapkv(0.2), attention="flash"), ValueError,
-         "attention must be 'sdpa' or 'eager'"),
-    Case("on_compress not callable", lambda c: _enter(c.model, Policy.snapkv(0.2), on_compress=5), TypeError,
-         "on_compress must be callable"),
-    Case("second block on one model", _nested, RuntimeError, "already open on this model"),
-    Case("not a transformers model", lambda c: _enter(torch.nn.Linear(2, 2), Policy.snapkv(0.2)), TypeError,
-         "transformers"),
-    Case("batch of zero rows", lambda c: _generate(c, torch.zeros(0, 40, dtype=torch.long)), ValueError,
-         "a batch of zero rows"),
-    Case("right-padded batch", lambda c: _generate(c, torch.randint(3, 500, (2, 40)),
-                                                   attention_mask=torch.tensor([[1] * 40, [1] * 30 + [0] * 10])),
-         ValueError, "must be left-padded"),
-]
-HOOK_MARKS: dict = {}
-
-
-@pytest.mark.parametrize("case", params(HOOK, HOOK_MARKS))
-def test_compress(case, ctx):
-    check_case(case, ctx)
-
-
-def test_model_unchanged_after_refused_blocks(ctx):
-    # Every refusal above leaves the model as it was: a plain forward still matches.
-    before = ctx.model.config._attn_implementation
-    for case in HOOK[:5]:
-        with pytest.raises(case.error):
-            case.call(ctx)
-    assert ctx.model.config._attn_implementation == before
 
 
 # ---- profile files ----------------------------------------------------------------------------------------------
@@ -212,11 +162,10 @@ def test_refused_save_writes_nothing(ctx):
     assert not (ctx.tmp / "never.json").exists() and not (ctx.tmp / "dict.json").exists()
 
 
-ROW_COUNTS = {"compress()": len(HOOK),
-              "profile files": len(PROFILE_FILES)}
+ROW_COUNTS = {"profile files": len(PROFILE_FILES)}
 
 
 def test_every_table_has_rows_with_distinct_ids():
-    for table in (HOOK, PROFILE_FILES):
+    for table in (PROFILE_FILES,):
         ids = [case.id for case in table]
         assert len(ids) == len(set(ids)) and all(case.fragment for case in table)

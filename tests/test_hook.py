@@ -9,11 +9,13 @@ different lengths per layer, its own per-layer causal masks, logical positions) 
 import importlib.util
 import sqlite3
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
 
 import ripplekv_ref
+from api_tables import Case, check_case, params
 from ripplekv_ext import Policy, compress
 from ripplekv_ext.allocation import average_budget
 from ripplekv_ext.eval.models import TINY_ARCHS, tiny_model
@@ -352,6 +354,66 @@ def test_rejects_bad_arguments():
         with compress(model, Policy.full(), attention="flash"):
             pass
     _assert_same(_snapshot(model), _snapshot(model))
+
+
+# --- The bad-input table (api_tables.py): compress(model, policy) ---------------------------------------------------
+
+@pytest.fixture(scope="module")
+def ctx():
+    """What the table's rows call into: a tiny model."""
+    return SimpleNamespace(model=tiny_model("llama", seed=0))
+
+
+def _enter(model, policy, **kwargs):
+    with compress(model, policy, **kwargs):
+        pass
+
+
+def _nested(c):
+    with compress(c.model, Policy.snapkv(0.5, window=8)):
+        _enter(c.model, Policy.h2o(0.5, window=8))
+
+
+def _generate(c, ids, **kwargs):
+    with compress(c.model, Policy.snapkv(0.5, window=8)), torch.no_grad():
+        return c.model.generate(ids, max_new_tokens=2, do_sample=False, **kwargs)
+
+
+BAD_INPUTS = [
+    Case("policy str", lambda c: _enter(c.model, "snapkv"), TypeError, "policy must be a ripplekv_ext.Policy"),
+    Case("policy None", lambda c: _enter(c.model, None), TypeError, "got NoneType"),
+    Case("attention flash", lambda c: _enter(c.model, Policy.snapkv(0.2), attention="flash"), ValueError,
+         "attention must be 'sdpa' or 'eager'"),
+    Case("on_compress not callable", lambda c: _enter(c.model, Policy.snapkv(0.2), on_compress=5), TypeError,
+         "on_compress must be callable"),
+    Case("second block on one model", _nested, RuntimeError, "already open on this model"),
+    Case("not a transformers model", lambda c: _enter(torch.nn.Linear(2, 2), Policy.snapkv(0.2)), TypeError,
+         "transformers"),
+    Case("batch of zero rows", lambda c: _generate(c, torch.zeros(0, 40, dtype=torch.long)), ValueError,
+         "a batch of zero rows"),
+    Case("right-padded batch", lambda c: _generate(c, torch.randint(3, 500, (2, 40)),
+                                                   attention_mask=torch.tensor([[1] * 40, [1] * 30 + [0] * 10])),
+         ValueError, "must be left-padded"),
+]
+
+
+@pytest.mark.parametrize("case", params(BAD_INPUTS))
+def test_bad_input_table(case, ctx):
+    check_case(case, ctx)
+
+
+def test_bad_input_table_has_distinct_ids():
+    ids = [case.id for case in BAD_INPUTS]
+    assert len(ids) == len(set(ids)) and all(case.fragment for case in BAD_INPUTS)
+
+
+def test_model_unchanged_after_refused_blocks(ctx):
+    # Every refusal above leaves the model as it was: a plain forward still matches.
+    before = ctx.model.config._attn_implementation
+    for case in BAD_INPUTS[:5]:
+        with pytest.raises(case.error):
+            case.call(ctx)
+    assert ctx.model.config._attn_implementation == before
 
 
 # --- SmolLM2: the real model ----------------------------------------------------------------------------------
