@@ -10,6 +10,7 @@ model). Any ``Selector`` combines with any allocator in a ``Policy``.
 from __future__ import annotations
 
 import abc
+import math
 from typing import Optional
 
 import torch
@@ -18,7 +19,12 @@ from torch import Tensor
 from ripplekv_ext.checks import check_int
 from ripplekv_ext.ops import h2o_scores, select_topk, select_topk_rows, snapkv_scores, streaming_indices
 
-__all__ = ["Selector", "ScoredSelector", "SnapKVSelector", "H2OSelector", "StreamingLLMSelector"]
+__all__ = ["Selector", "ScoredSelector", "SnapKVSelector", "RecentSnapKVSelector", "KeyNormSelector", "H2OSelector",
+           "StreamingLLMSelector", "DEFAULT_RECENT_FRACTION"]
+
+# The share of a layer's scored slots (its budget beyond the window and the sinks) that RecentSnapKVSelector keeps
+# for the most recent positions; chosen on calibration text (docs/defaults.md).
+DEFAULT_RECENT_FRACTION = 0.5
 
 
 def _check_choice(name: str, value, choices: tuple) -> None:
@@ -118,6 +124,84 @@ class SnapKVSelector(ScoredSelector):
     def __repr__(self):
         return (f"SnapKVSelector(kernel_size={self.kernel_size}, pooling={self.pooling!r}, "
                 f"group_reduce={self.group_reduce!r})")
+
+
+class RecentSnapKVSelector(SnapKVSelector):
+    """SnapKV with attention sinks and a recent region kept by position: of a layer's ``budget - window`` slots, the
+    first ``sink`` go to the first positions, ``floor(recent_fraction * (budget - window - sink))`` to the positions
+    just before the window, and the rest to the best SnapKV scores in between.
+
+    Running text leans on recent tokens far beyond a 32-token window (StreamingLLM's recency alone beats SnapKV on
+    continuation KL), retrieval on scored ones (StreamingLLM cannot find a needle): this keeps both. ``1.0`` is
+    StreamingLLM plus the window, ``0`` SnapKV with sinks.
+    """
+
+    name = "recent-snapkv"
+
+    def __init__(self, recent_fraction: float = DEFAULT_RECENT_FRACTION, sink: int = 4, kernel_size: int = 7,
+                 pooling: str = "max", group_reduce: str = "mean"):
+        super().__init__(kernel_size, pooling, group_reduce)
+        if isinstance(recent_fraction, bool) or not (isinstance(recent_fraction, (int, float))
+                                                    and 0.0 <= float(recent_fraction) <= 1.0):
+            raise ValueError(f"recent_fraction must be a number in [0, 1], got {recent_fraction!r}")
+        self.recent_fraction = float(recent_fraction)
+        self.sink = check_int("sink", sink, 0)
+
+    def protected(self, budget: int, window: int) -> tuple[int, int]:
+        """(sinks, recent positions) kept by position under ``budget`` (window included)."""
+        free = max(budget - window, 0)
+        sink = min(self.sink, free)
+        return sink, math.floor(self.recent_fraction * (free - sink))
+
+    def select(self, queries: Tensor, keys: Tensor, budget: int, window: int,
+               scale: Optional[float] = None) -> Tensor:
+        scores = self.score(queries, keys, window, scale)
+        sink, recent = self.protected(budget, window)
+        # Protected positions outrank every score (select_topk keeps them all: they never exceed the free slots).
+        scores[..., :sink] = math.inf
+        if recent:
+            scores[..., scores.shape[-1] - recent:] = math.inf
+        return select_topk(scores, budget, window)
+
+    def select_rows(self, queries: Tensor, keys: Tensor, budgets: Tensor, lengths: Tensor, window: int,
+                    scale: Optional[float] = None) -> Tensor:
+        scores = self.score(queries, keys, window, scale, lengths)
+        n_prefix = scores.shape[-1]
+        free = (budgets.to(scores.device) - window).clamp(min=0)
+        sink = free.clamp(max=self.sink)
+        recent = torch.floor(self.recent_fraction * (free - sink).double()).long()
+        start = keys.shape[2] - lengths.to(scores.device)  # each row's first real position
+        position = torch.arange(n_prefix, device=scores.device)[None, :]
+        protected = (((position >= start[:, None]) & (position < (start + sink)[:, None]))
+                     | (position >= (n_prefix - recent)[:, None]))
+        # Rows kept whole (n_b <= budget) never read their scores; compressed rows' protected slots are real ones.
+        return select_topk_rows(scores.masked_fill(protected[:, None, :], math.inf), budgets, window, lengths)
+
+    def __repr__(self):
+        return (f"RecentSnapKVSelector(recent_fraction={self.recent_fraction:g}, sink={self.sink}, "
+                f"kernel_size={self.kernel_size}, pooling={self.pooling!r}, group_reduce={self.group_reduce!r})")
+
+
+class KeyNormSelector(ScoredSelector):
+    """Keeps the keys of smallest L2 norm (Devoto et al., 2024: low-norm keys draw the most attention), plus the
+    window. It reads no query, so it scores a context before any question is known (``compress_context``)."""
+
+    name = "keynorm"
+
+    def score(self, queries: Tensor, keys: Tensor, window: int, scale: Optional[float] = None,
+              lengths: Optional[Tensor] = None) -> Tensor:
+        if keys.dim() != 4:
+            raise ValueError(f"keys must be 4-D [B, H_kv, N, D], got {keys.dim()}-D")
+        n = keys.shape[2]
+        scores = -torch.linalg.vector_norm(keys[:, :, : max(n - window, 0)].float(), dim=-1)
+        if lengths is not None:  # pad positions score -inf, as the scoring ops give them
+            start = n - lengths.to(keys.device)
+            pad = torch.arange(scores.shape[-1], device=keys.device)[None, :] < start[:, None]
+            scores = scores.masked_fill(pad[:, None, :], -math.inf)
+        return scores.contiguous()
+
+    def __repr__(self):
+        return "KeyNormSelector()"
 
 
 class H2OSelector(ScoredSelector):

@@ -1,0 +1,72 @@
+"""Reference of the selectors that are more than one op: written position by position, for clarity."""
+
+import math
+
+import torch
+from torch import Tensor
+
+from ripplekv_ref.snapkv_scores import snapkv_scores
+
+
+def recent_snapkv_select(q_window: Tensor, keys: Tensor, budget: int, window: int, recent_fraction: float,
+                         sink: int = 4, kernel_size: int = 7, pooling: str = "max", group_reduce: str = "mean",
+                         scale=None) -> Tensor:
+    """Positions kept per KV head by SnapKV with sinks and a recent region (``RecentSnapKVSelector``), ascending.
+
+    Of the ``budget - window`` slots before the window: ``min(sink, budget - window)`` sinks (the first positions),
+    ``floor(recent_fraction * (budget - window - sinks))`` recent positions (just before the window), and the rest
+    the best SnapKV scores among the positions in between (ties to the lower position). ``budget >= N`` keeps all.
+    """
+    b, h, n, _ = keys.shape
+    if budget >= n:
+        return torch.arange(n).expand(b, h, n).clone()
+    scores = snapkv_scores(q_window[:, :, -window:], keys, kernel_size=kernel_size, pooling=pooling,
+                           group_reduce=group_reduce, scale=scale)
+    n_prefix = n - window
+    free = budget - window
+    sinks = min(sink, free)
+    recent = math.floor(recent_fraction * (free - sinks))
+    out = torch.empty(b, h, budget, dtype=torch.int64)
+    for row in range(b):
+        for head in range(h):
+            kept = set(range(sinks)) | set(range(n_prefix - recent, n))  # sinks, recent positions, the window
+            middle = [p for p in range(n_prefix) if p not in kept]
+            middle.sort(key=lambda p: (-float(scores[row, head, p]), p))
+            kept.update(middle[:budget - len(kept)])
+            out[row, head] = torch.tensor(sorted(kept))
+    return out
+
+
+def recent_snapkv_select_rows(q_window: Tensor, keys: Tensor, budgets, lengths, window: int, recent_fraction: float,
+                              sink: int = 4, **options) -> Tensor:
+    """``recent_snapkv_select`` on each row of a left-padded batch alone: row ``b``'s kept positions (padded layout)
+    in its last slots, ``-1`` before them, as ``select_topk_rows`` lays them out."""
+    b, h, n, _ = keys.shape
+    budgets, lengths = [int(x) for x in budgets], [int(x) for x in lengths]
+    kept = [min(budget, length) for budget, length in zip(budgets, lengths)]
+    out = torch.full((b, h, max(kept, default=0)), -1, dtype=torch.int64)
+    for row, (length, budget, c) in enumerate(zip(lengths, budgets, kept)):
+        if c == 0:
+            continue
+        start = n - length
+        row_q = q_window[row:row + 1, :, -min(window, length):] if length < window else q_window[row:row + 1]
+        positions = (torch.arange(length).expand(1, h, length) if budget >= length else
+                     recent_snapkv_select(row_q, keys[row:row + 1, :, start:], budget, window, recent_fraction, sink,
+                                          **options))
+        out[row, :, out.shape[2] - c:] = positions[0] + start
+    return out
+
+
+def key_norm_scores(keys: Tensor, window: int, lengths=None) -> Tensor:
+    """``KeyNormSelector``'s scores: minus each prefix key's L2 norm, ``[B, H_kv, N - window]`` float32; with
+    ``lengths`` (a left-padded batch) a row's pad positions score ``-inf``."""
+    b, h, n, d = keys.shape
+    out = torch.empty(b, h, max(n - window, 0), dtype=torch.float32)
+    for row in range(b):
+        start = 0 if lengths is None else n - int(lengths[row])
+        for head in range(h):
+            for position in range(n - window):
+                key = keys[row, head, position].double()
+                out[row, head, position] = -float(math.sqrt(sum(x * x for x in key.tolist()))) \
+                    if position >= start else -math.inf
+    return out
