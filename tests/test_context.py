@@ -3,6 +3,9 @@ the independent masked computation of test_hook (answers after a compressed cont
 the reference ops (probe windows)."""
 
 import dataclasses
+import json
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -15,6 +18,7 @@ from ripplekv_ext.model_info import compressible_layers
 pytest.importorskip("transformers")
 from transformers.cache_utils import DynamicCache  # noqa: E402
 
+from ripplekv_ext.context import load_context  # noqa: E402
 from ripplekv_ext.integrations.transformers import cache_argument, output_cache  # noqa: E402
 from test_hook import MaskedReference  # noqa: E402  (the independent oracle of compressed attention)
 
@@ -204,6 +208,87 @@ def test_bad_inputs_are_clear_errors():
     with pytest.raises(TypeError, match="builds \\['attention_mask'\\] itself"):
         continue_context(model, cache, _ids(n=4), attention_mask=torch.ones(1, 100), max_new_tokens=1)
     assert cache.get_seq_length() == 96  # no failed call touched it
+
+
+# --- A used context, a saved one, one too short -----------------------------------------------------------------
+
+@pytest.mark.parametrize("copy_again", [False, True])
+def test_continuing_a_used_context_is_refused_before_it_changes(copy_again):
+    model = tiny_model("llama")
+    cache = compress_context(model, _ids(n=96), Policy.snapkv(0.3, window=WINDOW))
+    continue_context(model, cache, _ids(n=6, seed=1), copy_cache=False, max_new_tokens=4, **GREEDY)
+    seen = cache.get_seq_length()
+    assert seen == 96 + 6 + 3
+    with pytest.raises(ValueError, match="already continued.*Compress the context again"):
+        continue_context(model, cache, _ids(n=6, seed=2), copy_cache=copy_again, max_new_tokens=4, **GREEDY)
+    assert cache.get_seq_length() == seen
+
+
+_CHILD = """
+import json, sys, torch
+from ripplekv_ext import continue_context
+from ripplekv_ext.context import load_context
+from ripplekv_ext.eval.models import tiny_model
+from ripplekv_ext.model_info import compressible_layers
+question = torch.tensor(json.loads(sys.argv[2]))
+out = {}
+for arch in ("llama", "gemma3"):
+    model = tiny_model(arch)
+    for loader in ("load_context", "torch.load"):
+        path = f"{arch}.pt"
+        cache = load_context(path) if loader == "load_context" else torch.load(path, weights_only=False)
+        result = continue_context(model, cache, question, max_new_tokens=4, do_sample=False, temperature=None,
+                                  top_p=None, top_k=None, pad_token_id=0, output_logits=True,
+                                  return_dict_in_generate=True)
+        out[f"{arch}/{loader}"] = {"sequences": result.sequences.tolist(),
+                                   "logits": torch.stack(result.logits, 1).tolist()}
+json.dump(out, open(sys.argv[1], "w"))
+"""
+
+
+def test_saved_context_continues_in_a_fresh_process_as_the_original(tmp_path):
+    context, question = _ids(n=96), _ids(n=6, seed=1)
+    expected = {}
+    for arch in ("llama", "gemma3"):  # gemma3: sliding-window layers saved alongside the compressed ones
+        model = tiny_model(arch)
+        policy = Policy.ripplekv(_sensitivity(len(compressible_layers(model))), 0.3, window=WINDOW)
+        cache = compress_context(model, context, policy)
+        torch.save(cache, tmp_path / f"{arch}.pt")
+        result = continue_context(model, cache, question, max_new_tokens=4, output_logits=True,
+                                  return_dict_in_generate=True, **GREEDY)
+        expected[arch] = result.sequences, torch.stack(result.logits, 1)
+        # In this process too, with torch's safe loader.
+        again = continue_context(model, load_context(tmp_path / f"{arch}.pt"), question, max_new_tokens=4,
+                                 **GREEDY)
+        assert torch.equal(again, result.sequences)
+    # A fresh interpreter started in tmp_path: it finds the layer class by its name, not through this process.
+    subprocess.run([sys.executable, "-c", _CHILD, str(tmp_path / "out.json"), json.dumps(question.tolist())],
+                   cwd=tmp_path, check=True, capture_output=True, text=True, timeout=600)
+    got = json.loads((tmp_path / "out.json").read_text())
+    for key, result in got.items():
+        sequences, logits = expected[key.split("/")[0]]
+        assert torch.equal(torch.tensor(result["sequences"]), sequences), key
+        torch.testing.assert_close(torch.tensor(result["logits"]), logits, atol=1e-4, rtol=1e-4)
+
+
+def test_load_context_refuses_a_file_that_is_no_context(tmp_path):
+    torch.save({"keys": torch.zeros(2)}, tmp_path / "not.pt")
+    with pytest.raises(TypeError, match="not a context saved from ripplekv_ext.compress_context"):
+        load_context(tmp_path / "not.pt")
+
+
+def test_every_context_too_short_for_the_policy_is_refused():
+    model = tiny_model("llama", num_layers=2)
+    policy = Policy.snapkv(0.3, window=WINDOW)
+    # round(0.3 * n) <= 8 up to n = 28: the whole range, one token included, is refused with one message.
+    for n in (1, 2, 10, 28):
+        with pytest.raises(ValueError, match=f"of a {n}-token context is an average budget of .* not above the "
+                                             f"window"):
+            compress_context(model, _ids(n=n), policy)
+    compress_context(model, _ids(n=29), policy)
+    # Keep-all policies compress nothing, whatever the length.
+    compress_context(model, _ids(n=1), Policy.snapkv(1.0, window=WINDOW))
+    compress_context(model, _ids(n=1), Policy.full())
 
 
 # --- The evaluation harness: protocols "inside" and "after" ---------------------------------------------------

@@ -16,7 +16,7 @@ import torch
 
 import ripplekv_ref
 from api_tables import Case, check_case, params
-from ripplekv_ext import Policy, compress
+from ripplekv_ext import Policy, compress, compress_context, continue_context
 from ripplekv_ext.allocation import average_budget
 from ripplekv_ext.eval.models import TINY_ARCHS, tiny_model
 from ripplekv_ext.model_info import compressible_layers
@@ -35,6 +35,7 @@ from ripplekv_ext.integrations.transformers import cache_argument, output_cache 
 CACHE = cache_argument()
 
 WINDOW = 8
+GREEDY = dict(do_sample=False, temperature=None, top_p=None, top_k=None, pad_token_id=0)
 
 
 def _ids(batch=2, n=96, seed=0, vocab=512):
@@ -354,6 +355,51 @@ def test_rejects_bad_arguments():
         with compress(model, Policy.full(), attention="flash"):
             pass
     _assert_same(_snapshot(model), _snapshot(model))
+
+
+# --- The guard: a compressed cache continues only inside a block open on the model that continues it ------------
+
+@pytest.mark.parametrize("arch, budgets", [("llama", "equal"), ("llama", "per-layer"), ("gemma3", "per-layer")])
+def test_cache_continued_while_a_block_is_open_on_another_model_is_refused(arch, budgets):
+    # gemma3: its first layer is a sliding-window one, which the model updates before any compressed layer.
+    model, other = tiny_model(arch), tiny_model(arch, seed=1)
+    num = len(compressible_layers(model))
+    policy = (Policy.snapkv(0.3, window=WINDOW) if budgets == "equal"
+              else Policy.ripplekv(_sensitivity(num), 0.3, window=WINDOW))
+    context, question = _ids(batch=1, n=96), _ids(batch=1, n=6, seed=1)
+    cache = compress_context(model, context, policy)
+    held = [(layer.keys.shape[2], layer.get_seq_length()) for layer in cache.layers]
+    with compress(other, policy):
+        with pytest.raises(RuntimeError, match="only be continued inside .*open on the model that continues it"):
+            model.generate(torch.cat([context, question], dim=1), **{CACHE: cache}, max_new_tokens=2, **GREEDY)
+    # Refused before any layer changed: the cache still answers as a fresh one does.
+    assert [(layer.keys.shape[2], layer.get_seq_length()) for layer in cache.layers] == held
+    fresh = compress_context(model, context, policy)
+    assert torch.equal(continue_context(model, cache, question, max_new_tokens=4, **GREEDY),
+                       continue_context(model, fresh, question, max_new_tokens=4, **GREEDY))
+
+
+def test_cache_its_block_ran_is_refused_to_another_model_afterwards():
+    # The block's model continued this cache in this thread a moment ago; a replica without a block may not.
+    model, replica = tiny_model("llama"), tiny_model("llama")
+    policy = Policy.snapkv(0.3, window=WINDOW)
+    with compress(model, policy), torch.no_grad():
+        cache = output_cache(model(_ids(batch=1, n=96), use_cache=True))
+        model(_ids(batch=1, n=1, seed=1), use_cache=True, **{CACHE: cache})
+        with pytest.raises(RuntimeError, match="only be continued inside"):
+            replica(_ids(batch=1, n=1, seed=2), use_cache=True, **{CACHE: cache})
+        assert cache.get_seq_length() == 97
+
+
+def test_a_replica_continues_a_cache_inside_its_own_block():
+    model = tiny_model("llama")
+    replica = tiny_model("llama")
+    policy = Policy.snapkv(0.3, window=WINDOW)
+    context, question = _ids(batch=1, n=96), _ids(batch=1, n=6, seed=1)
+    expected = continue_context(model, compress_context(model, context, policy), question, max_new_tokens=4,
+                                **GREEDY)
+    assert torch.equal(continue_context(replica, compress_context(model, context, policy), question,
+                                        max_new_tokens=4, **GREEDY), expected)
 
 
 # --- The bad-input table (api_tables.py): compress(model, policy) ---------------------------------------------------

@@ -22,6 +22,7 @@ transformers = pytest.importorskip("transformers")
 psutil = pytest.importorskip("psutil")
 
 from ripplekv_ext.integrations.transformers import cache_argument, output_cache  # noqa: E402
+from test_policies import D_BUDGET, K, _decode_budget_policy  # noqa: E402
 
 CACHE = cache_argument()
 WINDOW = 8
@@ -224,6 +225,43 @@ def test_left_padded_batch_generates_what_each_row_generates_alone(arch, name):
         assert torch.equal(batch.sequences[row, width:], alone.sequences[0, len(prompt):]), (name, row)
         torch.testing.assert_close(torch.stack(batch.logits)[:, row], torch.stack(alone.logits)[:, 0],
                                    atol=1e-4, rtol=1e-4)
+
+
+# ---- decode_budget: budget + K at every step of every row, more retention never less memory ----------------------
+
+@torch.no_grad()
+def _held_per_row(retention, lengths, steps=10):
+    """Tokens each row holds in layer 0 after the prefill and every step (a left-padded batch of ``lengths``)."""
+    model = tiny_model("llama", num_layers=2)
+    width = max(lengths)
+    ids = torch.zeros(len(lengths), width, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for row, n in enumerate(lengths):
+        ids[row, width - n:], mask[row, width - n:] = _random_ids(n, seed=n)[0], 1
+    held = []
+    with compress(model, _decode_budget_policy(retention)):
+        out = model(ids, attention_mask=mask, use_cache=True)
+        cache = output_cache(out)
+        for _ in range(steps + 1):
+            for layer in cache.layers:
+                rows = ([layer.keys.shape[2]] * len(lengths) if getattr(layer, "key_mask", None) is None
+                        else layer.key_mask.sum(dim=1).tolist())
+                held.append(rows)
+            token = out.logits[:, -1:].argmax(-1)
+            mask = torch.cat([mask, mask.new_ones(len(lengths), 1)], dim=1)
+            out = model(token, attention_mask=mask, use_cache=True, **{CACHE: cache})
+    return held
+
+
+@pytest.mark.parametrize("lengths", [(20,), (20, 60), (60, 20, 9)], ids=["one-row", "batch", "batch-with-short"])
+def test_decode_budget_bounds_every_row_and_grows_with_retention(lengths):
+    by_retention = {r: _held_per_row(r, lengths) for r in (0.3, 0.5, 0.9)}
+    for retention, held in by_retention.items():
+        for rows in held:
+            assert all(h <= D_BUDGET + K for h in rows), (retention, rows)
+    for low, high in ((0.3, 0.5), (0.5, 0.9)):
+        for rows_low, rows_high in zip(by_retention[low], by_retention[high]):
+            assert all(a <= b for a, b in zip(rows_low, rows_high)), (low, high, rows_low, rows_high)
 
 
 # ---- teacher forcing in chunks --------------------------------------------------------------------------------

@@ -3,19 +3,22 @@ reference ops, the options and their checks."""
 
 import itertools
 
+import numpy as np
+
 import pytest
 import torch
 
 import ripplekv_ref
 from api_tables import INF, NAN, Case, check_case, params
-from ripplekv_ext.allocation import PyramidKVAllocator, RippleKVAllocator, UniformAllocator, average_budget
 from ripplekv_ext import KVCompressor
+from ripplekv_ext.allocation import PyramidKVAllocator, RippleKVAllocator, UniformAllocator, average_budget
 from ripplekv_ext.policies import DEFAULT_WINDOW, Policy
 from ripplekv_ext.selectors import H2OSelector, SnapKVSelector, StreamingLLMSelector
 
 ALLOCATORS = [UniformAllocator(), PyramidKVAllocator(), RippleKVAllocator([0.1, 0.9, 0.3, 0.5, 0.2, 0.7])]
 SELECTORS = [SnapKVSelector(), H2OSelector(chunk_size=16), StreamingLLMSelector()]
 NUM_LAYERS = 6
+WINDOW = 8
 
 
 def _qkv(b=2, h_kv=2, groups=2, n=80, d=16, seed=0, dtype=torch.float32):
@@ -139,6 +142,50 @@ def test_bad_decode_options_raise_clear_errors(build, message):
 def test_decode_every_is_off_by_default_and_named_when_on():
     assert Policy.snapkv(0.2).decode_every is None and Policy.snapkv(0.2).name == "uniform+snapkv@0.2"
     assert Policy.snapkv(0.2, decode_every=128).name == "uniform+snapkv@0.2,decode_every=128"
+
+
+D_BUDGET, K = 12, 3
+
+
+def _decode_budget_policy(retention):
+    return Policy.snapkv(retention, window=WINDOW, decode_every=K, decode_budget=D_BUDGET)
+
+
+def test_decode_budget_prompt_rule_is_clamped_and_monotone():
+    for n in range(WINDOW + 1, 200):
+        previous = 0
+        for retention in np.linspace(0.05, 1.0, 20):
+            (budget,) = _decode_budget_policy(float(retention)).layer_budgets(1, n)
+            assert budget <= max(D_BUDGET, n) and (budget == n or budget <= D_BUDGET), (n, retention, budget)
+            assert budget >= previous, (n, retention, budget, previous)
+            previous = budget
+
+
+def test_numpy_integer_options_are_accepted_as_ints():
+    policy = Policy.snapkv(0.3, window=np.int64(WINDOW), decode_every=np.int64(4), decode_budget=np.int64(100))
+    assert [type(v) for v in (policy.window, policy.decode_every, policy.decode_budget)] == [int, int, int]
+    assert policy.name == "uniform+snapkv@0.3,decode_every=4,decode_budget=100"
+    pytest.importorskip("transformers")
+    from ripplekv_ext import compress
+    from ripplekv_ext.eval.models import tiny_model
+
+    model = tiny_model("llama", num_layers=2)
+    ids = torch.randint(3, 512, (1, 150), generator=torch.Generator().manual_seed(0))
+    with compress(model, policy), torch.no_grad():
+        model.generate(ids, max_new_tokens=12, min_new_tokens=12, do_sample=False, temperature=None, top_p=None,
+                       top_k=None, pad_token_id=0)
+
+
+@pytest.mark.parametrize("options, message", [
+    (dict(decode_every=4.0), r"decode_every must be an integer >= 1 .* got 4.0 \(float\)"),
+    (dict(decode_every=True), r"decode_every must be an integer >= 1 .* got True \(bool\)"),
+    (dict(decode_every=np.float64(4)), r"decode_every must be an integer >= 1 .* \(float64\)"),
+    (dict(decode_every=4, decode_budget=100.0), r"decode_budget must be an integer > window = 8 .* 100.0 \(float\)"),
+    (dict(decode_every=4, decode_budget=np.bool_(True)), r"decode_budget must be an integer > window = 8"),
+])
+def test_float_and_bool_options_are_refused_naming_their_type(options, message):
+    with pytest.raises(ValueError, match=message):
+        Policy.snapkv(0.3, window=WINDOW, **options)
 
 
 # ---- the bad-input table (api_tables.py): Policy and its constructors ---------------------------------------------
