@@ -218,3 +218,28 @@ def test_ripplekv_allocator_checks_layer_count():
         RippleKVAllocator([1.0, 2.0, 3.0]).budgets(4, 1000, 100, 8)
     with pytest.raises(ValueError, match="ratio must be"):
         RippleKVAllocator([1.0, 2.0], ratio=0)
+
+
+# ---- a profile's layers decide where its sensitivities land; sensitivities out of range ---------------------------
+
+def _profile_like(layers, sensitivity):
+    return types.SimpleNamespace(layers=layers, sensitivity=sensitivity)
+
+
+def test_profile_layers_order_is_respected():
+    sens = [0.1, 0.5, 2.0, 9.0]
+    in_order = RippleKVAllocator(_profile_like([0, 1, 2, 3], sens)).budgets(4, 1000, 200, 8)
+    reversed_listing = RippleKVAllocator(_profile_like([3, 2, 1, 0], sens[::-1])).budgets(4, 1000, 200, 8)
+    assert reversed_listing == in_order
+    assert in_order == sorted(in_order)  # the most sensitive layer (3) gets the most
+
+
+def test_negative_sensitivity_is_refused():
+    with pytest.raises(ValueError, match="never negative"):
+        RippleKVAllocator([0.5, -0.1, 1.0])
+
+
+def test_huge_sensitivities_do_not_overflow():
+    budgets = RippleKVAllocator([1e308, 1e307, 1e306]).budgets(3, 1000, 100, 8)
+    small = RippleKVAllocator([10.0, 1.0, 0.1]).budgets(3, 1000, 100, 8)
+    assert budgets == small

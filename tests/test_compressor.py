@@ -10,6 +10,7 @@ from api_tables import INF, NAN, Case, check_case, params
 from ripplekv_ext import KVCompressor, Policy
 from ripplekv_ext.allocation import average_budget
 from ripplekv_ext.selectors import H2OSelector, Selector
+from test_allocation import _profile_like
 
 WINDOW = 8
 
@@ -137,6 +138,34 @@ def test_on_compress_sees_each_call_with_its_inputs_outputs_and_budget():
 def test_on_compress_must_be_callable():
     with pytest.raises(TypeError, match="on_compress must be callable or None, got int"):
         KVCompressor(Policy.snapkv(0.25), num_layers=2, on_compress=3)
+
+
+# ---- a profile of some layers: each sensitivity on its layer, the others the average budget ---------------------
+
+def test_profile_layers_through_policy_and_compressor():
+    sens = [9.0, 0.1, 2.0]  # measured on layers 5, 1, 3
+    profile = _profile_like([5, 1, 3], sens)
+    comp = KVCompressor(Policy.ripplekv(profile, 0.2, window=8), num_layers=6, compressible_layers=[1, 3, 5])
+    budgets = comp.budgets(1000)
+    assert budgets[0] is None and budgets[2] is None and budgets[4] is None
+    assert budgets[5] > budgets[3] > budgets[1]
+    assert budgets[1] + budgets[3] + budgets[5] == 3 * average_budget(0.2, 1000)
+
+
+def test_profile_of_a_subset_gives_the_others_the_average_budget():
+    profile = _profile_like([0, 2], [1.0, 5.0])
+    comp = KVCompressor(Policy.ripplekv(profile, 0.2, window=8), num_layers=4)
+    budgets = comp.budgets(1000)
+    avg = average_budget(0.2, 1000)
+    assert budgets[1] == avg and budgets[3] == avg
+    assert budgets[2] > budgets[0] and sum(budgets) == 4 * avg
+
+
+def test_profile_of_a_layer_that_is_not_compressible_is_an_error():
+    comp = KVCompressor(Policy.ripplekv(_profile_like([0, 1, 7], [1.0, 2.0, 3.0]), 0.2, window=8), num_layers=8,
+                        compressible_layers=[0, 1, 2])
+    with pytest.raises(ValueError, match=r"covers layers \[7\] that are not compressible"):
+        comp.budgets(1000)
 
 
 # ---- left-padded batches: compress_rows and select_rows, each row as if alone ------------------------------------

@@ -8,6 +8,7 @@ different lengths per layer, its own per-layer causal masks, logical positions) 
 
 import importlib.util
 import sqlite3
+import warnings
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -20,6 +21,7 @@ from ripplekv_ext import Policy, compress, compress_context, continue_context
 from ripplekv_ext.allocation import average_budget
 from ripplekv_ext.eval.models import TINY_ARCHS, tiny_model
 from ripplekv_ext.model_info import compressible_layers
+from ripplekv_ext.policies import PromptTooShortWarning
 from ripplekv_ext.selectors import H2OSelector, SnapKVSelector
 
 transformers = pytest.importorskip("transformers")
@@ -355,6 +357,49 @@ def test_rejects_bad_arguments():
         with compress(model, Policy.full(), attention="flash"):
             pass
     _assert_same(_snapshot(model), _snapshot(model))
+
+
+# --- One block per model; a prompt too short for the policy ----------------------------------------------------
+
+def test_second_block_on_one_model_is_refused_and_model_ends_as_it_began():
+    model = tiny_model("llama", seed=0)
+    before = model.config._attn_implementation
+    ids = _ids(batch=1, n=64)
+    with torch.no_grad():
+        expected = model(ids).logits
+    policy = Policy.snapkv(0.5, window=8)
+    with compress(model, policy):
+        with pytest.raises(RuntimeError, match="already open on this model"):
+            with compress(model, Policy.streamingllm(0.5, window=8)):
+                pass
+        with torch.no_grad():
+            model(ids)  # the first block still works after the refusal
+    assert model.config._attn_implementation == before
+    with torch.no_grad():
+        assert torch.allclose(model(ids).logits, expected, atol=1e-5)
+    with compress(model, policy):  # and a new block opens once the first has closed
+        pass
+
+
+def test_blocks_on_two_models_are_independent():
+    m1, m2 = tiny_model("llama", seed=0), tiny_model("llama", seed=0)
+    with compress(m1, Policy.snapkv(0.5, window=8)), compress(m2, Policy.snapkv(0.5, window=8)):
+        pass
+
+
+def test_prompt_too_short_for_the_policy_passes_uncompressed_with_a_warning():
+    model = tiny_model("llama", seed=0)
+    ids = _ids(batch=1, n=40)  # retention 0.5 -> average budget 20 <= window 32
+    policy = Policy.snapkv(0.5)
+    with torch.no_grad():
+        expected = model.generate(ids, max_new_tokens=5, do_sample=False)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            with compress(model, policy) as session:
+                out = model.generate(ids, max_new_tokens=5, do_sample=False)
+    assert torch.equal(out, expected)
+    assert any(issubclass(w.category, PromptTooShortWarning) for w in caught)
+    assert all(b == 40 for b in session.compressor.budgets(40) if b is not None)
 
 
 # --- The guard: a compressed cache continues only inside a block open on the model that continues it ------------

@@ -95,3 +95,34 @@ def test_last_budgets_are_the_calling_threads():
         assert session.last_budgets == {layer: 50 for layer in range(4)}
         _generate(model, _ids(80))
         assert session.last_budgets == {layer: 20 for layer in range(4)}
+
+
+# ---- blocks opened from two threads on one model -----------------------------------------------------------------
+
+def test_blocks_from_two_threads_never_leave_the_model_broken():
+    # A enters, B (another thread) tries while A is open: B is refused, A exits; the model works afterwards.
+    model = tiny_model("llama", seed=0)
+    before = model.config._attn_implementation
+    a_open, b_done = threading.Event(), threading.Event()
+    errors = []
+
+    def thread_b():
+        a_open.wait()
+        try:
+            with compress(model, Policy.snapkv(0.5, window=8)):
+                pass
+        except RuntimeError as e:
+            errors.append(str(e))
+        finally:
+            b_done.set()
+
+    t = threading.Thread(target=thread_b)
+    t.start()
+    with compress(model, Policy.snapkv(0.5, window=8)):
+        a_open.set()
+        b_done.wait(30)
+    t.join(30)
+    assert len(errors) == 1 and "already open" in errors[0]
+    assert model.config._attn_implementation == before
+    with torch.no_grad():
+        model(_ids(40))

@@ -12,7 +12,7 @@ import ripplekv_ref
 from api_tables import INF, NAN, Case, check_case, params
 from ripplekv_ext import KVCompressor
 from ripplekv_ext.allocation import PyramidKVAllocator, RippleKVAllocator, UniformAllocator, average_budget
-from ripplekv_ext.policies import DEFAULT_WINDOW, Policy
+from ripplekv_ext.policies import DEFAULT_WINDOW, Policy, PromptTooShortWarning
 from ripplekv_ext.selectors import H2OSelector, SnapKVSelector, StreamingLLMSelector
 
 ALLOCATORS = [UniformAllocator(), PyramidKVAllocator(), RippleKVAllocator([0.1, 0.9, 0.3, 0.5, 0.2, 0.7])]
@@ -110,6 +110,11 @@ def test_budget_below_window_leaves_the_prompt_uncompressed_with_a_warning():
 
     with pytest.warns(PromptTooShortWarning, match=r"average budget of 20 tokens, not more than the window \(32\)"):
         assert Policy.snapkv(0.1).layer_budgets(4, 200) == [200] * 4
+
+
+def test_layer_budgets_warn_instead_of_raising():
+    with pytest.warns(PromptTooShortWarning, match="left uncompressed"):
+        assert Policy(UniformAllocator(), SnapKVSelector(), 0.1).layer_budgets(4, 200) == [200] * 4
 
 
 # ---- compression during decoding: decode_every and decode_budget ---------------------------------------------------

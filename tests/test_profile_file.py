@@ -136,6 +136,44 @@ def test_fingerprint_survives_a_dtype_change(profile, model, tmp_path):
     load_profile(path, half)
 
 
+# ---- paths, folders, binary files, negative sensitivities --------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def saved_profile(tmp_path_factory):
+    from ripplekv_ext.profiler import profile_model
+
+    model = tiny_model("llama", seed=0)
+    ids = torch.randint(3, 512, (2, 20), generator=torch.Generator().manual_seed(0))
+    profile = profile_model(model, examples=ids, prefix_len=16, cont_len=4, num_examples=2,
+                            progress=False, model_name="tiny-llama")
+    path = tmp_path_factory.mktemp("profiles") / "p.json"
+    save_profile(profile, path)
+    return path
+
+
+def test_load_profile_expands_home(saved_profile, monkeypatch):
+    monkeypatch.setenv("HOME", str(saved_profile.parent))
+    assert load_profile("~/p.json").layers == load_profile(saved_profile).layers
+
+
+def test_load_profile_of_a_folder_or_binary_file_is_a_profile_error(tmp_path):
+    with pytest.raises(ProfileError, match="is a folder"):
+        load_profile(tmp_path)
+    binary = tmp_path / "weights.bin"
+    binary.write_bytes(bytes(range(256)) * 4)
+    with pytest.raises(ProfileError, match="not a text"):
+        load_profile(binary)
+
+
+def test_negative_sensitivity_in_a_file_is_a_profile_error(saved_profile, tmp_path):
+    data = json.loads(saved_profile.read_text())
+    data["sensitivity"][0] = -0.5
+    bad = tmp_path / "neg.json"
+    bad.write_text(json.dumps(data))
+    with pytest.raises(ProfileError, match="never negative"):
+        load_profile(bad)
+
+
 # ---- the bad-input table (api_tables.py): load_profile and save_profile --------------------------------------------
 
 @pytest.fixture(scope="module")
