@@ -1,3 +1,6 @@
+"""What every test file shares: the devices each op test runs on (the CUDA half skipped, not absent, without a GPU)
+and the float dtypes."""
+
 import pytest
 import torch
 

@@ -1,3 +1,6 @@
+"""The allocators (ripplekv_ext.allocation): the shared integer routine, the RippleKV weights and budgets,
+PyramidKV's schedule, the allocator classes, and where a profile's sensitivities land."""
+
 import math
 import types
 

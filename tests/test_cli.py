@@ -1,4 +1,5 @@
-"""The `ripplekv` command line end to end on a tiny model folder (real tokenizer, random weights)."""
+"""The `ripplekv` command line (ripplekv_ext.cli) end to end on a tiny model folder (real tokenizer, random weights).
+Every option's refusal, as tables: test_cli_options.py."""
 
 import json
 

@@ -1,4 +1,6 @@
-"""KVCompressor: the per-layer plan and compression, usable from any inference loop."""
+"""KVCompressor (ripplekv_ext.compressor): the per-layer plan and compression, usable from any inference loop; a
+profile of some layers, left-padded batches row by row, the budgets of compression during decoding, and the
+bad-input table."""
 
 from types import SimpleNamespace
 

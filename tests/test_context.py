@@ -1,6 +1,7 @@
 """Compress once, ask many (ripplekv_ext.context): checked against compress() on the same prefill, the stock model,
 the independent masked computation of test_hook (answers after a compressed context), each row alone (batches) and
-the reference ops (probe windows)."""
+the reference ops (probe windows); a used, a saved and a too-short context. The evaluation protocols built on it
+(the question inside or after the compressed context: ripplekv_ext.eval.runner and grid) are tested here too."""
 
 import dataclasses
 import json

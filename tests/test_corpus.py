@@ -1,3 +1,5 @@
+"""The text corpora (ripplekv_ext.eval.corpus): the KJV splits, the file loaders, and token windows cut from them."""
+
 import json
 
 import pytest

@@ -1,3 +1,6 @@
+"""The compression-damage diagnostic (ripplekv_ext.eval.diagnostics): the keep mask against the reference selection,
+masking against a compacted cache, the damage against a naive computation, and its report."""
+
 import json
 import types
 

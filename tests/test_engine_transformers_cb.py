@@ -1,5 +1,6 @@
-"""RippleKV inside transformers' continuous batching: each request's greedy tokens equal ``generate`` under
-``ripplekv_ext.compress(model, session.policy)`` for that prompt alone, whatever the batching."""
+"""RippleKV inside transformers' continuous batching (ripplekv_ext.engines.transformers_cb): each request's greedy
+tokens equal ``generate`` under ``ripplekv_ext.compress(model, session.policy)`` for that prompt alone, whatever the
+batching; and the tier arithmetic of ripplekv_ext.engines.tiers."""
 
 import math
 import time

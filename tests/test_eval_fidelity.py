@@ -1,4 +1,5 @@
-"""Fidelity metrics and the generation runner, on a tiny random Llama (fast) with a fake compression."""
+"""Fidelity metrics and the generation runner (ripplekv_ext.eval.fidelity, ripplekv_ext.eval.runner), on a tiny
+random Llama (fast) with a fake compression, and the fidelity harness's shared prefill under the hook."""
 
 import contextlib
 

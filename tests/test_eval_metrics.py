@@ -1,4 +1,4 @@
-"""The scoring metrics, on hand-worked examples and against independent implementations."""
+"""The scoring metrics (ripplekv_ext.eval.metrics), on hand-worked examples and against independent implementations."""
 
 import pytest
 from hypothesis import given, settings, strategies as st

@@ -1,5 +1,6 @@
-"""The synthetic suite end to end on the real SmolLM2-135M-Instruct (greedy, short prompts to stay fast): the full
-cache solves the passkey task, and a fake compression that drops the needle's part of the prompt does not."""
+"""The synthetic suite (ripplekv_ext.eval) end to end on the real SmolLM2-135M-Instruct (greedy, short prompts to
+stay fast): the full cache solves the passkey task, and a fake compression that drops the needle's part of the prompt
+does not."""
 
 import pytest
 import torch

@@ -1,5 +1,6 @@
-"""Task construction with the real SmolLM2 tokenizer: LongBench from small JSONL files written here, the user's own
-JSONL, and the synthetic suite (sizing, determinism, needles). No generation: fake generate_fns stand in."""
+"""Task construction (ripplekv_ext.eval: longbench, userdata, synthetic) with the real SmolLM2 tokenizer: LongBench
+from small JSONL files written here, the user's own JSONL, and the synthetic suite (sizing, determinism, needles). No
+generation: fake generate_fns stand in."""
 
 import json
 

@@ -1,4 +1,7 @@
-"""The transformers attention hook, checked against the stock model and an independent masked computation.
+"""The transformers attention hook (ripplekv_ext.hook: ``compress``), checked against the stock model and an
+independent masked computation; one block per model, the guard that keeps a compressed cache in its model's block,
+and the bad-input table. Batches, decoding and threads have their own files: test_hook_batches.py,
+test_hook_decode.py, test_hook_threads.py.
 
 The independent oracle (`MaskedReference`) keeps the stock, *uncompressed* cache and, after prefill, masks out
 for each layer and KV head the tokens the reference ops (`ripplekv_ref`) would drop. Attention over a subset

@@ -1,3 +1,6 @@
+"""The models (ripplekv_ext.eval.models, ripplekv_ext.model_info): the tiny random ones the tests use, SmolLM2's real
+weights, the known GGUF models and their shapes."""
+
 import pytest
 import torch
 

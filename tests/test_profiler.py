@@ -1,3 +1,6 @@
+"""The sensitivity profiler (ripplekv_ext.profiler): every tiny architecture, a hand-built perturbed cache, the
+noise, resuming an interrupted run, the stability statistics, and the real SmolLM2 from text."""
+
 import json
 import math
 

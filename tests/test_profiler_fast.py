@@ -1,6 +1,6 @@
-"""The profiler's cheaper paths: batched perturbation rows, antithetic draws, the Fisher estimator, and
-models placed by accelerate (offloaded layers). Each is checked against the plain one-run-per-layer path or an
-independent computation."""
+"""The profiler's (ripplekv_ext.profiler) cheaper paths: batched perturbation rows, antithetic draws, the Fisher
+estimator, and models placed by accelerate (offloaded layers). Each is checked against the plain one-run-per-layer
+path or an independent computation."""
 
 import copy
 import math

@@ -1,4 +1,5 @@
-"""The reference itself, checked against hand-worked examples, a naive loop implementation and identities.
+"""The reference (python/ripplekv_ref) itself, checked against hand-worked examples, a naive loop implementation and
+identities.
 
 Every extension test compares against ripplekv_ref, so the reference must be right on its own terms first.
 """

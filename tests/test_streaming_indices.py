@@ -1,4 +1,4 @@
-"""streaming_indices: hand-worked selections and the reference."""
+"""streaming_indices (ripplekv_ext.ops, computed in Python: no torch op): hand-worked selections and the reference."""
 
 import pytest
 import torch
