@@ -261,6 +261,12 @@ def test_free_blocks_rise_by_the_dropped_blocks_after_each_prefill(model_dir, ri
                 assert dropped > 0
             assert pool.get_num_free_blocks() == total - held - prompt_blocks + dropped
             held += prompt_blocks - dropped
+        if ripplekv is not None:
+            # A prompt that grows after its compression (a streaming-input session) is refused.
+            manager = scheduler(llm).kv_cache_manager.coordinator.single_type_managers[0]
+            first = next(r.request_id for r in scheduler(llm).running if r.num_prompt_tokens == 300)
+            with pytest.raises(RuntimeError, match="prompt grew from 300 to 310 tokens .* streaming-input"):
+                manager.remove_skipped_blocks(first, 320, 310)
         while engine_.has_unfinished_requests():
             engine_.step()
         assert pool.get_num_free_blocks() == total

@@ -170,19 +170,18 @@ class RippleKVCPUBuilder(CPUAttentionMetadataBuilder):
             if s0 >= n:
                 offsets[r] = dropped
                 continue
-            first = int(qsl[r])  # batch token of position s0
+            token0 = int(qsl[r]) - s0  # batch token of position p: token0 + p
             if s1 >= n and dropped:
                 saved = max(0, s0 - (n - window))
                 start = n - window + saved
                 compress.append(_Compress(batch.req_ids[r], n, dropped,
                                           cm.block_table_tensor[r, :-(-n // bs)].to(torch.int64),
-                                          saved, torch.arange(first + start - s0, first + n - s0)))
+                                          saved, torch.arange(token0 + start, token0 + n)))
                 if s1 > n:
                     crossing.append(r)
             elif n - window < s1 < n and dropped:
                 start = max(s0, n - window)
-                save.append(_Save(batch.req_ids[r], start, n - window,
-                                  torch.arange(first + start - s0, first + s1 - s0)))
+                save.append(_Save(batch.req_ids[r], start, n - window, torch.arange(token0 + start, token0 + s1)))
         if not crossing:
             meta = super().build(common_prefix_len, self._shifted(cm, seq_lens, offsets), fast_build)
             return RippleKVMetadata(**_fields(meta), compress=compress, save=save, plan=self.plan)

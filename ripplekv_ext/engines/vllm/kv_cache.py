@@ -70,15 +70,30 @@ class RippleKVManager(FullAttentionManager):
         super().__init__(kv_cache_spec, **kwargs)
         self.plan = plan_of_spec(kv_cache_spec)
         self.tier = kv_cache_spec.tier
+        self._compressed: dict[str, int] = {}  # request -> the prompt length its blocks were freed for
 
     def remove_skipped_blocks(self, request_id: str, processed_computed_tokens: int,
                               num_prompt_tokens: int | None = None) -> None:
-        if num_prompt_tokens is None or processed_computed_tokens < num_prompt_tokens:
+        if num_prompt_tokens is None:
+            return
+        done = self._compressed.get(request_id)
+        if done is not None and done != num_prompt_tokens:
+            # A resumable (streaming-input) request extended its prompt: its cache was compressed for the old one.
+            raise RuntimeError(f"ripplekv: request {request_id}'s prompt grew from {done} to {num_prompt_tokens} "
+                               "tokens after its cache was compressed; streaming-input (resumable) requests are not "
+                               "supported by the plugin")
+        if processed_computed_tokens < num_prompt_tokens:
             return
         dropped = self.plan.dropped_blocks(self.tier, num_prompt_tokens)
         if dropped:
             # Walks back from the last dropped block and stops at the first null one: a second call frees nothing.
             self._remove_blocks_in_range(request_id, 0, dropped)
+            self._compressed[request_id] = num_prompt_tokens
+
+    def pop_blocks_for_free(self, request_id: str):
+        # Finished or preempted: a preempted request is compressed again after its recompute.
+        self._compressed.pop(request_id, None)
+        return super().pop_blocks_for_free(request_id)
 
 
 def register_spec() -> None:
