@@ -30,7 +30,8 @@ the engine ``T`` times as many blocks (``num_gpu_blocks_override``) for the same
 Refused by name (``checks.validate``), when the engine's config is built: prefix caching (pass
 ``enable_prefix_caching=False``), speculative decoding, quantized KV caches, async scheduling, KV connectors,
 tensor/pipeline/data/context parallelism, non-CPU platforms, encoder-decoder, multimodal and MLA models, models with
-sliding-window layers, and a CPU attention kernel whose cache layout the plugin does not read. Chunked prefill is
+sliding-window layers, and a CPU attention kernel whose cache layout the plugin does not read; a resumable
+(streaming-input) request whose compressed prompt grows stops the engine with an error naming it. Chunked prefill is
 supported (the window's queries are kept across chunks), and so is preemption: a request recomputed after
 preemption attends to its full prompt up to the prompt's end and to the compressed cache after it.
 
