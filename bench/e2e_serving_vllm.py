@@ -20,10 +20,11 @@ Run it with the vLLM environment's Python (``make test-vllm`` builds ``.venv-vll
     OMP_NUM_THREADS=1 .venv-vllm/bin/python bench/e2e_serving_vllm.py --out bench/results/e2e_serving_vllm.json
     OMP_NUM_THREADS=1 .venv-vllm/bin/python bench/e2e_serving_vllm.py --quick     # a tiny random model, ~1 min
 
-The default model is SmolLM2-135M-Instruct as ``ripplekv_ext`` converts it (``~/.cache/ripplekv/smollm2-135m-instruct``,
-written by ``.venv/bin/ripplekv demo`` or any SmolLM2 run of the main environment; ``--model`` takes any local Llama-like
-folder with safetensors weights) with the shipped SmolLM2 profile; prompts are random token ids (the serving figures
-do not depend on the text). This is a harness of the source checkout, not part of the installed package.
+The default model is SmolLM2-135M-Instruct as ``ripplekv_ext`` converts it
+(``~/.cache/ripplekv/smollm2-135m-instruct``, written by ``.venv/bin/ripplekv demo`` or any SmolLM2 run of the main
+environment; ``--model`` takes any local Llama-like folder with safetensors weights) with the shipped SmolLM2
+profile; prompts are random token ids (the serving figures do not depend on the text). This is a harness of the
+source checkout, not part of the installed package.
 """
 
 from __future__ import annotations

