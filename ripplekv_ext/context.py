@@ -5,9 +5,12 @@ question-free observation window and returns the compressed cache; ``continue_co
 question_ids, **generate_kwargs)`` answers one question from a copy of it with ``model.generate``, so the same
 compressed context serves any number of questions, one after the other.
 
-The window that scores the context is either the context's own last ``policy.window`` tokens, or a *probe*: a
-text the caller expects to resemble the questions (``probe_ids``). The probe is prefilled after the context as the
-window (``dataclasses.replace(policy, window=probe length)``), so every layer keeps its policy budget for the
+The window that scores the context is a *probe* prefilled after it: by default (given the model's ``tokenizer``)
+``DEFAULT_PROBE``, an instruction to reconstruct the context (KVzip's question-agnostic scoring, as a short window:
+its queries attend to what the context holds that matters, where the context's own tail, filler in a retrieval
+prompt, attends to more filler); or the caller's ``probe_ids``, a text expected to resemble the questions; without
+a tokenizer or a probe, the context's own last ``policy.window`` tokens. The probe is prefilled after the context
+as the window (``dataclasses.replace(policy, window=probe length)``), so every layer keeps its policy budget for the
 context plus the probe, the probe always among them, last; its tokens are then dropped from the cache, and the
 context keeps ``budget - probe length`` tokens per layer.
 
@@ -40,7 +43,12 @@ from ripplekv_ext.masks import row_lengths
 from ripplekv_ext.model_info import compressible_layers, text_config
 from ripplekv_ext.policies import Policy
 
-__all__ = ["ContextStamp", "compress_context", "continue_context", "check_context", "load_context"]
+__all__ = ["ContextStamp", "DEFAULT_PROBE", "compress_context", "continue_context", "check_context",
+           "default_probe_ids", "load_context"]
+
+# The question-agnostic window of compress_context: chosen on calibration tasks and confirmed on held-out ones
+# (docs/defaults.md). It costs its few tokens of extra prefill.
+DEFAULT_PROBE = "\n\nRepeat the text above."
 
 STAMP_ATTRIBUTE = "ripplekv_context"
 # What identifies a model for a cache: another model of this shape would take the cache silently and answer
@@ -114,14 +122,26 @@ def _check_budget(policy: Policy, lengths: list[int], probe_tokens: int) -> None
                          f"Raise the retention, use {fix}, or a longer context")
 
 
+def _drops_tokens(model) -> bool:
+    """Whether every layer's cache can drop a probe's tokens (sliding-window layers cannot)."""
+    return len(compressible_layers(model)) == text_config(model).num_hidden_layers
+
+
 def _check_model(model) -> None:
     if not (hasattr(model, "config") and hasattr(model, "generate")):
         raise TypeError(f"model must be a transformers causal LM (with .config and .generate), got "
                         f"{type(model).__name__}")
 
 
-def compress_context(model, context_ids: Tensor, policy: Policy, *, attention_mask: Optional[Tensor] = None,
-                     probe_ids: Optional[Tensor] = None, attention: Optional[str] = None):
+def default_probe_ids(tokenizer) -> Tensor:
+    """``DEFAULT_PROBE`` as int64 token ids ``[1, p]`` of ``tokenizer`` (no special tokens)."""
+    ids = tokenizer(DEFAULT_PROBE, add_special_tokens=False)["input_ids"]
+    return torch.tensor([ids], dtype=torch.int64)
+
+
+def compress_context(model, context_ids: Tensor, policy: Policy, *, tokenizer=None,
+                     attention_mask: Optional[Tensor] = None, probe_ids: Optional[Tensor] = None,
+                     attention: Optional[str] = None):
     """Prefill ``context_ids`` under ``compress(model, policy)`` and return the compressed cache.
 
     Args:
@@ -129,9 +149,14 @@ def compress_context(model, context_ids: Tensor, policy: Policy, *, attention_ma
         context_ids: int ``[B, n]``: the context, without the question (chat templates: the tokens up to where
             the question starts, see README "Compress once, ask many").
         policy: the compression policy; ``Policy.full()`` returns the uncompressed cache.
+        tokenizer: the model's tokenizer: with it the context is scored by ``DEFAULT_PROBE`` (question-agnostic:
+            on passkey at 20% the context's tail keeps the needle 0 times in 5, the probe 5 in 5; docs/defaults.md).
+            Without it (or on a model with sliding-window layers, whose cache cannot drop the probe's tokens) the
+            context's own tail is the window.
         attention_mask: ``[B, n]`` of a left-padded batch of contexts (each row is compressed as if alone).
-        probe_ids: int ``[B or 1, p]``: a question-like text scoring the context in place of its tail; its tokens
-            are dropped afterwards. Not for models with sliding-window layers (their cache cannot drop tokens).
+        probe_ids: int ``[B or 1, p]``: a text of one's own scoring the context (e.g. one resembling the expected
+            questions), in place of the default probe; its tokens are dropped afterwards. Not for models with
+            sliding-window layers.
         attention: ``"sdpa"`` or ``"eager"`` (default: the model's).
 
     Returns the transformers cache, stamped (``cache.ripplekv_context``, a ``ContextStamp``). Its compressed
@@ -157,12 +182,13 @@ def compress_context(model, context_ids: Tensor, policy: Policy, *, attention_ma
 
     probe_tokens = 0
     prefill_ids, prefill_mask, prefill_policy = context_ids, attention_mask, policy
+    if probe_ids is None and tokenizer is not None and not policy.is_full and _drops_tokens(model):
+        probe_ids = default_probe_ids(tokenizer)
     if probe_ids is not None:
         probe_ids = _check_ids("probe_ids", probe_ids)
         if probe_ids.shape[0] not in (1, batch):
             raise ValueError(f"probe_ids must have 1 row or one per context row ({batch}), got {probe_ids.shape[0]}")
-        num_layers = text_config(model).num_hidden_layers
-        if len(compressible_layers(model)) != num_layers:
+        if not _drops_tokens(model):
             raise ValueError("probe_ids is not supported on models with sliding-window layers: their cache cannot "
                              "drop the probe's tokens afterwards. Compress without a probe (the context's tail is "
                              "the window)")
@@ -275,11 +301,12 @@ def _saved_classes() -> list:
     """The classes a saved context is made of: transformers' cache and layers, this package's layer, stamp, policy,
     allocators and selectors (and a RippleKV profile)."""
     from ripplekv_ext.allocation import PyramidKVAllocator, RippleKVAllocator, UniformAllocator
-    from ripplekv_ext.selectors import H2OSelector, SnapKVSelector, StreamingLLMSelector
     from ripplekv_ext.profile_file import Profile
+    from ripplekv_ext.selectors import (H2OSelector, KeyNormSelector, RecentSnapKVSelector, SnapKVSelector,
+                                        StreamingLLMSelector)
 
     return [*_door().cache_classes(), ContextStamp, Policy, UniformAllocator, PyramidKVAllocator, RippleKVAllocator,
-            Profile, SnapKVSelector, H2OSelector, StreamingLLMSelector]
+            Profile, SnapKVSelector, RecentSnapKVSelector, KeyNormSelector, H2OSelector, StreamingLLMSelector]
 
 
 def load_context(path, *, map_location=None):

@@ -103,6 +103,10 @@ def test_needle_prompts_fit_their_length_and_place_the_needle_by_depth(tokenizer
     at_end = examples[2]
     between = at_end.prompt[at_end.prompt.index(NEEDLE.strip()) + len(NEEDLE.strip()):at_end.prompt.index(QUESTION)]
     assert len(between) < 60, between  # at depth 100 only the chat template's turn markers follow the needle
+    for e in examples:  # the "after" protocol's split: the context holds the needle, the rest the question
+        context = tokenizer.decode(e.input_ids[:e.context_tokens])
+        assert NEEDLE.strip() in context and QUESTION not in context
+        assert QUESTION in tokenizer.decode(e.input_ids[e.context_tokens:])
 
 
 def test_phrase_recall_scores_the_key_phrases():

@@ -25,7 +25,7 @@ import importlib.util
 from pathlib import Path
 from typing import Optional, Sequence
 
-from ripplekv_ext.eval.example import Example, encode, has_chat_template, prompt_ids
+from ripplekv_ext.eval.example import Example, context_token_count, encode, has_chat_template, prompt_ids
 
 NEEDLE = "\nThe best thing to do in San Francisco is eat a sandwich and sit in Dolores Park on a sunny day.\n"
 QUESTION = "What is the best thing to do in San Francisco?"
@@ -137,5 +137,7 @@ def make_needle(tokenizer, lengths: Sequence[int] = DEFAULT_LENGTHS, depths: Seq
             examples.append(Example(
                 task="needle", id=f"needle-{length}-d{depth:g}", prompt=prompt, input_ids=ids,
                 answers=["|".join(KEY_PHRASES)], max_new_tokens=MAX_NEW_TOKENS, metric="phrase_recall",
-                meta={"length": length, "depth_percent": depth}))
+                meta={"length": length, "depth_percent": depth},
+                # The question's message starts the rest: what the "after" protocol asks after the context.
+                context_tokens=context_token_count(tokenizer, prompt, ids, QUESTION)))
     return examples

@@ -8,8 +8,9 @@ so every prompt is compressed on its own.
 Two protocols (``PROTOCOLS``), as kvpress's pipeline reports them:
 
 - ``"inside"``: the question is part of the compressed prompt, so the observation window sees it;
-- ``"after"``: compress once, ask many. The context (``Example.context_tokens``) is compressed alone, its own tail
-  the window, before the question is known; the question and the rest of the prompt follow the compressed cache
+- ``"after"``: compress once, ask many. The context (``Example.context_tokens``) is compressed alone, scored by
+  ``compress_context``'s question-agnostic probe (``context.DEFAULT_PROBE``), before the question is known; the
+  question and the rest of the prompt follow the compressed cache
   (:func:`context_generate_fn`, built on ``ripplekv_ext.compress_context``). Its ``generate_fn`` takes
   ``context_tokens`` too.
 """
@@ -146,7 +147,8 @@ def greedy_generate_fn(model, tokenizer, compression: Optional[CompressionFactor
 
 def context_generate_fn(model, tokenizer, policy) -> GenerateFn:
     """The ``generate_fn`` of protocol "after": compress the first ``context_tokens`` ids alone with ``policy``
-    (``ripplekv_ext.compress_context``: the window is the context's tail), then decode greedily after the rest.
+    (``ripplekv_ext.compress_context``, scored by its default question-agnostic probe), then decode greedily
+    after the rest.
 
     One question per example, so the answer continues the compressed cache itself (no copy).
     """
@@ -157,7 +159,7 @@ def context_generate_fn(model, tokenizer, policy) -> GenerateFn:
     def generate(input_ids: torch.Tensor, max_new_tokens: int, context_tokens: int) -> str:
         input_ids = input_ids.to(next(model.parameters()).device)
         with torch.inference_mode():
-            cache = compress_context(model, input_ids[:, :context_tokens], policy)
+            cache = compress_context(model, input_ids[:, :context_tokens], policy, tokenizer=tokenizer)
             output = continue_context(model, cache, input_ids[:, context_tokens:], copy_cache=False,
                                       max_new_tokens=max_new_tokens, **options)
         return tokenizer.decode(output[0, input_ids.shape[1]:], skip_special_tokens=True)
