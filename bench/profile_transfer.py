@@ -70,9 +70,9 @@ def domain_texts(domain: str, part: str) -> list[str]:
     if domain == "kjv":
         return [kjv_text(part)]
     if domain == "essays":
-        from ripplekv_ext.eval.needle import haystack_dir
+        from ripplekv_ext.eval.corpus import essay_texts
 
-        return _alternate(sorted(haystack_dir().glob("*.txt")), part)
+        return essay_texts(part)
     if domain == "python":
         stdlib = Path(sysconfig.get_paths()["stdlib"])
         # Top-level modules only (no tests, no vendored packages), largest text first is not needed: sorted names.

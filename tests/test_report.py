@@ -44,10 +44,14 @@ def _cells(out, part):
 def test_report_has_every_section_and_figure(report_dir):
     out, _ = report_dir
     text = (out / "report.md").read_text()
-    for heading in ("## Fidelity at 64-token prompts", "## Passkey by needle depth (160-token prompts)",
+    for heading in ("## Fidelity at 64-token prompts", "## Passkey by needle depth (160-token prompts, question inside)",
+                    "## Passkey by needle depth (160-token prompts, question after)",
                     "## Needle in a haystack", "## Sensitivity profile"):
         assert heading in text
-    for png in ("kl_vs_retention.png", "passkey_by_depth.png", "needle_heatmaps.png", "profile.png"):
+    assert "## Fidelity at 64-token prompts: kjv:evaluation" in text
+    assert "## Fidelity at 64-token prompts: essays:evaluation" in text
+    for png in ("kl_vs_retention.png", "kl_vs_retention_essays.png", "passkey_by_depth.png",
+                "passkey_by_depth_after.png", "needle_heatmaps.png", "profile.png"):
         assert (out / png).stat().st_size > 1000 and f"]({png})" in text
     # The command that reproduces the report, every size spelled out.
     assert "ripplekv report --model" in text and "--passkey-depths 2" in text and "--needle-depths 0,100" in text
@@ -101,7 +105,8 @@ def test_rerun_resumes_every_cell_and_writes_the_same_report(report_dir, capsys)
     assert cli.main(argv) == 0
     log = capsys.readouterr().out
     cells = [line for line in log.splitlines() if line.startswith("[")]
-    assert len(cells) == 4 + 2 + 2 and all(line.endswith("skipped") for line in cells), log  # none recomputed
+    # Fidelity's 4 cells on each of the two text domains, then passkey's and the needle's 2: none recomputed.
+    assert len(cells) == 2 * 4 + 2 + 2 and all(line.endswith("skipped") for line in cells), log
     assert (out / "report.md").read_text() == before
 
 

@@ -50,13 +50,17 @@ def check_output_file(option: str, path, way_out: str | None = None) -> Path:
 
 
 def check_text_source(option: str, source) -> None:
-    """A text source (``kjv``, ``kjv:calibration``, ``kjv:evaluation`` or a file) must exist."""
-    if source is None or source in ("kjv", "kjv:calibration", "kjv:evaluation"):
+    """A text source (``kjv`` or ``essays``, with a split ``:calibration`` / ``:evaluation``, or a file) must exist."""
+    if source is None or source in ("kjv", "kjv:calibration", "kjv:evaluation", "essays", "essays:calibration",
+                                    "essays:evaluation"):
         return
-    if source.startswith("kjv:"):
-        raise CliError(f"{option} {source!r}: the bundled text's splits are kjv:calibration and kjv:evaluation")
+    for corpus in ("kjv", "essays"):
+        if source.startswith(corpus + ":"):
+            raise CliError(f"{option} {source!r}: the bundled text's splits are {corpus}:calibration and "
+                           f"{corpus}:evaluation")
     if not Path(source).expanduser().is_file():
-        raise CliError(f"{option} {source!r} is not a file: pass kjv, kjv:evaluation or a .txt / .jsonl file")
+        raise CliError(f"{option} {source!r} is not a file: pass kjv, kjv:evaluation, essays:evaluation or a "
+                       ".txt / .jsonl file")
 
 
 def check_model_arg(model_arg: str) -> None:

@@ -19,7 +19,7 @@ TASKS = ("fidelity",) + GENERATION_TASKS + ("needle", "longbench", "user")
 FILLER_MARGIN = 64  # tokens; more than any synthetic task's filler unit
 # Tasks whose prompts split into a context and a question, so that protocol "after" (compress once, ask many)
 # can compress the context before the question is asked.
-AFTER_TASKS = GENERATION_TASKS + ("longbench", "user")
+AFTER_TASKS = GENERATION_TASKS + ("needle", "longbench", "user")
 
 
 def shortest_prompt(args) -> int:
@@ -41,7 +41,9 @@ def check_eval_args(args) -> None:
         raise CliError(f"unknown task(s) {', '.join(unknown)}: expected some of {', '.join(TASKS)}")
     check_model_arg(args.model)
     if "fidelity" in args.tasks:
-        check_text_source("--text", args.text)
+        # The demo (the report's parts) takes one text per fidelity domain; eval takes one.
+        for text in args.text.split(",") if args.func is cmd_demo else [args.text]:
+            check_text_source("--text", text)
     if "longbench" in args.tasks and not (args.longbench_dir and Path(args.longbench_dir).expanduser().is_dir()):
         raise CliError(f"--longbench-dir must be a folder of LongBench *.jsonl files, got {args.longbench_dir!r}")
     if "user" in args.tasks and not (args.user_jsonl and Path(args.user_jsonl).expanduser().is_file()):
@@ -201,7 +203,7 @@ def demo_sizes(args):
                       retentions=tuple(args.retentions), task_retentions=(max(args.retentions),),
                       fidelity_examples=args.examples, prefix_len=args.prefix_len, cont_len=args.cont_len,
                       passkey_length=args.length, needle_lengths=(args.length,) if args.length else None,
-                      window=args.window, seed=args.seed, text=args.text)
+                      window=args.window, seed=args.seed, texts=tuple(args.text.split(",")))
 
 
 def cmd_demo(args) -> int:

@@ -202,7 +202,8 @@ def _add_eval_options(p, *, examples: int, prefix_len: int):
     p.add_argument("--cont-len", type=positive_int, default=64, help="fidelity continuation length (tokens)")
     p.add_argument("--length", type=positive_int, default=None,
                    help="synthetic prompt length in tokens (default: per task, where the full model solves it)")
-    p.add_argument("--text", default="kjv:evaluation", help="fidelity text: kjv:evaluation, a .txt or a .jsonl file")
+    p.add_argument("--text", default="kjv:evaluation",
+                   help="fidelity text: kjv:evaluation, essays:evaluation, a .txt or a .jsonl file")
     p.add_argument("--longbench-dir", default=None, help="folder of LongBench *.jsonl files (task 'longbench')")
     p.add_argument("--user-jsonl", default=None, help="JSONL of {context, question, answers} (task 'user')")
     p.add_argument("--max-prompt-tokens", type=positive_int, default=7500,
@@ -241,7 +242,9 @@ def _add_report_options(p):
                    help=f"needle-in-a-haystack context lengths in tokens (default {listed(R.needle_lengths)})")
     p.add_argument("--needle-depths", type=percent_list, default=list(R.needle_depths),
                    help=f"needle depths in percent (default {listed(R.needle_depths)})")
-    p.add_argument("--text", default=R.text, help="fidelity text: kjv:evaluation, a .txt or a .jsonl file")
+    p.add_argument("--text", default=",".join(R.texts),
+                   help="fidelity texts, comma-separated, one part each: kjv:evaluation, essays:evaluation, a .txt or "
+                        "a .jsonl file")
     p.add_argument("--window", type=positive_int, default=R.window, help="observation window W")
     p.add_argument("--seed", type=non_negative_int, default=R.seed)
     p.add_argument("--threads", type=positive_int, default=None, help="torch CPU threads")
@@ -331,7 +334,7 @@ def build_parser() -> argparse.ArgumentParser:
     # the bundled model solves passkey and the needle test with the full cache and the methods' KL differ clearly.
     # --tasks picks among the report's parts; --length sets the passkey and needle lengths.
     p.set_defaults(tasks=list(PARTS), methods=list(DEMO_SIZES.methods), retentions=list(DEMO_SIZES.retentions),
-                   cont_len=DEMO_SIZES.cont_len)
+                   cont_len=DEMO_SIZES.cont_len, text=",".join(DEMO_SIZES.texts))
     p.add_argument("--reprofile", action="store_true", help="measure the profile again even if one is cached")
     p.set_defaults(func=cmd_demo)
     return parser

@@ -40,7 +40,7 @@ def report_sizes(args):
                           cont_len=args.cont_len, passkey_length=args.passkey_length,
                           passkey_examples=args.passkey_examples, passkey_depths=args.passkey_depths,
                           needle_lengths=tuple(args.needle_lengths), needle_depths=tuple(args.needle_depths),
-                          window=args.window, seed=args.seed, text=args.text)
+                          window=args.window, seed=args.seed, texts=tuple(args.text.split(",")))
     except ValueError as err:
         raise CliError(str(err)) from None
 
@@ -75,7 +75,7 @@ def command_line(args, sizes) -> str:
              "--cont-len", str(sizes.cont_len), "--passkey-length", str(sizes.passkey_length),
              "--passkey-examples", str(sizes.passkey_examples), "--passkey-depths", str(sizes.passkey_depths),
              "--needle-lengths", join(sizes.needle_lengths), "--needle-depths", join(sizes.needle_depths),
-             "--window", str(sizes.window), "--seed", str(sizes.seed), "--text", sizes.text]
+             "--window", str(sizes.window), "--seed", str(sizes.seed), "--text", ",".join(sizes.texts)]
     if args.profile:
         words += ["--profile", str(args.profile)]
     return " ".join(shlex.quote(w) for w in words)
@@ -86,7 +86,8 @@ def cmd_report(args) -> int:
     from ripplekv_ext.methods import needs_profile
 
     check_model_arg(args.model)
-    check_text_source("--text", args.text)
+    for text in args.text.split(","):
+        check_text_source("--text", text)
     sizes = report_sizes(args)
     check_report_sizes(sizes, args.parts)
     out_dir = check_output_folder("--out-dir", args.out_dir)

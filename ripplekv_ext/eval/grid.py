@@ -44,15 +44,28 @@ def _memoized(logits_fn):
 
 
 def _load_resumable(path: Optional[Path], settings: dict) -> dict:
+    """The cells of a saved run of the same experiment. The methods and retentions may differ (a report that
+    adds a method keeps the cells it has); each cell is checked against its policy when it is reused."""
     if path is None or not path.exists():
         return {}
     try:
         data = json.loads(path.read_text())
     except (OSError, ValueError):
         return {}
-    if data.get("format") != FORMAT or data.get("version") != FORMAT_VERSION or data.get("settings") != settings:
+    saved = data.get("settings") or {}
+    comparable = lambda d: {k: v for k, v in d.items() if k not in ("methods", "retentions")}  # noqa: E731
+    if data.get("format") != FORMAT or data.get("version") != FORMAT_VERSION or comparable(saved) != comparable(
+            settings):
         return {}  # another experiment: start afresh (the file is replaced atomically at the first cell)
     return data.get("cells", {})
+
+
+def _same_policy(cell: dict, policy) -> bool:
+    # A method's name can come to mean another policy (a default changed): a saved cell is reused only for the
+    # policy it measured. Cells saved before the policy's repr was recorded are matched by its name.
+    if "policy_repr" in cell:
+        return cell["policy_repr"] == repr(policy)
+    return cell.get("policy") == policy.name
 
 
 def run_grid(model, tokenizer, methods: Sequence[str], retentions: Sequence[float], *, profile=None,
@@ -85,16 +98,18 @@ def run_grid(model, tokenizer, methods: Sequence[str], retentions: Sequence[floa
     for method in methods:
         for retention in ([None] if is_full(method) else retentions):
             plan.append((method, retention))
+    planned = {cell_key(method, retention) for method, retention in plan}
+    cells = {key: cell for key, cell in cells.items() if key in planned}
     for i, (method, retention) in enumerate(plan, 1):
         key = cell_key(method, retention)
-        if key in cells:
+        policy = make_policy(method, retention or 1.0, profile, window)
+        if key in cells and _same_policy(cells[key], policy):
             log(f"[{i}/{len(plan)}] {key}: already in {out_path}, skipped")
             continue
         log(f"[{i}/{len(plan)}] {key}")
-        policy = make_policy(method, retention or 1.0, profile, window)
         compression = (lambda p=policy: compress(model, p))
         start = time.perf_counter()
-        cell = {"method": method, "retention": retention, "policy": policy.name}
+        cell = {"method": method, "retention": retention, "policy": policy.name, "policy_repr": repr(policy)}
         if fidelity_ids is not None:
             if policy.is_full:
                 compressed_fn = full_fn

@@ -3,9 +3,9 @@
 Three parts, each a methods x retentions grid (:func:`ripplekv_ext.eval.grid.run_grid`) saved to its own JSON file
 in the output folder after every cell, so an interrupted report resumes where it stopped:
 
-- ``fidelity``: KL(full || compressed) of a teacher-forced continuation after a long prefix of held-out text; the
-  mean KL with a 95% bootstrap interval, and RippleKV against SnapKV and PyramidKV example by example (wins, and a
-  paired bootstrap interval of the mean KL difference).
+- ``fidelity``: KL(full || compressed) of a teacher-forced continuation after a long prefix of held-out text, on
+  each text domain (the KJV, Paul Graham's essays); the mean KL with a 95% bootstrap interval, and RippleKV against
+  the other methods example by example (wins, and a paired bootstrap interval of the mean KL difference).
 - ``passkey``: the passkey task with its needle at evenly spread depths; accuracy per depth and overall, with
   Wilson intervals.
 - ``needle``: the needle-in-a-haystack test (``ripplekv_ext.eval.needle``) over context lengths x depths, as heat
@@ -41,7 +41,10 @@ class ReportSizes:
     ``passkey_depths`` evenly spread positions from the start to the end of the context."""
 
     methods: tuple[str, ...] = ("full", "streamingllm", "snapkv", "pyramidkv", "ripplekv")  # passkey, needle
-    fidelity_methods: tuple[str, ...] = ("full", "streamingllm", "snapkv", "pyramidkv", "ripplekv")
+    # Every published method, the new selector under uniform budgets, and RippleKV with the paper's SnapKV selector
+    # next to its default one.
+    fidelity_methods: tuple[str, ...] = ("full", "streamingllm", "h2o", "snapkv", "pyramidkv", "uniform+recent-snapkv",
+                                         "ripplekv+snapkv", "ripplekv")
     retentions: tuple[float, ...] = (0.1, 0.2, 0.3)  # fidelity
     task_retentions: tuple[float, ...] = (0.2,)  # passkey and needle
     fidelity_examples: int = 16
@@ -50,19 +53,22 @@ class ReportSizes:
     passkey_length: int = 2048
     passkey_examples: int = 20
     passkey_depths: int = 5
+    # "after": the context compressed before the question is known (compress once, ask many), beside "inside".
+    passkey_protocols: tuple[str, ...] = ("inside", "after")
     needle_lengths: tuple[int, ...] = (1024, 1536, 2048)
     needle_depths: tuple[float, ...] = (0, 25, 50, 75, 100)
     window: int = DEFAULT_WINDOW
     seed: int = 0
-    text: str = "kjv:evaluation"
+    # Fidelity's held-out text, one part per domain: scripture favours recency more than most text does.
+    texts: tuple[str, ...] = ("kjv:evaluation", "essays:evaluation")
 
     def __post_init__(self):
         for name in ("fidelity_examples", "prefix_len", "cont_len", "passkey_length", "passkey_examples",
                      "passkey_depths", "window"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if not self.methods or not self.fidelity_methods or not self.retentions or not self.task_retentions:
-            raise ValueError("methods, fidelity_methods, retentions and task_retentions must be non-empty")
+        if not (self.methods and self.fidelity_methods and self.retentions and self.task_retentions and self.texts):
+            raise ValueError("methods, fidelity_methods, retentions, task_retentions and texts must be non-empty")
 
 
 # SmolLM2-135M with the full cache solves passkey and the needle test up to 2K tokens (synthetic.DEFAULT_LENGTHS,
@@ -137,13 +143,14 @@ def paired_rows(comparisons: list[dict]) -> list[list[str]]:
 
 # ---- generation tasks: per-example scores grouped by a property of the example ------------------------------------
 
-def scores_by(results: dict, examples, key: Callable) -> dict[str, dict]:
-    """For each cell label: ``{group: [scores]}``, grouping each example's score by ``key(example)``."""
+def scores_by(results: dict, examples, key: Callable, protocol: str = "inside") -> dict[str, dict]:
+    """For each cell label: ``{group: [scores]}``, grouping each example's score by ``key(example)``, under
+    ``protocol`` (runner.PROTOCOLS)."""
     group_of = {e.id: key(e) for e in examples}
     table = {}
     for c in _ordered_cells(results):
         groups = defaultdict(list)
-        for p in c["predictions"]:
+        for p in (c if protocol == "inside" else c[protocol])["predictions"]:
             groups[group_of[p["id"]]].append(p["score"])
         table[_label(c["method"], c["retention"])] = dict(groups)
     return table
@@ -214,20 +221,24 @@ def run_report(model, tokenizer, model_name: str, profile, out_dir, sizes: Repor
         md += ["Reproduce with:", "", "```bash", command, "```", ""]
     total_seconds = 0.0
 
-    if "fidelity" in parts:
-        log(f"-- fidelity: {sizes.fidelity_examples} examples of {sizes.prefix_len} + {sizes.cont_len} tokens")
-        ids = fidelity_examples(tokenizer, sizes.prefix_len, sizes.cont_len, sizes.fidelity_examples, sizes.text)
+    for number, text in enumerate(sizes.texts if "fidelity" in parts else ()):
+        # The first domain keeps the file name reports had before there were several.
+        name = "fidelity" if number == 0 else f"fidelity_{text.split(':')[0]}"
+        log(f"-- fidelity on {text}: {sizes.fidelity_examples} examples of {sizes.prefix_len} + {sizes.cont_len} "
+            "tokens")
+        ids = fidelity_examples(tokenizer, sizes.prefix_len, sizes.cont_len, sizes.fidelity_examples, text)
         results = run_grid(model, tokenizer, sizes.fidelity_methods, sizes.retentions, fidelity_ids=ids,
-                           prefix_len=sizes.prefix_len, out_path=out_dir / "fidelity.json",
+                           prefix_len=sizes.prefix_len, out_path=out_dir / f"{name}.json",
                            settings=dict(settings, part="fidelity", prefix_len=sizes.prefix_len,
-                                         cont_len=sizes.cont_len, examples=sizes.fidelity_examples, text=sizes.text),
+                                         cont_len=sizes.cont_len, examples=sizes.fidelity_examples, text=text),
                            **grid)
         total_seconds += _seconds(results)
-        comparisons = paired_comparisons(results)
-        png = plots.plot_kl_vs_retention(results, out_dir / "kl_vs_retention.png")
-        md += [f"## Fidelity at {sizes.prefix_len}-token prompts", "",
+        comparisons = paired_comparisons(results, baselines=[m for m in sizes.fidelity_methods
+                                                             if m not in ("full", "ripplekv")])
+        png = plots.plot_kl_vs_retention(results, out_dir / f"kl_vs_retention{name[len('fidelity'):]}.png")
+        md += [f"## Fidelity at {sizes.prefix_len}-token prompts: {text}", "",
                f"KL(full || compressed) in nats per token over a {sizes.cont_len}-token teacher-forced continuation "
-               f"of held-out text ({sizes.text}), mean over {sizes.fidelity_examples} examples with a 95% bootstrap "
+               f"of held-out text ({text}), mean over {sizes.fidelity_examples} examples with a 95% bootstrap "
                "interval (10,000 resamples); lower is better.", ""]
         md += _table(["method", "retention", "mean KL", "95% CI", "perplexity", "examples"], fidelity_rows(results))
         md += ["", f"![KL against retention]({png.name})", ""]
@@ -247,17 +258,24 @@ def run_report(model, tokenizer, model_name: str, profile, out_dir, sizes: Repor
         results = run_grid(model, tokenizer, sizes.methods, sizes.task_retentions, task_examples=examples,
                            out_path=out_dir / "passkey.json",
                            settings=dict(settings, part="passkey", length=sizes.passkey_length,
-                                         examples=sizes.passkey_examples, depths=depths), **grid)
+                                         examples=sizes.passkey_examples, depths=depths),
+                           protocols=sizes.passkey_protocols, **grid)
         total_seconds += _seconds(results)
-        by_depth = scores_by(results, examples, lambda e: e.meta["depths"][0])
-        png = plots.plot_accuracy_by_depth(by_depth, out_dir / "passkey_by_depth.png",
-                                           title=f"passkey at {sizes.passkey_length} tokens")
-        header, rows = depth_rows(by_depth)
-        md += [f"## Passkey by needle depth ({sizes.passkey_length}-token prompts)", "",
-               f"{sizes.passkey_examples} examples, the needle at {len(depths)} depths spread evenly from the start "
-               "(0%) to the end (100%) of the context; exact match; solved/run per depth, overall accuracy with a "
-               "95% Wilson interval.", ""]
-        md += _table(header, rows) + ["", f"![passkey accuracy by depth]({png.name})", ""]
+        for protocol in sizes.passkey_protocols:
+            by_depth = scores_by(results, examples, lambda e: e.meta["depths"][0], protocol)
+            suffix = "" if protocol == "inside" else f"_{protocol}"
+            png = plots.plot_accuracy_by_depth(by_depth, out_dir / f"passkey_by_depth{suffix}.png",
+                                               title=f"passkey at {sizes.passkey_length} tokens"
+                                                     + ("" if protocol == "inside" else f", question {protocol}"))
+            header, rows = depth_rows(by_depth)
+            where = ("the question inside the compressed prompt (the window sees it)" if protocol == "inside" else
+                     "the context compressed alone before the question is known (compress_context with its "
+                     "question-agnostic probe), the question asked after it")
+            md += [f"## Passkey by needle depth ({sizes.passkey_length}-token prompts, question {protocol})", "",
+                   f"{sizes.passkey_examples} examples, {where}; the needle at {len(depths)} depths spread evenly "
+                   "from the start (0%) to the end (100%) of the context; exact match; solved/run per depth, overall "
+                   "accuracy with a 95% Wilson interval.", ""]
+            md += _table(header, rows) + ["", f"![passkey accuracy by depth]({png.name})", ""]
 
     if "needle" in parts:
         log(f"-- needle in a haystack: lengths {list(sizes.needle_lengths)} x depths {list(sizes.needle_depths)}")
