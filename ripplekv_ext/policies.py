@@ -21,7 +21,7 @@ from typing import Optional, Sequence
 from ripplekv_ext.allocation import (DEFAULT_NORMALIZE, DEFAULT_RATIO, Allocator, PyramidKVAllocator,
                                      RippleKVAllocator, UniformAllocator, average_budget)
 from ripplekv_ext.checks import check_int, is_integer, shown
-from ripplekv_ext.selectors import H2OSelector, Selector, SnapKVSelector, StreamingLLMSelector
+from ripplekv_ext.selectors import H2OSelector, RecentSnapKVSelector, Selector, SnapKVSelector, StreamingLLMSelector
 
 __all__ = ["Policy", "DEFAULT_WINDOW", "PromptTooShortWarning"]
 
@@ -201,9 +201,14 @@ class Policy:
     @classmethod
     def ripplekv(cls, profile_or_sensitivity, retention: float, window: int = DEFAULT_WINDOW,
                  ratio: float = DEFAULT_RATIO, normalize: str = DEFAULT_NORMALIZE, *,
-                 decode_every: Optional[int] = None, decode_budget: Optional[int] = None) -> "Policy":
-        return cls(RippleKVAllocator(profile_or_sensitivity, ratio, normalize), SnapKVSelector(), retention, window,
-                   decode_every, decode_budget)
+                 selector: Optional[Selector] = None, decode_every: Optional[int] = None,
+                 decode_budget: Optional[int] = None) -> "Policy":
+        """RippleKV's per-layer budgets with ``selector`` inside each layer: by default ``RecentSnapKVSelector``
+        (sinks, a recent region, SnapKV's scores for the rest), chosen on calibration text over plain SnapKV
+        (docs/defaults.md); ``selector=SnapKVSelector()`` is the paper's pairing."""
+        return cls(RippleKVAllocator(profile_or_sensitivity, ratio, normalize),
+                   RecentSnapKVSelector() if selector is None else selector, retention, window, decode_every,
+                   decode_budget)
 
     @classmethod
     def h2o(cls, retention: float, window: int = DEFAULT_WINDOW, chunk_size: int = 1024) -> "Policy":

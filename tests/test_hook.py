@@ -25,7 +25,8 @@ from ripplekv_ext.allocation import average_budget
 from ripplekv_ext.eval.models import TINY_ARCHS, tiny_model
 from ripplekv_ext.model_info import compressible_layers
 from ripplekv_ext.policies import PromptTooShortWarning
-from ripplekv_ext.selectors import H2OSelector, SnapKVSelector
+from ripplekv_ext.selectors import H2OSelector, RecentSnapKVSelector, SnapKVSelector
+from ripplekv_ref.selectors import recent_snapkv_select
 
 transformers = pytest.importorskip("transformers")
 from transformers import AttentionInterface  # noqa: E402
@@ -77,6 +78,10 @@ def _reference_indices(policy, query, key, budget, scaling):
     n, w = key.shape[2], policy.window
     if budget >= n:
         return None
+    if isinstance(policy.selector, RecentSnapKVSelector):
+        selector = policy.selector
+        return recent_snapkv_select(query[:, :, -w:], key, budget, w, selector.recent_fraction, selector.sink,
+                                    scale=scaling)
     if isinstance(policy.selector, SnapKVSelector):
         return ripplekv_ref.select_topk(ripplekv_ref.snapkv_scores(query[:, :, -w:], key, scale=scaling), budget, w)
     if isinstance(policy.selector, H2OSelector):

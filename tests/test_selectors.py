@@ -1,10 +1,20 @@
-"""The selectors (ripplekv_ext.selectors) on their own: hand-worked selections and what each needs of its queries.
-Every selector under every allocator, against the reference ops: test_policies.py."""
+"""The selectors (ripplekv_ext.selectors) on their own: hand-worked selections and what each needs of its queries;
+RecentSnapKVSelector and KeyNormSelector against their references (ripplekv_ref.selectors, written position by
+position) and against independent facts. Every selector under every allocator, against the reference ops:
+test_policies.py."""
+
+import math
 
 import pytest
 import torch
 
-from ripplekv_ext.selectors import H2OSelector, SnapKVSelector, StreamingLLMSelector
+from ripplekv_ext import KVCompressor, Policy, UniformAllocator
+from ripplekv_ext.methods import make_policy
+from ripplekv_ext.ops import streaming_indices
+from ripplekv_ext.selectors import (H2OSelector, KeyNormSelector, RecentSnapKVSelector, SnapKVSelector,
+                                    StreamingLLMSelector)
+from ripplekv_ref import select_topk, select_topk_rows
+from ripplekv_ref.selectors import key_norm_scores, recent_snapkv_select, recent_snapkv_select_rows
 from test_policies import _qkv
 
 
@@ -49,3 +59,119 @@ def test_snapkv_needs_the_window():
     q, k = _qkv(n=40)
     with pytest.raises(ValueError, match=r"at least window = 8 positions, got 4"):
         SnapKVSelector().select(q[:, :, -4:], k, budget=16, window=8)
+
+
+# ---- RecentSnapKVSelector: sinks + a recent region + SnapKV ------------------------------------------------------
+
+RECENT_WINDOW = 8
+
+
+def _inputs(batch=2, n=96, h_q=4, h_kv=2, d=16, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(batch, h_q, RECENT_WINDOW, d, generator=g), torch.randn(batch, h_kv, n, d, generator=g))
+
+
+@pytest.mark.parametrize("budget", [RECENT_WINDOW, RECENT_WINDOW + 1, RECENT_WINDOW + 3, 20, 47, 95])
+@pytest.mark.parametrize("recent_fraction,sink", [(0.0, 0), (0.0, 4), (0.3, 4), (0.5, 4), (0.5, 0), (1.0, 4),
+                                                  (0.75, 2)])
+def test_select_matches_the_reference(budget, recent_fraction, sink):
+    q, k = _inputs(seed=budget)
+    got = RecentSnapKVSelector(recent_fraction, sink).select(q, k, budget, RECENT_WINDOW)
+    assert torch.equal(got, recent_snapkv_select(q, k, budget, RECENT_WINDOW, recent_fraction, sink))
+
+
+def test_sinks_and_recent_positions_are_always_kept():
+    q, k = _inputs(n=200, seed=3)
+    selector = RecentSnapKVSelector(0.5, sink=4)
+    budget = 60
+    kept = selector.select(q, k, budget, RECENT_WINDOW)
+    sink, recent = selector.protected(budget, RECENT_WINDOW)
+    assert (sink, recent) == (4, 24)  # floor(0.5 * (60 - 8 - 4))
+    protected = set(range(4)) | set(range(200 - RECENT_WINDOW - recent, 200))
+    for row in kept.reshape(-1, budget).tolist():
+        assert protected <= set(row) and len(set(row)) == budget and row == sorted(row)
+
+
+def test_all_recent_is_streamingllm_and_nothing_protected_is_snapkv():
+    q, k = _inputs(seed=5)
+    for budget in (RECENT_WINDOW + 4, 30, 60):
+        streaming = streaming_indices(k.shape[2], budget, sink=4, batch=2, heads=2)
+        assert torch.equal(RecentSnapKVSelector(1.0, sink=4).select(q, k, budget, RECENT_WINDOW), streaming)
+        assert torch.equal(RecentSnapKVSelector(0.0, sink=0).select(q, k, budget, RECENT_WINDOW),
+                           SnapKVSelector().select(q, k, budget, RECENT_WINDOW))
+
+
+def test_select_rows_matches_the_reference_for_a_left_padded_batch():
+    lengths = torch.tensor([96, 70, 9, 0, 40, 25])
+    budgets = torch.tensor([30, 30, 30, 30, 12, 25])
+    q, k = _inputs(batch=len(lengths), seed=7)
+    selector = RecentSnapKVSelector(0.5, sink=4)
+    got = selector.select_rows(q, k, budgets, lengths, RECENT_WINDOW)
+    assert torch.equal(got, recent_snapkv_select_rows(q, k, budgets, lengths, RECENT_WINDOW, 0.5, 4))
+    # A row alone gives its own selection: the batch is each row as if alone.
+    for row in (0, 1, 4):
+        n = int(lengths[row])
+        alone = selector.select(q[row:row + 1], k[row:row + 1, :, 96 - n:], int(budgets[row]), RECENT_WINDOW) + 96 - n
+        assert torch.equal(got[row:row + 1, :, got.shape[2] - alone.shape[2]:], alone)
+
+
+def test_through_a_policy_and_the_compressor():
+    policy = make_policy("uniform+recent-snapkv", 0.25, window=RECENT_WINDOW)
+    assert isinstance(policy.selector, RecentSnapKVSelector) and policy.name == "uniform+recent-snapkv@0.25"
+    q, k = _inputs(seed=9)
+    comp = KVCompressor(Policy(UniformAllocator(), RecentSnapKVSelector(), 0.25, RECENT_WINDOW), num_layers=1)
+    keys_c, values_c = comp.compress(0, q, k, k.clone())
+    assert keys_c.shape[2] == comp.budgets(96)[0] == 24
+
+
+@pytest.mark.parametrize("options,match", [({"recent_fraction": 1.5}, "recent_fraction must be a number in"),
+                                           ({"recent_fraction": -0.1}, "recent_fraction must be a number in"),
+                                           ({"recent_fraction": True}, "recent_fraction must be a number in"),
+                                           ({"sink": -1}, "sink"), ({"kernel_size": 4}, "kernel_size must be odd")])
+def test_bad_options_are_refused_when_built(options, match):
+    with pytest.raises((ValueError, TypeError), match=match):
+        RecentSnapKVSelector(**options)
+
+
+# ---- KeyNormSelector: the smallest-norm keys ---------------------------------------------------------------------
+
+NORM_WINDOW = 4
+
+
+def _keys(batch=2, h_kv=2, n=40, d=8, seed=0):
+    return torch.randn(batch, h_kv, n, d, generator=torch.Generator().manual_seed(seed))
+
+
+def test_scores_match_the_reference():
+    keys = _keys()
+    torch.testing.assert_close(KeyNormSelector().score(None, keys, NORM_WINDOW), key_norm_scores(keys, NORM_WINDOW))
+
+
+def test_select_keeps_the_smallest_norms_and_the_window():
+    keys = _keys(seed=1)
+    for budget in (NORM_WINDOW, 10, 39):
+        got = KeyNormSelector().select(None, keys, budget, NORM_WINDOW)
+        assert torch.equal(got, select_topk(key_norm_scores(keys, NORM_WINDOW), budget, NORM_WINDOW))
+    # An independent fact: scale one key down and it is kept.
+    keys[0, 1, 7] *= 1e-3
+    assert 7 in KeyNormSelector().select(None, keys, NORM_WINDOW + 1, NORM_WINDOW)[0, 1].tolist()
+
+
+def test_rows_score_pads_minus_inf_and_match_the_reference():
+    keys = _keys(batch=3, seed=2)
+    lengths, budgets = torch.tensor([40, 12, 3]), torch.tensor([10, 8, 10])
+    scores = KeyNormSelector().score(None, keys, NORM_WINDOW, lengths=lengths)
+    reference = key_norm_scores(keys, NORM_WINDOW, lengths)
+    assert torch.isneginf(scores[1, :, :28]).all() and torch.equal(torch.isinf(scores), torch.isinf(reference))
+    torch.testing.assert_close(scores[torch.isfinite(scores)], reference[torch.isfinite(reference)])
+    got = KeyNormSelector().select_rows(None, keys, budgets, lengths, NORM_WINDOW)
+    assert torch.equal(got, select_topk_rows(reference, budgets, NORM_WINDOW, lengths))
+
+
+def test_a_policy_with_it_needs_no_queries():
+    policy = Policy(UniformAllocator(), KeyNormSelector(), 0.25, window=NORM_WINDOW)
+    assert not policy.selector.needs_all_queries and policy.name == "uniform+keynorm@0.25"
+    with pytest.raises(ValueError, match="keys must be 4-D"):
+        KeyNormSelector().score(None, torch.zeros(3, 4), NORM_WINDOW)
+    assert math.isinf(KeyNormSelector().score(None, _keys(batch=1, n=6), NORM_WINDOW,
+                                              lengths=torch.tensor([3]))[0, 0, 0].item())

@@ -1,0 +1,172 @@
+"""Choose the selector defaults from data: RecentSnapKVSelector's recent share, and RippleKV's default selector.
+
+Every candidate is scored by fidelity, the mean KL(Full || compressed) over a teacher-forced continuation of
+``--cont-len`` tokens after ``--prompt-len``-token prompts, at each of ``--retentions`` (lower is better), on two
+text domains: the KJV and Paul Graham's essays (``ripplekv_ext.eval.corpus``). Candidates are *selected* on the
+calibration splits (KJV windows after every token the shipped profile was measured on; the calibration essays) and
+*confirmed* on the held-out splits (KJV books and essays no profile saw).
+
+Candidates: the published methods whose selection reads only the window (StreamingLLM, SnapKV, PyramidKV,
+RippleKV) and, for each share ``f`` in ``--fractions``, RecentSnapKVSelector under uniform and RippleKV budgets.
+Each prompt is prefilled once (``SharedPrefill``); each cell (split, candidate, retention) is written to ``--out``
+as soon as it is measured, so an interrupted run resumes where it stopped.
+
+    OMP_NUM_THREADS=1 .venv/bin/python bench/select_selector.py --examples 8
+    OMP_NUM_THREADS=1 .venv/bin/python bench/select_selector.py --model gemma3-270m --prompt-len 1024 --examples 8
+
+Runs with one thread (the machine is shared); the results file records the load average at each cell.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from ripplekv_ext import Policy, RecentSnapKVSelector, RippleKVAllocator, UniformAllocator
+from ripplekv_ext.policies import DEFAULT_WINDOW
+
+from select_defaults import Scorer, cut_examples
+
+RESULTS = Path(__file__).resolve().parent / "results"
+FORMAT = "ripplekv-select-selector"
+SPLITS = {"select-kjv": "kjv:calibration", "select-essays": "essays:calibration",
+          "confirm-kjv": "kjv:evaluation", "confirm-essays": "essays:evaluation"}
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default="smollm2", help="a known model (ripplekv_ext.eval.models.GGUF_MODELS)")
+    p.add_argument("--examples", type=int, default=8, help="prompts per split (default 8)")
+    p.add_argument("--prompt-len", type=int, default=2048)
+    p.add_argument("--cont-len", type=int, default=64)
+    p.add_argument("--retentions", default="0.1,0.2,0.3")
+    p.add_argument("--fractions", default="0.25,0.5,0.75")
+    p.add_argument("--splits", default=",".join(SPLITS))
+    p.add_argument("--profile", type=Path, default=None,
+                   help="the RippleKV profile to score (default: the one shipped for --model), e.g. a --fast one")
+    p.add_argument("--only", default=None, help="comma-separated candidate names to score (default: all)")
+    p.add_argument("--out", type=Path, default=None, help="default bench/results/select_selector_<model>.json")
+    args = p.parse_args(argv)
+    for name in ("examples", "prompt_len", "cont_len"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    try:
+        args.retentions = [float(x) for x in args.retentions.split(",")]
+        args.fractions = [float(x) for x in args.fractions.split(",")]
+    except ValueError:
+        p.error("--retentions and --fractions take comma-separated numbers, e.g. 0.1,0.2")
+    if not all(0 < r <= 1 for r in args.retentions) or not all(0 <= f <= 1 for f in args.fractions):
+        p.error("retentions must be in (0, 1] and fractions in [0, 1]")
+    args.splits = args.splits.split(",")
+    unknown = [s for s in args.splits if s not in SPLITS]
+    if unknown:
+        p.error(f"--splits takes {', '.join(SPLITS)}, got {unknown}")
+    args.out = args.out or RESULTS / f"select_selector_{args.model}.json"
+    args.window = DEFAULT_WINDOW
+    return args
+
+
+def candidates(profile, fractions):
+    """name -> policy at a retention; the published methods first."""
+    out = {"streamingllm": lambda r: Policy.streamingllm(r), "snapkv": lambda r: Policy.snapkv(r),
+           "pyramidkv": lambda r: Policy.pyramidkv(r), "ripplekv": lambda r: Policy.ripplekv(profile, r)}
+    for f in fractions:
+        out[f"uniform+recent-snapkv f={f:g}"] = lambda r, f=f: Policy(UniformAllocator(), RecentSnapKVSelector(f), r)
+        out[f"ripplekv+recent-snapkv f={f:g}"] = lambda r, f=f: Policy(RippleKVAllocator(profile),
+                                                                       RecentSnapKVSelector(f), r)
+    return out
+
+
+def summary(cells: dict, retentions) -> dict:
+    """Per split group (select / confirm) and retention: each candidate's mean KL over the group's examples (both
+    domains), its rank, and its mean paired difference to the best published method there."""
+    from ripplekv_ext.eval.fidelity import paired_kl_comparison
+
+    out = {}
+    for group in ("select", "confirm"):
+        for r in retentions:
+            per_candidate = {}
+            for cell in cells.values():
+                if cell["split"].startswith(group) and cell["retention"] == r:
+                    per_candidate.setdefault(cell["candidate"], {})[cell["split"]] = cell["kl_per_example"]
+            splits = sorted({s for v in per_candidate.values() for s in v})
+            complete = {name: sum((v[s] for s in splits), []) for name, v in per_candidate.items()
+                        if all(s in v for s in splits)}
+            if not complete:
+                continue
+            published = [n for n in ("streamingllm", "snapkv", "pyramidkv", "ripplekv") if n in complete]
+            best = min(published, key=lambda n: sum(complete[n])) if published else None
+            rows = []
+            for name, values in sorted(complete.items(), key=lambda kv: sum(kv[1])):
+                row = {"candidate": name, "kl": sum(values) / len(values), "examples": len(values)}
+                if best and name != best:
+                    row["vs_best_published"] = {k: (None if isinstance(v, float) and v != v else v)
+                                                for k, v in paired_kl_comparison(values, complete[best]).items()}
+                rows.append(row)
+            out[f"{group} @{r:g}"] = {"splits": splits, "best_published": best, "rows": rows}
+    return out
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    torch.set_num_threads(1)
+    from ripplekv_ext._jsonio import write_json_atomic
+    from ripplekv_ext.eval.models import load_model, shipped_profile_path
+    from ripplekv_ext.profile_file import load_profile
+
+    # Options left at their defaults are not part of the settings, so a file written before they existed resumes.
+    settings = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()
+                if k not in ("out", "splits") and not (k in ("profile", "only") and v is None)}
+    data = {"format": FORMAT, "settings": settings, "cells": {}}
+    if args.out.exists():
+        data = json.loads(args.out.read_text())
+        if data.get("format") != FORMAT or data.get("settings") != settings:
+            sys.exit(f"{args.out} holds a run with other settings; pass --out for a new file")
+    log = lambda msg: print(msg, flush=True)  # noqa: E731
+
+    model, tokenizer, _ = load_model(args.model)
+    profile = load_profile(args.profile or shipped_profile_path(args.model), model=model)
+    profile_tokens = profile.calibration["num_examples"] * (profile.calibration["prefix_len"]
+                                                            + profile.calibration["cont_len"])
+    policies = candidates(profile, args.fractions)
+    if args.only:
+        wanted = args.only.split(",")
+        unknown = [name for name in wanted if name not in policies]
+        if unknown:
+            sys.exit(f"--only: unknown candidates {unknown}; known: {list(policies)}")
+        policies = {name: policies[name] for name in wanted}
+    for split in args.splits:
+        source = SPLITS[split]
+        skip = profile_tokens if source == "kjv:calibration" else 0  # the profile's own text is never scored
+        scorer = Scorer(model, cut_examples(tokenizer, source, args, skip), args.prompt_len, min(args.retentions),
+                        args.window)
+        for name, make in policies.items():
+            for r in args.retentions:
+                key = f"{split}/{name}/{r:g}"
+                if key in data["cells"]:
+                    continue
+                start = time.perf_counter()
+                kl = scorer.kl_per_example(make(r))
+                data["cells"][key] = {"split": split, "candidate": name, "retention": r, "kl_per_example": kl,
+                                      "kl": sum(kl) / len(kl), "seconds": time.perf_counter() - start,
+                                      "load_average": os.getloadavg()[0]}
+                data["summary"] = summary(data["cells"], args.retentions)
+                write_json_atomic(args.out, data)
+                log(f"{key}: KL {sum(kl) / len(kl):.4f} ({time.perf_counter() - start:.0f} s, "
+                    f"load {os.getloadavg()[0]:.1f})")
+    for group, table in data.get("summary", {}).items():
+        log(f"{group} ({', '.join(table['splits'])}; best published: {table['best_published']})")
+        for row in table["rows"]:
+            diff = row.get("vs_best_published", {}).get("mean_difference")
+            log(f"  {row['candidate']:32s} {row['kl']:.4f}" + (f"  {diff:+.4f}" if diff is not None else ""))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
