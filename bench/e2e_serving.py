@@ -13,6 +13,11 @@ Two figures, one JSON file:
 
     .venv/bin/python bench/e2e_serving.py --out bench/results/e2e_serving.json
     .venv/bin/python bench/e2e_serving.py --quick        # 6 requests, 2 KL examples, ~2 min
+    .venv/bin/python bench/e2e_serving.py --engine vllm [its options]   # the vLLM plugin (bench/e2e_serving_vllm.py)
+
+``--engine vllm`` runs ``bench/e2e_serving_vllm.py`` with the vLLM environment's Python (``.venv-vllm``, made by
+``make test-vllm``: vLLM's CPU build cannot share a process with this environment's torch), passing every other
+option to it.
 
 On a GPU machine without the model file (the serving figure only): ``--device cuda --dtype bfloat16
 --random-weights FOLDER`` builds SmolLM2 from the ``config.json`` in FOLDER with random weights, and the prompts are
@@ -291,8 +296,28 @@ def parse_args(argv=None):
     return args
 
 
+VLLM_PYTHON = Path(__file__).resolve().parents[1] / ".venv-vllm" / "bin" / "python"
+
+
+def run_vllm_bench(argv) -> int:
+    """bench/e2e_serving_vllm.py in the vLLM environment, with ``argv`` (its own options)."""
+    import subprocess
+
+    if not VLLM_PYTHON.is_file():
+        raise SystemExit(f"--engine vllm needs the vLLM environment {VLLM_PYTHON.parents[1]}: run `make test-vllm` "
+                         "first")
+    script = Path(__file__).resolve().parent / "e2e_serving_vllm.py"
+    return subprocess.run([str(VLLM_PYTHON), str(script), *argv]).returncode
+
+
 def main(argv=None):
-    args = parse_args(argv)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    engine = argparse.ArgumentParser(add_help=False)
+    engine.add_argument("--engine", choices=["transformers", "vllm"], default="transformers")
+    known, rest = engine.parse_known_args(argv)
+    if known.engine == "vllm":
+        return run_vllm_bench(rest)
+    args = parse_args(rest)
     torch.set_num_threads(args.threads)
     if args.random_weights:
         model, tokenizer, profile, profile_path = random_smollm2(args.random_weights, args.dtype)
@@ -307,7 +332,7 @@ def main(argv=None):
 
     result = {"model": "SmolLM2-135M-Instruct" + (" (random weights)" if args.random_weights else ""),
               "profile": profile_path, "threads": args.threads, "device": args.device, "dtype": args.dtype,
-              "command": " ".join([Path(sys.argv[0]).name] + (argv if argv is not None else sys.argv[1:])),
+              "command": " ".join([Path(sys.argv[0]).name] + rest),
               "torch": torch.__version__, "transformers": transformers.__version__,
               "machine": platform.processor() or platform.machine()}
     # A run of some figures keeps the others already in --out (each figure records the command that made it).
@@ -330,6 +355,7 @@ def main(argv=None):
     write_json_atomic(args.out, result)
     print_tables(result)
     print(f"wrote {args.out} ({result['seconds']:.0f} s)")
+    return 0
 
 
 def random_smollm2(folder, dtype: str):
@@ -368,4 +394,4 @@ def print_tables(result):
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

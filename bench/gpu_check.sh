@@ -42,8 +42,7 @@ build_s=$(( $(date +%s) - start ))
 # hook end to end on a model that lives on the GPU (tests/test_cuda_e2e.py, against the same model on the CPU).
 OP_TESTS="tests/test_gather_kv.py tests/test_gather_kv_packed.py tests/test_snapkv_scores.py tests/test_snapkv_compress.py
   tests/test_select_topk.py tests/test_select_topk_packed.py tests/test_select_topk_rows.py
-  tests/test_snapkv_compress_rows.py tests/test_h2o_scores.py tests/test_streaming_indices.py
-  tests/test_ops_bad_inputs.py tests/test_opcheck.py"
+  tests/test_snapkv_compress_rows.py tests/test_h2o_scores.py tests/test_streaming_indices.py"
 E2E_TESTS="tests/test_cuda_e2e.py"
 PARALLEL=""
 if "$PY" -c "import xdist" 2>/dev/null; then PARALLEL="-n ${XDIST:-8}"; fi
@@ -75,8 +74,8 @@ fi
 # The same CUDA tests under compute-sanitizer: out-of-bounds and misaligned accesses (memcheck) and shared-memory
 # races (racecheck). Property tests (hypothesis) and torch.compile are left out to keep this within minutes; a
 # finding makes the tool exit non-zero (--error-exitcode).
-# The bad-input table is left out: its rejected calls launch nothing.
-SANITIZER_TESTS=$(echo $OP_TESTS | tr ' ' '\n' | grep -v -e test_ops_bad_inputs -e test_opcheck | tr '\n' ' ')
+# The bad-input tables are left out: their rejected calls launch nothing.
+SANITIZER_TESTS="$OP_TESTS"
 sanitizer_summary="compute-sanitizer not found"
 sanitizer_rc=0
 if [[ ",$PHASES," != *,sanitizer,* ]]; then
@@ -85,7 +84,7 @@ elif command -v compute-sanitizer >/dev/null; then
   sanitizer_summary=""
   for tool in memcheck racecheck; do
     timeout "$SANITIZER_S" compute-sanitizer --tool "$tool" --error-exitcode 99 --target-processes all --print-limit 20 \
-      "$PY" -m pytest -q -p no:cacheprovider $SANITIZER_TESTS -k "cuda and not property and not compile and not opcheck" \
+      "$PY" -m pytest -q -p no:cacheprovider $SANITIZER_TESTS -k "cuda and not property and not compile and not opcheck and not bad_input_table" \
       >"$LOG/sanitizer-$tool.log" 2>&1
     rc=$?
     [ $rc -eq 124 ] && echo "(cut off after ${SANITIZER_S}s)" >>"$LOG/sanitizer-$tool.log"

@@ -118,7 +118,7 @@ def _eos_ids(model, tokenizer) -> list[int]:
     return sorted(ids)
 
 
-def _greedy_options(model, tokenizer) -> dict:
+def greedy_options(model, tokenizer) -> dict:
     """``generate`` options of greedy decoding that stops at the model's EOS tokens."""
     eos = _eos_ids(model, tokenizer)
     return dict(do_sample=False, num_beams=1, temperature=None, top_p=None, top_k=None, eos_token_id=eos or None,
@@ -131,7 +131,7 @@ def greedy_generate_fn(model, tokenizer, compression: Optional[CompressionFactor
     ``compression`` is a zero-argument callable returning a context manager (e.g.
     ``lambda: ripplekv_ext.compress(model, policy)``); None runs the full cache.
     """
-    options = _greedy_options(model, tokenizer)
+    options = greedy_options(model, tokenizer)
 
     def generate(input_ids: torch.Tensor, max_new_tokens: int) -> str:
         device = next(model.parameters()).device
@@ -154,7 +154,7 @@ def context_generate_fn(model, tokenizer, policy) -> GenerateFn:
     """
     from ripplekv_ext.context import compress_context, continue_context
 
-    options = _greedy_options(model, tokenizer)
+    options = greedy_options(model, tokenizer)
 
     def generate(input_ids: torch.Tensor, max_new_tokens: int, context_tokens: int) -> str:
         input_ids = input_ids.to(next(model.parameters()).device)
