@@ -90,7 +90,8 @@ def check_row(module: str, cases: dict, name: str, device: str):
     case = cases[name]
     if case.crashed_before:
         # In its own process: a SIGFPE must show as a failure, not end the run.
-        code = f"import {module} as t, op_tables; op_tables.run_case(t.BAD_INPUTS_BY_NAME[{name!r}], {device!r})"
+        code = (f"import {module} as t, op_tables; "
+                f"op_tables.run_case(op_tables.by_name(t.BAD_INPUTS)[{name!r}], {device!r})")
         proc = subprocess.run([sys.executable, "-c", code], cwd=HERE, capture_output=True, text=True, timeout=300)
         assert proc.returncode == 0, f"{name} on {device}: exit {proc.returncode}\n{proc.stderr[-2000:]}"
     else:
@@ -140,6 +141,38 @@ def sample_ids(samples_by_op):
 
     return [pytest.param(op, position, id=f"{op}-{name}")
             for op, samples in samples_by_op.items() for position, (name, _) in enumerate(samples("cpu"))]
+
+
+def op_tests(module: str, samples: dict, bad_inputs: list):
+    """The three tests every op file holds, built over its ``samples`` (op -> samples function) and its bad-input
+    table: opcheck on each sample, each table row on CPU and CUDA, and the reference refusing what the op refuses.
+    An op file assigns them to its own module-level ``test_...`` names, where pytest collects them."""
+    import pytest
+
+    from conftest import DEVICES
+
+    cases = by_name(bad_inputs)
+
+    @pytest.mark.parametrize("device", DEVICES)
+    @pytest.mark.parametrize("op, position", sample_ids(samples))
+    def test_opcheck_samples(op, position, device):
+        opcheck_sample(samples[op], position, op, device)
+
+    @pytest.mark.parametrize("device", DEVICES)
+    @pytest.mark.parametrize("name", list(cases))
+    def test_bad_input_table(name, device):
+        check_row(module, cases, name, device)
+
+    @pytest.mark.parametrize("name", refused_by_the_reference(bad_inputs))
+    def test_reference_agrees_on_errors(name):
+        # The reference must refuse what the op refuses (errors of its own type), except the checks it has no reason
+        # to make.
+        if extension_only(name):
+            pytest.skip("an extension-only check")
+        with reference_ops(), pytest.raises((ValueError, RuntimeError, ZeroDivisionError)):
+            cases[name].call("cpu")
+
+    return test_opcheck_samples, test_bad_input_table, test_reference_agrees_on_errors
 
 
 def op_test_modules():

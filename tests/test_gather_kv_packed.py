@@ -8,8 +8,7 @@ import ripplekv_ext
 import ripplekv_ref
 from conftest import DEVICES
 from op_samples import FLOAT_DTYPES, bnhd, idx, rand
-from op_tables import (Case, by_name, check_row, extension_only, opcheck_sample, other_device, reference_ops,
-                       refused_by_the_reference, sample_ids)
+from op_tables import Case, op_tests, other_device
 from test_select_topk_packed import make
 
 
@@ -60,11 +59,6 @@ def gather_kv_packed_samples(device):
 SAMPLES = {"gather_kv_packed": gather_kv_packed_samples}
 
 
-@pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("op, position", sample_ids(SAMPLES))
-def test_opcheck_samples(op, position, device):
-    opcheck_sample(SAMPLES[op], position, op, device)
-
 
 # ---- the bad-input table (op_tables.py), on CPU and CUDA ----------------------------------------------------------
 
@@ -94,20 +88,7 @@ BAD_INPUTS = [
     Case("gather_kv_packed offsets[L] != total", lambda d: _packed_gather(d, offsets=[0, 3, 6]),
          error=(RuntimeError, "offsets[L] must equal indices_flat dim 2 (7), got 6")),
 ]
-BAD_INPUTS_BY_NAME = by_name(BAD_INPUTS)
 
 
-@pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("name", list(BAD_INPUTS_BY_NAME))
-def test_bad_input_table(name, device):
-    check_row(__name__, BAD_INPUTS_BY_NAME, name, device)
-
-
-@pytest.mark.parametrize("name", refused_by_the_reference(BAD_INPUTS))
-def test_reference_agrees_on_errors(name):
-    # The reference must refuse what the op refuses (errors of its own type), except the checks it has no reason
-    # to make.
-    if extension_only(name):
-        pytest.skip("an extension-only check")
-    with reference_ops(), pytest.raises((ValueError, RuntimeError, ZeroDivisionError)):
-        BAD_INPUTS_BY_NAME[name].call("cpu")
+# opcheck on every sample, every row of the table on CPU and CUDA, the reference refusing what the op refuses.
+test_opcheck_samples, test_bad_input_table, test_reference_agrees_on_errors = op_tests(__name__, SAMPLES, BAD_INPUTS)

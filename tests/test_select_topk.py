@@ -9,8 +9,7 @@ import ripplekv_ext
 import ripplekv_ref
 from conftest import DEVICES, requires_cuda
 from op_samples import nan_at, rand
-from op_tables import (Case, I64_MAX, by_name, check_row, extension_only, opcheck_sample, reference_ops,
-                       refused_by_the_reference, sample_ids)
+from op_tables import Case, I64_MAX, op_tests
 
 INF = float("inf")
 
@@ -152,11 +151,6 @@ def select_topk_samples(device):
 SAMPLES = {"select_topk": select_topk_samples}
 
 
-@pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("op, position", sample_ids(SAMPLES))
-def test_opcheck_samples(op, position, device):
-    opcheck_sample(SAMPLES[op], position, op, device)
-
 
 # ---- the bad-input table (op_tables.py), on CPU and CUDA ----------------------------------------------------------
 
@@ -177,20 +171,7 @@ BAD_INPUTS = [
         nan_at(rand(2, 2, 40, device=d), 1, 1, 7), 4, 4),
          error=(RuntimeError, "of row 3 (row = b * H_kv + h)")),
 ]
-BAD_INPUTS_BY_NAME = by_name(BAD_INPUTS)
 
 
-@pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("name", list(BAD_INPUTS_BY_NAME))
-def test_bad_input_table(name, device):
-    check_row(__name__, BAD_INPUTS_BY_NAME, name, device)
-
-
-@pytest.mark.parametrize("name", refused_by_the_reference(BAD_INPUTS))
-def test_reference_agrees_on_errors(name):
-    # The reference must refuse what the op refuses (errors of its own type), except the checks it has no reason
-    # to make.
-    if extension_only(name):
-        pytest.skip("an extension-only check")
-    with reference_ops(), pytest.raises((ValueError, RuntimeError, ZeroDivisionError)):
-        BAD_INPUTS_BY_NAME[name].call("cpu")
+# opcheck on every sample, every row of the table on CPU and CUDA, the reference refusing what the op refuses.
+test_opcheck_samples, test_bad_input_table, test_reference_agrees_on_errors = op_tests(__name__, SAMPLES, BAD_INPUTS)

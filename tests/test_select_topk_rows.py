@@ -8,8 +8,7 @@ import ripplekv_ext
 import ripplekv_ref
 from conftest import DEVICES, requires_cuda
 from op_samples import nan_at, rand
-from op_tables import (Case, by_name, check_row, extension_only, opcheck_sample, reference_ops,
-                       refused_by_the_reference, sample_ids)
+from op_tables import Case, op_tests
 
 W = 4
 N = 30
@@ -156,11 +155,6 @@ def select_topk_rows_samples(device):
 SAMPLES = {"select_topk_rows": select_topk_rows_samples}
 
 
-@pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("op, position", sample_ids(SAMPLES))
-def test_opcheck_samples(op, position, device):
-    opcheck_sample(SAMPLES[op], position, op, device)
-
 
 # ---- the bad-input table (op_tables.py), on CPU and CUDA ----------------------------------------------------------
 
@@ -194,20 +188,7 @@ BAD_INPUTS = [
         nan_at(rand(2, 2, 40, device=d), 1, 0, 30), torch.tensor([10, 10]), 4, torch.tensor([44, 30])),
          error=(RuntimeError, "scores must not contain NaN, got NaN in batch row 1 (KV head 0, position 30)")),
 ]
-BAD_INPUTS_BY_NAME = by_name(BAD_INPUTS)
 
 
-@pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("name", list(BAD_INPUTS_BY_NAME))
-def test_bad_input_table(name, device):
-    check_row(__name__, BAD_INPUTS_BY_NAME, name, device)
-
-
-@pytest.mark.parametrize("name", refused_by_the_reference(BAD_INPUTS))
-def test_reference_agrees_on_errors(name):
-    # The reference must refuse what the op refuses (errors of its own type), except the checks it has no reason
-    # to make.
-    if extension_only(name):
-        pytest.skip("an extension-only check")
-    with reference_ops(), pytest.raises((ValueError, RuntimeError, ZeroDivisionError)):
-        BAD_INPUTS_BY_NAME[name].call("cpu")
+# opcheck on every sample, every row of the table on CPU and CUDA, the reference refusing what the op refuses.
+test_opcheck_samples, test_bad_input_table, test_reference_agrees_on_errors = op_tests(__name__, SAMPLES, BAD_INPUTS)

@@ -9,8 +9,7 @@ import ripplekv_ext
 import ripplekv_ref
 from conftest import DEVICES
 from op_samples import FLOAT_DTYPES, bnhd, nan_at, rand
-from op_tables import (Case, I64_MAX, by_name, check_row, extension_only, opcheck_sample, other_device, reference_ops,
-                       refused_by_the_reference, sample_ids)
+from op_tables import Case, I64_MAX, op_tests, other_device
 from test_snapkv_scores import SCORE_TOL, SHAPES, assert_same_selection, make_window  # noqa: F401
 
 
@@ -120,11 +119,6 @@ def snapkv_compress_samples(device):
 SAMPLES = {"snapkv_compress": snapkv_compress_samples}
 
 
-@pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("op, position", sample_ids(SAMPLES))
-def test_opcheck_samples(op, position, device):
-    opcheck_sample(SAMPLES[op], position, op, device)
-
 
 # ---- the bad-input table (op_tables.py), on CPU and CUDA ----------------------------------------------------------
 
@@ -160,20 +154,7 @@ BAD_INPUTS = [
         nan_at(rand(1, 4, 8, 16, device=d), 0, 0, 0, 0), rand(1, 2, 64, 16, device=d),
         rand(1, 2, 64, 16, device=d), 20), error=(RuntimeError, "scores must not contain NaN")),
 ]
-BAD_INPUTS_BY_NAME = by_name(BAD_INPUTS)
 
 
-@pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("name", list(BAD_INPUTS_BY_NAME))
-def test_bad_input_table(name, device):
-    check_row(__name__, BAD_INPUTS_BY_NAME, name, device)
-
-
-@pytest.mark.parametrize("name", refused_by_the_reference(BAD_INPUTS))
-def test_reference_agrees_on_errors(name):
-    # The reference must refuse what the op refuses (errors of its own type), except the checks it has no reason
-    # to make.
-    if extension_only(name):
-        pytest.skip("an extension-only check")
-    with reference_ops(), pytest.raises((ValueError, RuntimeError, ZeroDivisionError)):
-        BAD_INPUTS_BY_NAME[name].call("cpu")
+# opcheck on every sample, every row of the table on CPU and CUDA, the reference refusing what the op refuses.
+test_opcheck_samples, test_bad_input_table, test_reference_agrees_on_errors = op_tests(__name__, SAMPLES, BAD_INPUTS)

@@ -13,8 +13,7 @@ import ripplekv_ext
 import ripplekv_ref
 from conftest import DEVICES, requires_cuda
 from op_samples import FLOAT_DTYPES, bnhd, nan_at, rand
-from op_tables import (Case, assert_same_nan_scores, by_name, check_row, extension_only, opcheck_sample, other_device,
-                       reference_ops, refused_by_the_reference, sample_ids, scores_nan_like_reference)
+from op_tables import Case, assert_same_nan_scores, op_tests, other_device, scores_nan_like_reference
 
 # Scores are fp32 whatever the input dtype (inputs are upcast exactly), so one tolerance serves all
 # dtypes; it covers the different summation order of the tiled kernels.
@@ -290,11 +289,6 @@ def snapkv_scores_samples(device):
 SAMPLES = {"snapkv_scores": snapkv_scores_samples}
 
 
-@pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("op, position", sample_ids(SAMPLES))
-def test_opcheck_samples(op, position, device):
-    opcheck_sample(SAMPLES[op], position, op, device)
-
 
 # ---- the bad-input table (op_tables.py), on CPU and CUDA ----------------------------------------------------------
 
@@ -335,23 +329,10 @@ BAD_INPUTS = [
         rand(1, 4, 8, 16, device=d).index_fill(3, torch.tensor([0], device=d), float("inf")),
         rand(1, 2, 64, 16, device=d)), shapes=[(1, 2, 56)], check=scores_nan_like_reference),
 ]
-BAD_INPUTS_BY_NAME = by_name(BAD_INPUTS)
 
 
-@pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("name", list(BAD_INPUTS_BY_NAME))
-def test_bad_input_table(name, device):
-    check_row(__name__, BAD_INPUTS_BY_NAME, name, device)
-
-
-@pytest.mark.parametrize("name", refused_by_the_reference(BAD_INPUTS))
-def test_reference_agrees_on_errors(name):
-    # The reference must refuse what the op refuses (errors of its own type), except the checks it has no reason
-    # to make.
-    if extension_only(name):
-        pytest.skip("an extension-only check")
-    with reference_ops(), pytest.raises((ValueError, RuntimeError, ZeroDivisionError)):
-        BAD_INPUTS_BY_NAME[name].call("cpu")
+# opcheck on every sample, every row of the table on CPU and CUDA, the reference refusing what the op refuses.
+test_opcheck_samples, test_bad_input_table, test_reference_agrees_on_errors = op_tests(__name__, SAMPLES, BAD_INPUTS)
 
 
 @pytest.mark.parametrize("device", DEVICES)
