@@ -19,7 +19,7 @@ import pytest
 import torch
 
 import ripplekv_ref
-from api_tables import Case, check_case, params
+from api_tables import Case, table_tests
 from ripplekv_ext import Policy, compress, compress_context, continue_context
 from ripplekv_ext.allocation import average_budget
 from ripplekv_ext.eval.models import TINY_ARCHS, tiny_model
@@ -496,14 +496,7 @@ BAD_INPUTS = [
 ]
 
 
-@pytest.mark.parametrize("case", params(BAD_INPUTS))
-def test_bad_input_table(case, ctx):
-    check_case(case, ctx)
-
-
-def test_bad_input_table_has_distinct_ids():
-    ids = [case.id for case in BAD_INPUTS]
-    assert len(ids) == len(set(ids)) and all(case.fragment for case in BAD_INPUTS)
+test_bad_input_table, test_bad_input_table_has_distinct_ids = table_tests(BAD_INPUTS)
 
 
 def test_model_unchanged_after_refused_blocks(ctx):

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import ripplekv_ref
-from api_tables import INF, NAN, Case, check_case, params
+from api_tables import Case, INF, NAN, table_tests
 from ripplekv_ext import KVCompressor
 from ripplekv_ext.allocation import PyramidKVAllocator, RippleKVAllocator, UniformAllocator, average_budget
 from ripplekv_ext.policies import DEFAULT_WINDOW, Policy, PromptTooShortWarning
@@ -258,11 +258,4 @@ BAD_INPUTS = [
 ]
 
 
-@pytest.mark.parametrize("case", params(BAD_INPUTS))
-def test_bad_input_table(case):
-    check_case(case, None)
-
-
-def test_bad_input_table_has_distinct_ids():
-    ids = [case.id for case in BAD_INPUTS]
-    assert len(ids) == len(set(ids)) and all(case.fragment for case in BAD_INPUTS)
+test_bad_input_table, test_bad_input_table_has_distinct_ids = table_tests(BAD_INPUTS, uses_context=False)

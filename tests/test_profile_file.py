@@ -9,7 +9,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from api_tables import INF, Case, check_case, params
+from api_tables import Case, INF, table_tests
 from ripplekv_ext.allocation import RippleKVAllocator, ripplekv_budgets
 from ripplekv_ext.eval.models import tiny_model
 from ripplekv_ext.profile_file import (FORMAT_NAME, FORMAT_VERSION, Profile, ProfileError, describe_model,
@@ -259,14 +259,7 @@ BAD_INPUTS = [
 ]
 
 
-@pytest.mark.parametrize("case", params(BAD_INPUTS))
-def test_bad_input_table(case, ctx):
-    check_case(case, ctx)
-
-
-def test_bad_input_table_has_distinct_ids():
-    ids = [case.id for case in BAD_INPUTS]
-    assert len(ids) == len(set(ids)) and all(case.fragment for case in BAD_INPUTS)
+test_bad_input_table, test_bad_input_table_has_distinct_ids = table_tests(BAD_INPUTS)
 
 
 def test_save_profile_expands_home(ctx, tmp_path, monkeypatch):
