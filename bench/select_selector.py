@@ -28,7 +28,7 @@ from pathlib import Path
 
 import torch
 
-from ripplekv_ext import Policy, RecentSnapKVSelector, RippleKVAllocator, UniformAllocator
+from ripplekv_ext import Policy, RecentSnapKVSelector, RippleKVAllocator, SnapKVSelector, UniformAllocator
 from ripplekv_ext.policies import DEFAULT_WINDOW
 
 from select_defaults import Scorer, cut_examples
@@ -73,9 +73,10 @@ def parse_args(argv=None):
 
 
 def candidates(profile, fractions):
-    """name -> policy at a retention; the published methods first."""
+    """name -> policy at a retention; the published methods first ("ripplekv" is the paper's pairing, with SnapKV)."""
     out = {"streamingllm": lambda r: Policy.streamingllm(r), "snapkv": lambda r: Policy.snapkv(r),
-           "pyramidkv": lambda r: Policy.pyramidkv(r), "ripplekv": lambda r: Policy.ripplekv(profile, r)}
+           "pyramidkv": lambda r: Policy.pyramidkv(r),
+           "ripplekv": lambda r: Policy.ripplekv(profile, r, selector=SnapKVSelector())}
     for f in fractions:
         out[f"uniform+recent-snapkv f={f:g}"] = lambda r, f=f: Policy(UniformAllocator(), RecentSnapKVSelector(f), r)
         out[f"ripplekv+recent-snapkv f={f:g}"] = lambda r, f=f: Policy(RippleKVAllocator(profile),

@@ -213,7 +213,8 @@ class Allocator(abc.ABC):
     def budgets(self, num_layers: int, n_tokens: int, avg_budget: int, window: int,
                 layers: Optional[Sequence[int]] = None) -> list[int]:
         """Budgets (tokens per KV head, window included) of ``num_layers`` compressible layers for an
-        ``n_tokens`` prompt, summing to ``num_layers * avg_budget`` (each in ``[min(N, window + 1), N]``).
+        ``n_tokens`` prompt, summing to ``num_layers * avg_budget`` (each in ``[min(N, window + 1), N]``; an
+        engine's wrapper may round them up to its block size, as the vLLM plugin's does).
         ``layers`` names those layers (ascending indices) for allocators that hold per-layer data; None means
         ``0 .. num_layers - 1``."""
 
