@@ -9,6 +9,7 @@ compressed.
 from __future__ import annotations
 
 import abc
+import hashlib
 import math
 from typing import Optional, Sequence
 
@@ -308,5 +309,7 @@ class RippleKVAllocator(Allocator):
                                priority=[priority.get(layer, mean_priority) for layer in layers])
 
     def __repr__(self):
+        # The sensitivities' digest tells two profiles apart (a saved result is reused only for its own).
+        digest = hashlib.sha256(repr((self.layers, self.sensitivity)).encode()).hexdigest()[:12]
         return (f"RippleKVAllocator({len(self.sensitivity)} layers, ratio={self.ratio}, "
-                f"normalize={self.normalize!r}, clip={self.clip!r})")
+                f"normalize={self.normalize!r}, clip={self.clip!r}, profile={digest})")

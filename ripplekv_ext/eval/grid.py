@@ -19,7 +19,7 @@ from ripplekv_ext._jsonio import write_json_atomic
 from ripplekv_ext.eval.fidelity import SharedPrefill, continuation_logits_fn, evaluate_fidelity
 from ripplekv_ext.eval.runner import evaluate, protocol_generate_fn
 from ripplekv_ext.hook import compress
-from ripplekv_ext.methods import is_full, make_policy
+from ripplekv_ext.methods import is_full, make_policy, needs_profile
 from ripplekv_ext.policies import DEFAULT_WINDOW
 
 FORMAT = "ripplekv-eval"
@@ -53,11 +53,16 @@ def _load_resumable(path: Optional[Path], settings: dict) -> dict:
     except (OSError, ValueError):
         return {}
     saved = data.get("settings") or {}
-    comparable = lambda d: {k: v for k, v in d.items() if k not in ("methods", "retentions")}  # noqa: E731
+    per_cell = ("methods", "retentions", "profile_sensitivity")  # checked cell by cell instead
+    comparable = lambda d: {k: v for k, v in d.items() if k not in per_cell}  # noqa: E731
     if data.get("format") != FORMAT or data.get("version") != FORMAT_VERSION or comparable(saved) != comparable(
             settings):
         return {}  # another experiment: start afresh (the file is replaced atomically at the first cell)
-    return data.get("cells", {})
+    cells = data.get("cells", {})
+    if saved.get("profile_sensitivity") != settings.get("profile_sensitivity"):
+        # Another profile: a cell that allocated with one is reused only if its policy's repr names the profile.
+        cells = {key: cell for key, cell in cells.items() if "policy_repr" in cell or not needs_profile(cell["method"])}
+    return cells
 
 
 def _same_policy(cell: dict, policy) -> bool:

