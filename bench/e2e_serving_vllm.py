@@ -39,14 +39,9 @@ import tempfile
 import time
 from pathlib import Path
 
-# Read when vLLM is imported.
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
-os.environ.setdefault("OMP_NUM_THREADS", "1")
-# vLLM reports usage to its servers from a background thread; the benchmark sends nothing.
-os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
-os.environ.setdefault("DO_NOT_TRACK", "1")
+from ripplekv_ext.engines.vllm import offline_cpu_environment  # noqa: E402  (imports no vLLM)
+
+offline_cpu_environment()  # read when vLLM is imported
 
 import torch  # noqa: E402
 

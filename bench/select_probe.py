@@ -61,10 +61,9 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     torch.set_num_threads(1)
     from ripplekv_ext._jsonio import write_json_atomic
-    from ripplekv_ext.context import compress_context, continue_context
     from ripplekv_ext.eval.models import load_smollm2
     from ripplekv_ext.eval.needle import make_needle
-    from ripplekv_ext.eval.runner import evaluate, greedy_options
+    from ripplekv_ext.eval.runner import context_generate_fn, evaluate
     from ripplekv_ext.eval.synthetic import make_synthetic
 
     settings = {"examples": args.examples, "length": args.length, "retention": args.retention, "seed": args.seed}
@@ -74,21 +73,12 @@ def main(argv=None) -> int:
         if data.get("format") != FORMAT or data.get("settings") != settings:
             sys.exit(f"{args.out} holds a run with other settings; pass --out for a new file")
     model, tokenizer = load_smollm2()
-    options = greedy_options(model, tokenizer)
     policies = candidates(args.retention)
     wanted = args.candidates.split(",") if args.candidates else list(policies)
 
     def generate_fn(policy, text):
         probe = None if text is None else torch.tensor([tokenizer(text, add_special_tokens=False)["input_ids"]])
-
-        def generate(input_ids, max_new_tokens, context_tokens):
-            with torch.inference_mode():
-                cache = compress_context(model, input_ids[:, :context_tokens], policy, probe_ids=probe)
-                out = continue_context(model, cache, input_ids[:, context_tokens:], copy_cache=False,
-                                       max_new_tokens=max_new_tokens, **options)
-            return tokenizer.decode(out[0, input_ids.shape[1]:], skip_special_tokens=True)
-
-        return generate
+        return context_generate_fn(model, tokenizer, policy, probe_ids=probe, default_probe=False)
 
     for task in args.tasks.split(","):
         if task == "needle":

@@ -145,21 +145,24 @@ def greedy_generate_fn(model, tokenizer, compression: Optional[CompressionFactor
     return generate
 
 
-def context_generate_fn(model, tokenizer, policy) -> GenerateFn:
+def context_generate_fn(model, tokenizer, policy, probe_ids: Optional[torch.Tensor] = None,
+                        default_probe: bool = True) -> GenerateFn:
     """The ``generate_fn`` of protocol "after": compress the first ``context_tokens`` ids alone with ``policy``
-    (``ripplekv_ext.compress_context``, scored by its default question-agnostic probe), then decode greedily
-    after the rest.
+    (``ripplekv_ext.compress_context``, scored by ``probe_ids``, else by its default question-agnostic probe, or
+    with ``default_probe=False`` by the context's own tail), then decode greedily after the rest.
 
     One question per example, so the answer continues the compressed cache itself (no copy).
     """
     from ripplekv_ext.context import compress_context, continue_context
 
     options = greedy_options(model, tokenizer)
+    probe_tokenizer = tokenizer if default_probe else None
 
     def generate(input_ids: torch.Tensor, max_new_tokens: int, context_tokens: int) -> str:
         input_ids = input_ids.to(next(model.parameters()).device)
         with torch.inference_mode():
-            cache = compress_context(model, input_ids[:, :context_tokens], policy, tokenizer=tokenizer)
+            cache = compress_context(model, input_ids[:, :context_tokens], policy, tokenizer=probe_tokenizer,
+                                     probe_ids=probe_ids)
             output = continue_context(model, cache, input_ids[:, context_tokens:], copy_cache=False,
                                       max_new_tokens=max_new_tokens, **options)
         return tokenizer.decode(output[0, input_ids.shape[1]:], skip_special_tokens=True)

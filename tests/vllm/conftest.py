@@ -6,7 +6,6 @@ model hub: the model is a tiny random Llama written to a temporary folder.
 """
 
 import importlib.util
-import os
 
 # This folder is itself importable as a namespace package "vllm" (pytest puts tests/ on sys.path): only an installed
 # vLLM, a regular package, has an origin.
@@ -15,10 +14,6 @@ if _spec is None or _spec.origin is None:
     collect_ignore_glob = ["*.py"]
 else:
     # Read by vLLM when it is first imported: before any test module imports it.
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
-    # vLLM reports usage to its servers from a background thread; tests send nothing.
-    os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
-    os.environ.setdefault("DO_NOT_TRACK", "1")
+    from ripplekv_ext.engines.vllm import offline_cpu_environment
+
+    offline_cpu_environment()
