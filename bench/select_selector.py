@@ -11,6 +11,11 @@ RippleKV) and, for each share ``f`` in ``--fractions``, RecentSnapKVSelector und
 Each prompt is prefilled once (``SharedPrefill``); each cell (split, candidate, retention) is written to ``--out``
 as soon as it is measured, so an interrupted run resumes where it stopped.
 
+A recent share buys running-text fidelity with scored slots, which retrieval needs. ``--retrieval`` scores the
+candidates on a calibration needle grid instead (``CALIBRATION_NEEDLES``: lengths and depths the report's needle
+grid does not use, the question inside the prompt, at ``--retrieval-retention``), so that the share can be chosen
+as the largest whose retrieval is no worse than SnapKV's before any held-out retrieval is looked at.
+
     OMP_NUM_THREADS=1 .venv/bin/python bench/select_selector.py --examples 8
     OMP_NUM_THREADS=1 .venv/bin/python bench/select_selector.py --model gemma3-270m --prompt-len 1024 --examples 8
 
@@ -35,6 +40,8 @@ from select_defaults import Scorer, cut_examples
 
 RESULTS = Path(__file__).resolve().parent / "results"
 FORMAT = "ripplekv-select-selector"
+# (lengths, depths in percent) of the calibration needle grid: none of the report's (1024/1536/2048 x 0/25/50/75/100).
+CALIBRATION_NEEDLES = ((1280, 1792), (10, 40, 60, 90))
 SPLITS = {"select-kjv": "kjv:calibration", "select-essays": "essays:calibration",
           "confirm-kjv": "kjv:evaluation", "confirm-essays": "essays:evaluation"}
 
@@ -51,6 +58,8 @@ def parse_args(argv=None):
     p.add_argument("--profile", type=Path, default=None,
                    help="the RippleKV profile to score (default: the one shipped for --model), e.g. a --fast one")
     p.add_argument("--only", default=None, help="comma-separated candidate names to score (default: all)")
+    p.add_argument("--retrieval", action="store_true", help="score the calibration needle grid instead of KL")
+    p.add_argument("--retrieval-retention", type=float, default=0.2)
     p.add_argument("--out", type=Path, default=None, help="default bench/results/select_selector_<model>.json")
     args = p.parse_args(argv)
     for name in ("examples", "prompt_len", "cont_len"):
@@ -114,6 +123,32 @@ def summary(cells: dict, retentions) -> dict:
     return out
 
 
+def retrieval(model, tokenizer, policies, args, data, log, write_json_atomic) -> int:
+    """Phrase recall of each candidate on the calibration needle grid (one cell per candidate)."""
+    from ripplekv_ext import compress
+    from ripplekv_ext.eval.needle import make_needle
+    from ripplekv_ext.eval.runner import evaluate, greedy_generate_fn
+
+    lengths, depths = CALIBRATION_NEEDLES
+    examples = make_needle(tokenizer, lengths, depths)
+    r = args.retrieval_retention
+    for name, make in {"full": None, **policies}.items():
+        key = f"retrieval/{name}/{r:g}"
+        if key in data["cells"]:
+            continue
+        start = time.perf_counter()
+        compression = None if make is None else (lambda p=make(r): compress(model, p))
+        report = evaluate(examples, greedy_generate_fn(model, tokenizer, compression), progress=False)
+        scores = [result.score for result in report.results]
+        data["cells"][key] = {"split": "retrieval", "candidate": name, "retention": r, "phrase_recall": scores,
+                              "mean": sum(scores) / len(scores), "all_phrases": sum(s == 1.0 for s in scores),
+                              "seconds": time.perf_counter() - start}
+        write_json_atomic(args.out, data)
+        log(f"{key}: phrase recall {sum(scores) / len(scores):.2f}, all three phrases in "
+            f"{sum(s == 1.0 for s in scores)}/{len(scores)} ({time.perf_counter() - start:.0f} s)")
+    return 0
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     torch.set_num_threads(1)
@@ -123,7 +158,8 @@ def main(argv=None) -> int:
 
     # Options left at their defaults are not part of the settings, so a file written before they existed resumes.
     settings = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()
-                if k not in ("out", "splits") and not (k in ("profile", "only") and v is None)}
+                if k not in ("out", "splits") and not (k in ("profile", "only") and v is None)
+                and not (k in ("retrieval", "retrieval_retention") and not args.retrieval)}
     data = {"format": FORMAT, "settings": settings, "cells": {}}
     if args.out.exists():
         data = json.loads(args.out.read_text())
@@ -142,6 +178,8 @@ def main(argv=None) -> int:
         if unknown:
             sys.exit(f"--only: unknown candidates {unknown}; known: {list(policies)}")
         policies = {name: policies[name] for name in wanted}
+    if args.retrieval:
+        return retrieval(model, tokenizer, policies, args, data, log, write_json_atomic)
     for split in args.splits:
         source = SPLITS[split]
         skip = profile_tokens if source == "kjv:calibration" else 0  # the profile's own text is never scored
