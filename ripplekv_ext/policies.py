@@ -205,7 +205,8 @@ class Policy:
                  decode_budget: Optional[int] = None) -> "Policy":
         """RippleKV's per-layer budgets with ``selector`` inside each layer: by default ``RecentSnapKVSelector``
         (sinks, a recent region, SnapKV's scores for the rest), chosen on calibration text over plain SnapKV
-        (docs/defaults.md); ``selector=SnapKVSelector()`` is the paper's pairing."""
+        (docs/defaults.md) for running text; the recent region costs retrieval (needle, and gemma-3-270m's
+        passkey), where ``selector=SnapKVSelector()``, the paper's pairing, retrieves as SnapKV does."""
         return cls(RippleKVAllocator(profile_or_sensitivity, ratio, normalize),
                    RecentSnapKVSelector() if selector is None else selector, retention, window, decode_every,
                    decode_budget)
