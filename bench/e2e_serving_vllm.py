@@ -45,9 +45,11 @@ offline_cpu_environment()  # read when vLLM is imported
 
 import torch  # noqa: E402
 
+from ripplekv_ext.eval.models import shipped_profile_path  # noqa: E402
+
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 DEFAULT_MODEL = Path(os.environ.get("RIPPLEKV_CACHE_DIR", "~/.cache/ripplekv")).expanduser() / "smollm2-135m-instruct"
-DEFAULT_PROFILE = Path(__file__).resolve().parents[1] / "ripplekv_ext/eval/profiles/smollm2_profile_P1024_T64_n8.json"
+DEFAULT_PROFILE = shipped_profile_path("smollm2")  # the profile Policy.ripplekv is documented with
 METHODS = ("full", "snapkv", "ripplekv")
 
 
