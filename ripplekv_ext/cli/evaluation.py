@@ -210,7 +210,7 @@ def cmd_demo(args) -> int:
     from ripplekv_ext.cli.report import check_report_sizes, known_profile
     from ripplekv_ext.eval.corpus import calibration_examples
     from ripplekv_ext.eval.plots import plot_profile
-    from ripplekv_ext.eval.report import run_report
+    from ripplekv_ext.eval.report import REPORT_SIZES, run_report
     from ripplekv_ext.profiler import format_profile, profile_model
 
     check_eval_args(args)
@@ -245,6 +245,9 @@ def cmd_demo(args) -> int:
     path = run_report(model, tokenizer, name, profile, Path(args.out_dir), sizes, parts=args.tasks,
                       command="ripplekv demo", log=console.print)
     console.print(path.read_text(encoding="utf-8"), markup=False, highlight=False)
+    full = REPORT_SIZES
     console.print(f"demo finished in {time.perf_counter() - start:.0f} s; the full report: `ripplekv report` "
-                  "(16 fidelity examples, 20 passkey examples, a 3 x 5 needle grid, 5 methods)")
+                  f"({full.fidelity_examples} fidelity examples per text, {full.passkey_examples} passkey examples, a "
+                  f"{len(full.needle_lengths)} x {len(full.needle_depths)} needle grid, "
+                  f"{len(full.fidelity_methods) - 1} methods besides full)")
     return 0
