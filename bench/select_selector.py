@@ -123,9 +123,10 @@ def summary(cells: dict, retentions) -> dict:
     return out
 
 
-def retrieval(model, tokenizer, policies, args, data, log, write_json_atomic) -> int:
+def retrieval(model, tokenizer, policies, args, data, log) -> int:
     """Phrase recall of each candidate on the calibration needle grid (one cell per candidate)."""
     from ripplekv_ext import compress
+    from ripplekv_ext._jsonio import write_json_atomic
     from ripplekv_ext.eval.needle import make_needle
     from ripplekv_ext.eval.runner import evaluate, greedy_generate_fn
 
@@ -140,12 +141,13 @@ def retrieval(model, tokenizer, policies, args, data, log, write_json_atomic) ->
         compression = None if make is None else (lambda p=make(r): compress(model, p))
         report = evaluate(examples, greedy_generate_fn(model, tokenizer, compression), progress=False)
         scores = [result.score for result in report.results]
-        data["cells"][key] = {"split": "retrieval", "candidate": name, "retention": r, "phrase_recall": scores,
-                              "mean": sum(scores) / len(scores), "all_phrases": sum(s == 1.0 for s in scores),
-                              "seconds": time.perf_counter() - start}
+        cell = {"split": "retrieval", "candidate": name, "retention": r, "phrase_recall": scores,
+                "mean": sum(scores) / len(scores), "all_phrases": sum(s == 1.0 for s in scores),
+                "seconds": time.perf_counter() - start}
+        data["cells"][key] = cell
         write_json_atomic(args.out, data)
-        log(f"{key}: phrase recall {sum(scores) / len(scores):.2f}, all three phrases in "
-            f"{sum(s == 1.0 for s in scores)}/{len(scores)} ({time.perf_counter() - start:.0f} s)")
+        log(f"{key}: phrase recall {cell['mean']:.2f}, all three phrases in {cell['all_phrases']}/{len(scores)} "
+            f"({cell['seconds']:.0f} s)")
     return 0
 
 
@@ -179,7 +181,7 @@ def main(argv=None) -> int:
             sys.exit(f"--only: unknown candidates {unknown}; known: {list(policies)}")
         policies = {name: policies[name] for name in wanted}
     if args.retrieval:
-        return retrieval(model, tokenizer, policies, args, data, log, write_json_atomic)
+        return retrieval(model, tokenizer, policies, args, data, log)
     for split in args.splits:
         source = SPLITS[split]
         skip = profile_tokens if source == "kjv:calibration" else 0  # the profile's own text is never scored

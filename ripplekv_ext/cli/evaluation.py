@@ -245,9 +245,8 @@ def cmd_demo(args) -> int:
     path = run_report(model, tokenizer, name, profile, Path(args.out_dir), sizes, parts=args.tasks,
                       command="ripplekv demo", log=console.print)
     console.print(path.read_text(encoding="utf-8"), markup=False, highlight=False)
-    full = REPORT_SIZES
     console.print(f"demo finished in {time.perf_counter() - start:.0f} s; the full report: `ripplekv report` "
-                  f"({full.fidelity_examples} fidelity examples per text, {full.passkey_examples} passkey examples, a "
-                  f"{len(full.needle_lengths)} x {len(full.needle_depths)} needle grid, "
-                  f"{len(full.fidelity_methods) - 1} methods besides full)")
+                  f"({REPORT_SIZES.fidelity_examples} fidelity examples per text, {REPORT_SIZES.passkey_examples} "
+                  f"passkey examples, a {len(REPORT_SIZES.needle_lengths)} x {len(REPORT_SIZES.needle_depths)} needle "
+                  f"grid, {len(REPORT_SIZES.fidelity_methods) - 1} methods besides full)")
     return 0

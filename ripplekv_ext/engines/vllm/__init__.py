@@ -54,17 +54,16 @@ logger = logging.getLogger(__name__)
 _installed = False
 
 
-def offline_cpu_environment(environ=None) -> None:
+def offline_cpu_environment() -> None:
     """Settings vLLM reads when it is first imported, for runs on this CPU with no network (the tests and the
     serving benchmark): no hub, the engine in this process (so its scheduler can be read), one unbound OpenMP
     thread, and no usage report from vLLM's background thread. Values already set are kept."""
     import os
 
-    environ = os.environ if environ is None else environ
     for name, value in (("HF_HUB_OFFLINE", "1"), ("VLLM_ENABLE_V1_MULTIPROCESSING", "0"),
                         ("VLLM_CPU_OMP_THREADS_BIND", "nobind"), ("OMP_NUM_THREADS", "1"),
                         ("VLLM_NO_USAGE_STATS", "1"), ("DO_NOT_TRACK", "1")):
-        environ.setdefault(name, value)
+        os.environ.setdefault(name, value)
 
 
 def version_error(installed: str) -> str:
