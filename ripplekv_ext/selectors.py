@@ -19,8 +19,8 @@ from torch import Tensor
 from ripplekv_ext.checks import check_int
 from ripplekv_ext.ops import h2o_scores, select_topk, select_topk_rows, snapkv_scores, streaming_indices
 
-__all__ = ["Selector", "ScoredSelector", "SnapKVSelector", "RecentSnapKVSelector", "KeyNormSelector", "H2OSelector",
-           "StreamingLLMSelector", "DEFAULT_RECENT_FRACTION"]
+__all__ = ["Selector", "ScoredSelector", "SnapKVSelector", "RecentSnapKVSelector", "AdaptiveRecentSelector",
+           "KeyNormSelector", "H2OSelector", "StreamingLLMSelector", "DEFAULT_RECENT_FRACTION"]
 
 # The share of a layer's slots beyond the window and the sinks that RecentSnapKVSelector keeps for the most recent
 # positions: chosen on calibration text of two domains at 10, 20 and 30% retention (docs/defaults.md).
@@ -180,6 +180,61 @@ class RecentSnapKVSelector(SnapKVSelector):
     def __repr__(self):
         return (f"RecentSnapKVSelector(recent_fraction={self.recent_fraction:g}, sink={self.sink}, "
                 f"kernel_size={self.kernel_size}, pooling={self.pooling!r}, group_reduce={self.group_reduce!r})")
+
+
+class AdaptiveRecentSelector(SnapKVSelector):
+    """SnapKV with attention sinks and a recent region whose size each KV head reads off its own window's attention:
+    of a head's ``budget - window - sink`` slots beyond the window and the sinks, the share kept by position (just
+    before the window) is the share of the head's SnapKV score mass (after the sinks) that falls on those most
+    recent ``budget - window - sink`` positions; the best scores in between take the rest.
+
+    A head whose window reads mostly the newest tokens (running text) keeps them by position, which beats SnapKV's
+    scores on continuation fidelity; a head whose window reads far back (a question about a needle) keeps what it
+    reads. ``RecentSnapKVSelector`` fixes one share for every head and prompt, and its recency costs retrieval.
+    """
+
+    name = "adaptive-recent"
+
+    def __init__(self, sink: int = 4, kernel_size: int = 7, pooling: str = "max", group_reduce: str = "mean"):
+        super().__init__(kernel_size, pooling, group_reduce)
+        self.sink = check_int("sink", sink, 0)
+
+    def _protect(self, scores: Tensor, free: Tensor, start: Tensor) -> Tensor:
+        """``scores`` ``[B, H_kv, P]`` with each row's protected positions set to ``+inf``: its first ``sink`` real
+        positions (row ``b``'s start at ``start[b]``) and its adaptive recent region, under ``free[b]`` slots."""
+        n_prefix = scores.shape[-1]
+        sink = free.clamp(max=self.sink)
+        rest = (free - sink).clamp(min=0)
+        position = torch.arange(n_prefix, device=scores.device)[None, None, :]
+        mass = scores.nan_to_num(neginf=0.0).clamp(min=0)  # pad positions score -inf and hold no mass
+        body = mass.masked_fill(position < (start + sink)[:, None, None], 0.0).sum(-1, dtype=torch.float64)
+        tail = mass.masked_fill(position < (n_prefix - rest)[:, None, None], 0.0).sum(-1, dtype=torch.float64)
+        share = torch.where(body > 0, tail / body, torch.zeros_like(body)).clamp(0.0, 1.0)
+        recent = torch.floor(share * rest[:, None]).long()  # [B, H_kv], at most rest
+        protected = ((position >= start[:, None, None]) & (position < (start + sink)[:, None, None])) | (
+            position >= n_prefix - recent[..., None])
+        # Protected positions outrank every score (select_topk keeps them all: they never exceed the free slots).
+        return scores.masked_fill(protected, math.inf)
+
+    def select(self, queries: Tensor, keys: Tensor, budget: int, window: int,
+               scale: Optional[float] = None) -> Tensor:
+        scores = self.score(queries, keys, window, scale)
+        b = scores.shape[0]
+        free = torch.full((b,), max(budget - window, 0), dtype=torch.int64, device=scores.device)
+        start = torch.zeros(b, dtype=torch.int64, device=scores.device)
+        return select_topk(self._protect(scores, free, start), budget, window)
+
+    def select_rows(self, queries: Tensor, keys: Tensor, budgets: Tensor, lengths: Tensor, window: int,
+                    scale: Optional[float] = None) -> Tensor:
+        scores = self.score(queries, keys, window, scale, lengths)
+        free = (budgets.to(scores.device) - window).clamp(min=0)
+        start = keys.shape[2] - lengths.to(scores.device)  # each row's first real position
+        # Rows kept whole (n_b <= budget) never read their scores; compressed rows' protected slots are real ones.
+        return select_topk_rows(self._protect(scores, free, start), budgets, window, lengths)
+
+    def __repr__(self):
+        return (f"AdaptiveRecentSelector(sink={self.sink}, kernel_size={self.kernel_size}, pooling={self.pooling!r}, "
+                f"group_reduce={self.group_reduce!r})")
 
 
 class KeyNormSelector(ScoredSelector):

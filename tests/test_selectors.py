@@ -1,5 +1,5 @@
 """The selectors (ripplekv_ext.selectors) on their own: hand-worked selections and what each needs of its queries;
-RecentSnapKVSelector and KeyNormSelector against their references (ripplekv_ref.selectors, written position by
+RecentSnapKVSelector, AdaptiveRecentSelector and KeyNormSelector against their references (ripplekv_ref.selectors, written position by
 position) and against independent facts. Every selector under every allocator, against the reference ops:
 test_policies.py."""
 
@@ -11,10 +11,11 @@ import torch
 from ripplekv_ext import KVCompressor, Policy, UniformAllocator
 from ripplekv_ext.methods import make_policy
 from ripplekv_ext.ops import streaming_indices
-from ripplekv_ext.selectors import (H2OSelector, KeyNormSelector, RecentSnapKVSelector, SnapKVSelector,
-                                    StreamingLLMSelector)
+from ripplekv_ext.selectors import (AdaptiveRecentSelector, H2OSelector, KeyNormSelector, RecentSnapKVSelector,
+                                    SnapKVSelector, StreamingLLMSelector)
 from ripplekv_ref import select_topk, select_topk_rows
-from ripplekv_ref.selectors import key_norm_scores, recent_snapkv_select, recent_snapkv_select_rows
+from ripplekv_ref.selectors import (adaptive_recent_select, adaptive_recent_select_rows, key_norm_scores,
+                                   recent_snapkv_select, recent_snapkv_select_rows)
 from test_policies import _qkv
 
 
@@ -131,6 +132,76 @@ def test_through_a_policy_and_the_compressor():
 def test_bad_options_are_refused_when_built(options, match):
     with pytest.raises((ValueError, TypeError), match=match):
         RecentSnapKVSelector(**options)
+
+
+# ---- AdaptiveRecentSelector: sinks + a recent region sized by each head's window attention + SnapKV ------------
+
+@pytest.mark.parametrize("budget", [RECENT_WINDOW, RECENT_WINDOW + 1, RECENT_WINDOW + 3, 20, 47, 95])
+@pytest.mark.parametrize("sink", [0, 4])
+@pytest.mark.parametrize("sharpness", [0.5, 3.0])
+def test_adaptive_select_matches_the_reference(budget, sink, sharpness):
+    q, k = _inputs(seed=budget + sink)
+    q = q * sharpness  # flat and peaked window attention: small and large recent shares
+    got = AdaptiveRecentSelector(sink).select(q, k, budget, RECENT_WINDOW)
+    assert torch.equal(got, adaptive_recent_select(q, k, budget, RECENT_WINDOW, sink))
+
+
+def _window_reading(positions, n=120, d=8):
+    """One head whose window queries attend (almost) only to ``positions``: keys there align with the queries."""
+    q = torch.zeros(1, 1, RECENT_WINDOW, d)
+    q[..., 0] = 30.0
+    k = torch.zeros(1, 1, n, d)
+    k[0, 0, positions, 0] = 1.0
+    return q, k
+
+
+def test_a_head_reading_its_newest_tokens_keeps_them_by_position():
+    # The window reads only the 20 positions before it: nearly all its mass lies in the last 28 (= 40 - 8 - 4)
+    # prefix positions, so the head keeps the sinks and 27 of those 28 by position, down to positions the window
+    # barely reads (84..91 score ~1e-5, like every position before them); SnapKV's scores would fill those slots
+    # from the lowest positions instead (ties go to the lower position).
+    n, budget = 120, 40
+    q, k = _window_reading(list(range(n - RECENT_WINDOW - 20, n - RECENT_WINDOW)), n)
+    got = AdaptiveRecentSelector(sink=4).select(q, k, budget, RECENT_WINDOW)[0, 0].tolist()
+    assert set(range(4)) | set(range(n - RECENT_WINDOW - 27, n)) <= set(got)
+    assert torch.equal(RecentSnapKVSelector(27 / 28, sink=4).select(q, k, budget, RECENT_WINDOW)[0, 0],
+                       torch.tensor(got))
+    assert not set(range(85, 92)) <= set(SnapKVSelector().select(q, k, budget, RECENT_WINDOW)[0, 0].tolist())
+
+
+def test_a_head_reading_far_back_keeps_what_it_reads():
+    # The window reads only positions 30..39, far from the recent region: no recent slot is protected, and every
+    # position it reads is kept (what RecentSnapKVSelector's fixed share of 0.75 gives away).
+    n, budget = 120, 40
+    far = list(range(30, 40))
+    q, k = _window_reading(far, n)
+    got = AdaptiveRecentSelector(sink=4).select(q, k, budget, RECENT_WINDOW)[0, 0].tolist()
+    assert set(far) <= set(got) and set(range(4)) <= set(got)
+    fixed = RecentSnapKVSelector(0.75, sink=4).select(q, k, budget, RECENT_WINDOW)[0, 0].tolist()
+    assert not set(far) <= set(fixed)
+
+
+def test_adaptive_select_rows_matches_the_reference_for_a_left_padded_batch():
+    lengths = torch.tensor([96, 70, 9, 0, 40, 25])
+    budgets = torch.tensor([30, 30, 30, 30, 12, 25])
+    q, k = _inputs(batch=len(lengths), seed=11)
+    selector = AdaptiveRecentSelector(sink=4)
+    got = selector.select_rows(q * 2, k, budgets, lengths, RECENT_WINDOW)
+    assert torch.equal(got, adaptive_recent_select_rows(q * 2, k, budgets, lengths, RECENT_WINDOW, 4))
+    for row in (0, 1, 4):  # a row alone gives its own selection
+        n = int(lengths[row])
+        alone = selector.select(q[row:row + 1] * 2, k[row:row + 1, :, 96 - n:], int(budgets[row]),
+                                RECENT_WINDOW) + 96 - n
+        assert torch.equal(got[row:row + 1, :, got.shape[2] - alone.shape[2]:], alone)
+
+
+def test_adaptive_through_a_policy_and_its_options():
+    policy = make_policy("uniform+adaptive-recent", 0.25, window=RECENT_WINDOW)
+    assert isinstance(policy.selector, AdaptiveRecentSelector) and policy.name == "uniform+adaptive-recent@0.25"
+    for options, match in (({"sink": -1}, "sink"), ({"kernel_size": 4}, "kernel_size must be odd"),
+                           ({"pooling": "min"}, "pooling must be one of")):
+        with pytest.raises((ValueError, TypeError), match=match):
+            AdaptiveRecentSelector(**options)
 
 
 # ---- KeyNormSelector: the smallest-norm keys ---------------------------------------------------------------------

@@ -37,10 +37,9 @@ def recent_snapkv_select(q_window: Tensor, keys: Tensor, budget: int, window: in
     return out
 
 
-def recent_snapkv_select_rows(q_window: Tensor, keys: Tensor, budgets, lengths, window: int, recent_fraction: float,
-                              sink: int = 4, **options) -> Tensor:
-    """``recent_snapkv_select`` on each row of a left-padded batch alone: row ``b``'s kept positions (padded layout)
-    in its last slots, ``-1`` before them, as ``select_topk_rows`` lays them out."""
+def _each_row_alone(select_one, q_window: Tensor, keys: Tensor, budgets, lengths, window: int) -> Tensor:
+    """``select_one(row_queries, row_keys, budget)`` on each row of a left-padded batch alone: row ``b``'s kept
+    positions (padded layout) in its last slots, ``-1`` before them, as ``select_topk_rows`` lays them out."""
     b, h, n, _ = keys.shape
     budgets, lengths = [int(x) for x in budgets], [int(x) for x in lengths]
     kept = [min(budget, length) for budget, length in zip(budgets, lengths)]
@@ -51,10 +50,59 @@ def recent_snapkv_select_rows(q_window: Tensor, keys: Tensor, budgets, lengths, 
         start = n - length
         row_q = q_window[row:row + 1, :, -min(window, length):] if length < window else q_window[row:row + 1]
         positions = (torch.arange(length).expand(1, h, length) if budget >= length else
-                     recent_snapkv_select(row_q, keys[row:row + 1, :, start:], budget, window, recent_fraction, sink,
-                                          **options))
+                     select_one(row_q, keys[row:row + 1, :, start:], budget))
         out[row, :, out.shape[2] - c:] = positions[0] + start
     return out
+
+
+def recent_snapkv_select_rows(q_window: Tensor, keys: Tensor, budgets, lengths, window: int, recent_fraction: float,
+                              sink: int = 4, **options) -> Tensor:
+    """``recent_snapkv_select`` on each row of a left-padded batch alone (``_each_row_alone``)."""
+    return _each_row_alone(lambda q, k, budget: recent_snapkv_select(q, k, budget, window, recent_fraction, sink,
+                                                                    **options),
+                           q_window, keys, budgets, lengths, window)
+
+
+def adaptive_recent_select(q_window: Tensor, keys: Tensor, budget: int, window: int, sink: int = 4,
+                           kernel_size: int = 7, pooling: str = "max", group_reduce: str = "mean",
+                           scale=None) -> Tensor:
+    """Positions kept per KV head by ``AdaptiveRecentSelector``, ascending.
+
+    Of the ``free = budget - window`` slots before the window: ``sinks = min(sink, free)`` sinks (the first
+    positions); then, with ``rest = free - sinks``, the head's share of its SnapKV score mass over the positions
+    after the sinks that lies on the last ``rest`` of them, ``floor(share * rest)`` recent positions (just before
+    the window); the best SnapKV scores in between take the remaining slots (ties to the lower position).
+    """
+    b, h, n, _ = keys.shape
+    if budget >= n:
+        return torch.arange(n).expand(b, h, n).clone()
+    scores = snapkv_scores(q_window[:, :, -window:], keys, kernel_size=kernel_size, pooling=pooling,
+                           group_reduce=group_reduce, scale=scale)
+    n_prefix = n - window
+    free = budget - window
+    sinks = min(sink, free)
+    rest = free - sinks
+    out = torch.empty(b, h, budget, dtype=torch.int64)
+    for row in range(b):
+        for head in range(h):
+            mass = [float(scores[row, head, p]) for p in range(n_prefix)]
+            body = sum(mass[sinks:])
+            tail = sum(mass[n_prefix - rest:]) if rest else 0.0
+            share = min(tail / body, 1.0) if body > 0 else 0.0
+            recent = math.floor(share * rest)
+            kept = set(range(sinks)) | set(range(n_prefix - recent, n))  # sinks, recent positions, the window
+            middle = [p for p in range(n_prefix) if p not in kept]
+            middle.sort(key=lambda p: (-mass[p], p))
+            kept.update(middle[:budget - len(kept)])
+            out[row, head] = torch.tensor(sorted(kept))
+    return out
+
+
+def adaptive_recent_select_rows(q_window: Tensor, keys: Tensor, budgets, lengths, window: int, sink: int = 4,
+                                **options) -> Tensor:
+    """``adaptive_recent_select`` on each row of a left-padded batch alone (``_each_row_alone``)."""
+    return _each_row_alone(lambda q, k, budget: adaptive_recent_select(q, k, budget, window, sink, **options),
+                           q_window, keys, budgets, lengths, window)
 
 
 def key_norm_scores(keys: Tensor, window: int, lengths=None) -> Tensor:
