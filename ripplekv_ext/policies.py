@@ -21,11 +21,15 @@ from typing import Optional, Sequence
 from ripplekv_ext.allocation import (DEFAULT_NORMALIZE, DEFAULT_RATIO, Allocator, PyramidKVAllocator,
                                      RippleKVAllocator, UniformAllocator, average_budget)
 from ripplekv_ext.checks import check_int, is_integer, shown
-from ripplekv_ext.selectors import H2OSelector, RecentSnapKVSelector, Selector, SnapKVSelector, StreamingLLMSelector
+from ripplekv_ext.selectors import (AdaptiveRecentSelector, H2OSelector, Selector, SnapKVSelector,
+                                    StreamingLLMSelector)
 
-__all__ = ["Policy", "DEFAULT_WINDOW", "PromptTooShortWarning"]
+__all__ = ["Policy", "DEFAULT_WINDOW", "DEFAULT_RIPPLEKV_SELECTOR", "PromptTooShortWarning"]
 
 DEFAULT_WINDOW = 32
+# The selector inside RippleKV's layers when none is given (Policy.ripplekv, the vLLM plugin's "ripplekv"): chosen on
+# calibration text and calibration retrieval prompts (docs/defaults.md).
+DEFAULT_RIPPLEKV_SELECTOR = AdaptiveRecentSelector
 
 
 class PromptTooShortWarning(UserWarning):
@@ -203,12 +207,12 @@ class Policy:
                  ratio: float = DEFAULT_RATIO, normalize: str = DEFAULT_NORMALIZE, *,
                  selector: Optional[Selector] = None, decode_every: Optional[int] = None,
                  decode_budget: Optional[int] = None) -> "Policy":
-        """RippleKV's per-layer budgets with ``selector`` inside each layer: by default ``RecentSnapKVSelector``
-        (sinks, a recent region, SnapKV's scores for the rest), chosen on calibration text over plain SnapKV
-        (docs/defaults.md) for running text; the recent region costs retrieval (needle, and gemma-3-270m's
-        passkey), where ``selector=SnapKVSelector()``, the paper's pairing, retrieves as SnapKV does."""
+        """RippleKV's per-layer budgets with ``selector`` inside each layer: by default ``AdaptiveRecentSelector``
+        (sinks, a recent region each head sizes by its window's attention, SnapKV's scores for the rest), chosen
+        on calibration text and retrieval prompts (docs/defaults.md); ``selector=SnapKVSelector()`` is the paper's
+        pairing."""
         return cls(RippleKVAllocator(profile_or_sensitivity, ratio, normalize),
-                   RecentSnapKVSelector() if selector is None else selector, retention, window, decode_every,
+                   DEFAULT_RIPPLEKV_SELECTOR() if selector is None else selector, retention, window, decode_every,
                    decode_budget)
 
     @classmethod

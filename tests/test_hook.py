@@ -25,8 +25,8 @@ from ripplekv_ext.allocation import average_budget
 from ripplekv_ext.eval.models import TINY_ARCHS, tiny_model
 from ripplekv_ext.model_info import compressible_layers
 from ripplekv_ext.policies import PromptTooShortWarning
-from ripplekv_ext.selectors import H2OSelector, RecentSnapKVSelector, SnapKVSelector
-from ripplekv_ref.selectors import recent_snapkv_select
+from ripplekv_ext.selectors import AdaptiveRecentSelector, H2OSelector, RecentSnapKVSelector, SnapKVSelector
+from ripplekv_ref.selectors import adaptive_recent_select, recent_snapkv_select
 
 transformers = pytest.importorskip("transformers")
 from transformers import AttentionInterface  # noqa: E402
@@ -61,6 +61,8 @@ def _policies(num_compressible):
         "h2o": Policy.h2o(0.3, window=WINDOW),
         "streamingllm": Policy.streamingllm(0.3, window=WINDOW),
         "pyramidkv+h2o": Policy(Policy.pyramidkv(0.3).allocator, H2OSelector(), 0.3, WINDOW),
+        "ripplekv+recent-snapkv": Policy.ripplekv(_sensitivity(num_compressible), 0.3, window=WINDOW,
+                                                  selector=RecentSnapKVSelector()),
     }
 
 
@@ -82,6 +84,8 @@ def _reference_indices(policy, query, key, budget, scaling):
         selector = policy.selector
         return recent_snapkv_select(query[:, :, -w:], key, budget, w, selector.recent_fraction, selector.sink,
                                     scale=scaling)
+    if isinstance(policy.selector, AdaptiveRecentSelector):
+        return adaptive_recent_select(query[:, :, -w:], key, budget, w, policy.selector.sink, scale=scaling)
     if isinstance(policy.selector, SnapKVSelector):
         return ripplekv_ref.select_topk(ripplekv_ref.snapkv_scores(query[:, :, -w:], key, scale=scaling), budget, w)
     if isinstance(policy.selector, H2OSelector):

@@ -21,8 +21,8 @@ from ripplekv_ext.allocation import Allocator, PyramidKVAllocator, RippleKVAlloc
 from ripplekv_ext.checks import check_int, is_integer
 from ripplekv_ext.compressor import KVCompressor
 from ripplekv_ext.engines.tiers import TieredAllocator, tier_counts
-from ripplekv_ext.policies import DEFAULT_WINDOW, Policy
-from ripplekv_ext.selectors import RecentSnapKVSelector, SnapKVSelector, StreamingLLMSelector
+from ripplekv_ext.policies import DEFAULT_RIPPLEKV_SELECTOR, DEFAULT_WINDOW, Policy
+from ripplekv_ext.selectors import SnapKVSelector, StreamingLLMSelector
 
 __all__ = ["CONFIG_KEY", "METHODS", "Settings", "BlockAlignedAllocator", "EnginePlan", "plan_for"]
 
@@ -150,8 +150,8 @@ class EnginePlan:
                              f"layers into equal tiers (vLLM's KV cache groups share one page size), got {num_tiers}; "
                              f"choose one of {tier_counts(num_layers)}")
         tiered = TieredAllocator(base, num_tiers)
-        # Each method's own selector, as its Policy constructor pairs them (Policy.ripplekv: RecentSnapKVSelector).
-        selector = {"streamingllm": StreamingLLMSelector(), "ripplekv": RecentSnapKVSelector()}.get(
+        # Each method's own selector, as its Policy constructor pairs them.
+        selector = {"streamingllm": StreamingLLMSelector(), "ripplekv": DEFAULT_RIPPLEKV_SELECTOR()}.get(
             settings.method, SnapKVSelector())
         self.policy = Policy(BlockAlignedAllocator(tiered, block_size), selector, settings.retention,
                              settings.window)
