@@ -16,8 +16,15 @@ candidates on a calibration needle grid instead (``CALIBRATION_NEEDLES``: length
 grid does not use, the question inside the prompt, at ``--retrieval-retention``), so that the share can be chosen
 as the largest whose retrieval is no worse than SnapKV's before any held-out retrieval is looked at.
 
+Eight generations score in thirds of a phrase: too coarse to rank selectors. ``--answer-kl`` scores retrieval the
+way fidelity scores text: the KL(Full || compressed) over Full's own greedy answer, teacher-forced (its first
+``ANSWER_TOKENS`` tokens), on calibration retrieval prompts with the question inside: the needle at 2 lengths x 8
+depths and 16 passkey prompts (``CALIBRATION_ANSWERS``; neither the report's lengths nor its seed), at
+``--retrieval-retention``. Every prompt is prefilled once for all candidates.
+
     OMP_NUM_THREADS=1 .venv/bin/python bench/select_selector.py --examples 8
     OMP_NUM_THREADS=1 .venv/bin/python bench/select_selector.py --model gemma3-270m --prompt-len 1024 --examples 8
+    OMP_NUM_THREADS=1 .venv/bin/python bench/select_selector.py --answer-kl --out bench/results/select_selector_smollm2_answers.json
 
 Runs with one thread (the machine is shared); the results file records the load average at each cell.
 """
@@ -33,7 +40,8 @@ from pathlib import Path
 
 import torch
 
-from ripplekv_ext import Policy, RecentSnapKVSelector, RippleKVAllocator, SnapKVSelector, UniformAllocator
+from ripplekv_ext import (AdaptiveRecentSelector, Policy, RecentSnapKVSelector, RippleKVAllocator, SnapKVSelector,
+                          UniformAllocator)
 from ripplekv_ext.policies import DEFAULT_WINDOW
 
 from select_defaults import Scorer, cut_examples
@@ -42,6 +50,10 @@ RESULTS = Path(__file__).resolve().parent / "results"
 FORMAT = "ripplekv-select-selector"
 # (lengths, depths in percent) of the calibration needle grid: none of the report's (1024/1536/2048 x 0/25/50/75/100).
 CALIBRATION_NEEDLES = ((1280, 1792), (10, 40, 60, 90))
+# --answer-kl: the needle at (prompt length - 512, prompt length) x these depths, and passkey prompts of the
+# prompt length at 8 even depths from seed 1 (the report's are seed 0); Full's answer is cut to ANSWER_TOKENS.
+CALIBRATION_ANSWERS = {"needle_depths": (10, 20, 30, 40, 60, 70, 80, 90), "passkey_examples": 16, "passkey_seed": 1}
+ANSWER_TOKENS = 24
 SPLITS = {"select-kjv": "kjv:calibration", "select-essays": "essays:calibration",
           "confirm-kjv": "kjv:evaluation", "confirm-essays": "essays:evaluation"}
 
@@ -59,6 +71,10 @@ def parse_args(argv=None):
                    help="the RippleKV profile to score (default: the one shipped for --model), e.g. a --fast one")
     p.add_argument("--only", default=None, help="comma-separated candidate names to score (default: all)")
     p.add_argument("--retrieval", action="store_true", help="score the calibration needle grid instead of KL")
+    p.add_argument("--answer-kl", action="store_true",
+                   help="score KL over Full's answers on calibration needle and passkey prompts instead")
+    p.add_argument("--answer-length", type=int, default=None,
+                   help="--answer-kl's prompt length (default: 1792 for smollm2, 896 otherwise)")
     p.add_argument("--retrieval-retention", type=float, default=0.2)
     p.add_argument("--out", type=Path, default=None, help="default bench/results/select_selector_<model>.json")
     args = p.parse_args(argv)
@@ -76,6 +92,12 @@ def parse_args(argv=None):
     unknown = [s for s in args.splits if s not in SPLITS]
     if unknown:
         p.error(f"--splits takes {', '.join(SPLITS)}, got {unknown}")
+    if args.retrieval and args.answer_kl:
+        p.error("--retrieval and --answer-kl are two scorings: pick one")
+    if args.answer_length is None:
+        args.answer_length = 1792 if args.model == "smollm2" else 896
+    if args.answer_length <= 600:
+        p.error(f"--answer-length must exceed 600 (the shorter needle prompt is 512 tokens less), got {args.answer_length}")
     args.out = args.out or RESULTS / f"select_selector_{args.model}.json"
     args.window = DEFAULT_WINDOW
     return args
@@ -90,6 +112,8 @@ def candidates(profile, fractions):
         out[f"uniform+recent-snapkv f={f:g}"] = lambda r, f=f: Policy(UniformAllocator(), RecentSnapKVSelector(f), r)
         out[f"ripplekv+recent-snapkv f={f:g}"] = lambda r, f=f: Policy(RippleKVAllocator(profile),
                                                                        RecentSnapKVSelector(f), r)
+    out["uniform+adaptive-recent"] = lambda r: Policy(UniformAllocator(), AdaptiveRecentSelector(), r)
+    out["ripplekv+adaptive-recent"] = lambda r: Policy(RippleKVAllocator(profile), AdaptiveRecentSelector(), r)
     return out
 
 
@@ -151,6 +175,54 @@ def retrieval(model, tokenizer, policies, args, data, log) -> int:
     return 0
 
 
+def answer_prompts(tokenizer, length: int) -> list:
+    """The --answer-kl prompts: the needle at two lengths x CALIBRATION_ANSWERS' depths, then the passkey ones."""
+    from ripplekv_ext.eval.needle import make_needle
+    from ripplekv_ext.eval.synthetic import even_depths, make_synthetic
+
+    examples = make_needle(tokenizer, (length - 512, length), CALIBRATION_ANSWERS["needle_depths"])
+    return examples + make_synthetic("passkey", tokenizer, length=length,
+                                     num_examples=CALIBRATION_ANSWERS["passkey_examples"],
+                                     seed=CALIBRATION_ANSWERS["passkey_seed"], depths=even_depths(8))
+
+
+def answer_kl(model, tokenizer, policies, args, data, log) -> int:
+    """Mean KL(Full || compressed) over Full's greedy answer (teacher-forced) per task, one cell per candidate."""
+    from ripplekv_ext._jsonio import write_json_atomic
+    from ripplekv_ext.eval.fidelity import SharedPrefill, kl_per_position
+    from ripplekv_ext.policies import DEFAULT_WINDOW
+
+    r = args.retrieval_retention
+    shared = SharedPrefill(model, DEFAULT_WINDOW, r)
+    prompts = []  # (task, prompt ids, Full's answer ids, Full's logits over it)
+    start = time.perf_counter()
+    for example in answer_prompts(tokenizer, args.answer_length):
+        ids = torch.tensor([example.input_ids])
+        with torch.inference_mode():
+            out = model.generate(ids, max_new_tokens=min(example.max_new_tokens, ANSWER_TOKENS), do_sample=False)
+        answer = out[:, ids.shape[1]:]
+        prompts.append((example.task, ids, answer, shared.logits_fn(Policy.full())(ids, answer)))
+    log(f"{len(prompts)} prompts prefilled and answered by Full in {time.perf_counter() - start:.0f} s")
+    for name, make in policies.items():
+        key = f"answers/{name}/{r:g}"
+        if key in data["cells"]:
+            continue
+        start = time.perf_counter()
+        logits_fn = shared.logits_fn(make(r))
+        kl = {"needle": [], "passkey": []}
+        for task, ids, answer, full in prompts:
+            kl[task].append(kl_per_position(full, logits_fn(ids, answer)).mean().item())
+        cell = {"split": "answers", "candidate": name, "retention": r,
+                **{f"{task}_kl_per_example": values for task, values in kl.items()},
+                **{f"{task}_kl": sum(values) / len(values) for task, values in kl.items()},
+                "seconds": time.perf_counter() - start}
+        data["cells"][key] = cell
+        write_json_atomic(args.out, data)
+        log(f"{key}: KL over Full's answers, needle {cell['needle_kl']:.4f}, passkey {cell['passkey_kl']:.4f} "
+            f"({cell['seconds']:.0f} s)")
+    return 0
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     torch.set_num_threads(1)
@@ -161,7 +233,8 @@ def main(argv=None) -> int:
     # Options left at their defaults are not part of the settings, so a file written before they existed resumes.
     settings = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()
                 if k not in ("out", "splits") and not (k in ("profile", "only") and v is None)
-                and not (k in ("retrieval", "retrieval_retention") and not args.retrieval)}
+                and not (k in ("retrieval", "retrieval_retention") and not (args.retrieval or args.answer_kl))
+                and not (k in ("answer_kl", "answer_length") and not args.answer_kl)}
     data = {"format": FORMAT, "settings": settings, "cells": {}}
     if args.out.exists():
         data = json.loads(args.out.read_text())
@@ -182,6 +255,8 @@ def main(argv=None) -> int:
         policies = {name: policies[name] for name in wanted}
     if args.retrieval:
         return retrieval(model, tokenizer, policies, args, data, log)
+    if args.answer_kl:
+        return answer_kl(model, tokenizer, policies, args, data, log)
     for split in args.splits:
         source = SPLITS[split]
         skip = profile_tokens if source == "kjv:calibration" else 0  # the profile's own text is never scored
