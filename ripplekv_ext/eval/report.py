@@ -40,13 +40,15 @@ class ReportSizes:
     """What the report runs. Lengths are in tokens (whole prompts); needle depths in percent, passkey depths are
     ``passkey_depths`` evenly spread positions from the start to the end of the context."""
 
-    # Passkey and needle: RippleKV's default selector trades retrieval for running text, so the paper's pairing
-    # (its budgets with SnapKV's selector) runs beside it.
-    methods: tuple[str, ...] = ("full", "streamingllm", "snapkv", "pyramidkv", "ripplekv+snapkv", "ripplekv")
-    # Every published method, the new selector under uniform budgets, and RippleKV with the paper's SnapKV selector
-    # next to its default one.
+    # Passkey and needle: the paper's pairing (RippleKV's budgets with SnapKV's selector) and a fixed recent share
+    # run beside the default.
+    methods: tuple[str, ...] = ("full", "streamingllm", "snapkv", "pyramidkv", "ripplekv+snapkv",
+                                "ripplekv+recent-snapkv", "ripplekv")
+    # Every published method, the new selectors under uniform budgets, and RippleKV with the paper's SnapKV selector
+    # and with a fixed recent share next to its default one.
     fidelity_methods: tuple[str, ...] = ("full", "streamingllm", "h2o", "snapkv", "pyramidkv", "uniform+recent-snapkv",
-                                         "ripplekv+snapkv", "ripplekv")
+                                         "uniform+adaptive-recent", "ripplekv+snapkv", "ripplekv+recent-snapkv",
+                                         "ripplekv")
     retentions: tuple[float, ...] = (0.1, 0.2, 0.3)  # fidelity
     task_retentions: tuple[float, ...] = (0.2,)  # passkey and needle
     fidelity_examples: int = 16
