@@ -8,6 +8,17 @@ from torch import Tensor
 from ripplekv_ref.snapkv_scores import snapkv_scores
 
 
+def _keep_protected(head_scores, n: int, window: int, budget: int, sinks: int, recent: int) -> Tensor:
+    """One head's kept positions, ascending: ``sinks`` first positions, ``recent`` positions just before the window,
+    the window, and the best ``head_scores`` in between for the remaining slots (ties to the lower position)."""
+    n_prefix = n - window
+    kept = set(range(sinks)) | set(range(n_prefix - recent, n))
+    middle = [p for p in range(n_prefix) if p not in kept]
+    middle.sort(key=lambda p: (-float(head_scores[p]), p))
+    kept.update(middle[:budget - len(kept)])
+    return torch.tensor(sorted(kept))
+
+
 def recent_snapkv_select(q_window: Tensor, keys: Tensor, budget: int, window: int, recent_fraction: float,
                          sink: int = 4, kernel_size: int = 7, pooling: str = "max", group_reduce: str = "mean",
                          scale=None) -> Tensor:
@@ -29,11 +40,7 @@ def recent_snapkv_select(q_window: Tensor, keys: Tensor, budget: int, window: in
     out = torch.empty(b, h, budget, dtype=torch.int64)
     for row in range(b):
         for head in range(h):
-            kept = set(range(sinks)) | set(range(n_prefix - recent, n))  # sinks, recent positions, the window
-            middle = [p for p in range(n_prefix) if p not in kept]
-            middle.sort(key=lambda p: (-float(scores[row, head, p]), p))
-            kept.update(middle[:budget - len(kept)])
-            out[row, head] = torch.tensor(sorted(kept))
+            out[row, head] = _keep_protected(scores[row, head], n, window, budget, sinks, recent)
     return out
 
 
@@ -90,11 +97,7 @@ def adaptive_recent_select(q_window: Tensor, keys: Tensor, budget: int, window: 
             tail = sum(mass[n_prefix - rest:]) if rest else 0.0
             share = min(tail / body, 1.0) if body > 0 else 0.0
             recent = math.floor(share * rest)
-            kept = set(range(sinks)) | set(range(n_prefix - recent, n))  # sinks, recent positions, the window
-            middle = [p for p in range(n_prefix) if p not in kept]
-            middle.sort(key=lambda p: (-mass[p], p))
-            kept.update(middle[:budget - len(kept)])
-            out[row, head] = torch.tensor(sorted(kept))
+            out[row, head] = _keep_protected(scores[row, head], n, window, budget, sinks, recent)
     return out
 
 
