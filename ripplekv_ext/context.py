@@ -12,7 +12,8 @@ prompt, attends to more filler); or the caller's ``probe_ids``, a text expected 
 a tokenizer or a probe, the context's own last ``policy.window`` tokens. The probe is prefilled after the context
 as the window (``dataclasses.replace(policy, window=probe length)``), so every layer keeps its policy budget for the
 context plus the probe, the probe always among them, last; its tokens are then dropped from the cache, and the
-context keeps ``budget - probe length`` tokens per layer.
+context keeps ``budget - probe length`` tokens per layer. Sliding-window layers (Gemma3's) hold every token during
+that prefill and are then left as a prefill of the context alone leaves them.
 
 The returned cache is a transformers ``DynamicCache`` (its compressed layers are ``CompressedLayer``s)
 stamped with a ``ContextStamp``: the model it was compressed on, the policy, and the context's token ids (which
@@ -40,7 +41,6 @@ from ripplekv_ext.allocation import average_budget
 from ripplekv_ext.hook import compress
 from ripplekv_ext.integrations import transformers_integration as _door
 from ripplekv_ext.masks import row_lengths
-from ripplekv_ext.model_info import compressible_layers, text_config
 from ripplekv_ext.policies import Policy
 
 __all__ = ["ContextStamp", "DEFAULT_PROBE", "compress_context", "continue_context", "check_context",
@@ -122,11 +122,6 @@ def _check_budget(policy: Policy, lengths: list[int], probe_tokens: int) -> None
                          f"Raise the retention, use {fix}, or a longer context")
 
 
-def _drops_tokens(model) -> bool:
-    """Whether every layer's cache can drop a probe's tokens (sliding-window layers cannot)."""
-    return len(compressible_layers(model)) == text_config(model).num_hidden_layers
-
-
 def _check_model(model) -> None:
     if not (hasattr(model, "config") and hasattr(model, "generate")):
         raise TypeError(f"model must be a transformers causal LM (with .config and .generate), got "
@@ -151,12 +146,10 @@ def compress_context(model, context_ids: Tensor, policy: Policy, *, tokenizer=No
         policy: the compression policy; ``Policy.full()`` returns the uncompressed cache.
         tokenizer: the model's tokenizer: with it the context is scored by ``DEFAULT_PROBE`` (question-agnostic:
             on passkey at 20% the context's tail keeps the needle 0 times in 5, the probe 5 in 5; docs/defaults.md).
-            Without it (or on a model with sliding-window layers, whose cache cannot drop the probe's tokens) the
-            context's own tail is the window.
+            Without it the context's own tail is the window.
         attention_mask: ``[B, n]`` of a left-padded batch of contexts (each row is compressed as if alone).
         probe_ids: int ``[B or 1, p]``: a text of one's own scoring the context (e.g. one resembling the expected
-            questions), in place of the default probe; its tokens are dropped afterwards. Not for models with
-            sliding-window layers.
+            questions), in place of the default probe; its tokens are dropped afterwards.
         attention: ``"sdpa"`` or ``"eager"`` (default: the model's).
 
     Returns the transformers cache, stamped (``cache.ripplekv_context``, a ``ContextStamp``). Its compressed
@@ -182,16 +175,12 @@ def compress_context(model, context_ids: Tensor, policy: Policy, *, tokenizer=No
 
     probe_tokens = 0
     prefill_ids, prefill_mask, prefill_policy = context_ids, attention_mask, policy
-    if probe_ids is None and tokenizer is not None and not policy.is_full and _drops_tokens(model):
+    if probe_ids is None and tokenizer is not None and not policy.is_full:
         probe_ids = default_probe_ids(tokenizer)
     if probe_ids is not None:
         probe_ids = _check_ids("probe_ids", probe_ids)
         if probe_ids.shape[0] not in (1, batch):
             raise ValueError(f"probe_ids must have 1 row or one per context row ({batch}), got {probe_ids.shape[0]}")
-        if not _drops_tokens(model):
-            raise ValueError("probe_ids is not supported on models with sliding-window layers: their cache cannot "
-                             "drop the probe's tokens afterwards. Compress without a probe (the context's tail is "
-                             "the window)")
         probe_tokens = probe_ids.shape[1]
         probe_ids = probe_ids.to(context_ids.device).expand(batch, -1)
         prefill_ids = torch.cat([context_ids, probe_ids], dim=1)
@@ -209,13 +198,14 @@ def compress_context(model, context_ids: Tensor, policy: Policy, *, tokenizer=No
         # if alone (and as continue_context's generate will continue it).
         inputs["attention_mask"] = prefill_mask.to(device)
         inputs["position_ids"] = (inputs["attention_mask"].long().cumsum(-1) - 1).clamp(min=0)
+    if probe_tokens:
+        inputs[_door().cache_argument()] = _door().probe_cache(model)
     with compress(model, prefill_policy, attention=attention), torch.no_grad():
         output = model(**inputs)
     cache = _door().output_cache(output)
     if probe_tokens:
         # Every row's window (its last probe_tokens slots) is the probe: drop it from every layer.
-        for layer in cache.layers:
-            layer.crop(-probe_tokens)
+        _door().drop_probe(model, cache, probe_tokens)
     setattr(cache, STAMP_ATTRIBUTE, ContextStamp(model=model_identity(model), policy=policy,
                                                  context_ids=context_ids.detach().cpu(),
                                                  attention_mask=None if attention_mask is None

@@ -93,13 +93,17 @@ def test_answer_equals_the_masked_reference(arch, policy_name):
     assert (logits - full_logits).abs().max().item() > 1e-3  # compression did change the answer's logits
 
 
-@pytest.mark.parametrize("policy", [Policy.full(), Policy.snapkv(1.0, window=WINDOW)], ids=["full", "keep-all"])
-def test_nothing_dropped_equals_stock_generate(policy):
+@pytest.mark.parametrize("arch,policy,probe", [
+    ("llama", Policy.full(), False), ("llama", Policy.snapkv(1.0, window=WINDOW), False),
+    ("gemma3", Policy.snapkv(1.0, window=WINDOW), True)], ids=["full", "keep-all", "keep-all-probe-sliding"])
+def test_nothing_dropped_equals_stock_generate(arch, policy, probe):
     # Full, and a budget at the context length (every layer on the compressed path, nothing dropped): the answer
-    # is the stock model's on context + question in one prompt.
-    model = tiny_model("llama")
+    # is the stock model's on context + question in one prompt. With a probe on gemma3, its tokens went through
+    # the sliding-window layers too (window 16 < 96) and must leave no trace there.
+    model = tiny_model(arch)
     context, question = _ids(), _ids(n=6, seed=1)
-    tokens, logits = _answer(model, compress_context(model, context, policy), question)
+    probe_ids = _ids(n=12, seed=3) if probe else None
+    tokens, logits = _answer(model, compress_context(model, context, policy, probe_ids=probe_ids), question)
     stock = model.generate(torch.cat([context, question], 1), max_new_tokens=4, output_logits=True,
                            return_dict_in_generate=True, **GREEDY)
     assert torch.equal(tokens, stock.sequences[:, -4:])
@@ -132,8 +136,9 @@ def test_continuing_outside_a_compress_block_is_refused():
                        **GREEDY)
 
 
-def test_probe_is_the_window_then_dropped():
-    model = tiny_model("llama")
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+def test_probe_is_the_window_then_dropped(arch):
+    model = tiny_model(arch)
     policy = Policy.snapkv(0.3, window=WINDOW)
     context, probe = _ids(), _ids(n=12, seed=3)
     steps = []
@@ -146,11 +151,21 @@ def test_probe_is_the_window_then_dropped():
         idx = ripplekv_ref.select_topk(ripplekv_ref.snapkv_scores(step.queries[:, :, -12:], step.keys),
                                        step.budget, 12)[..., :-12]
         layer = cache.layers[step.layer_idx]
-        assert torch.equal(layer.keys, torch.gather(step.keys, 2, idx[..., None].expand(-1, -1, -1, 16)))
+        assert torch.equal(layer.keys, torch.gather(step.keys, 2, idx[..., None].expand(-1, -1, -1,
+                                                                                        step.keys.shape[-1])))
         assert layer.get_seq_length() == 96 and layer.keys.shape[2] == step.budget - 12
         differs |= layer.keys.shape != tail_window.layers[step.layer_idx].keys.shape or not torch.equal(
             layer.keys, tail_window.layers[step.layer_idx].keys)
-    assert len(steps) == 4 and differs
+    assert len(steps) == len(compressible_layers(model)) and differs
+    # Sliding-window layers (gemma3's window is 16 < 96) are what a prefill of the context alone leaves, though the
+    # probe's tokens went through them.
+    with torch.no_grad():
+        stock = output_cache(model(context, use_cache=True))
+    for layer_idx, layer in enumerate(cache.layers):
+        if layer_idx not in compressible_layers(model):
+            expected = stock.layers[layer_idx]
+            assert type(layer) is type(expected) and layer.get_seq_length() == expected.get_seq_length() == 96
+            assert torch.equal(layer.keys, expected.keys) and torch.equal(layer.values, expected.values)
     assert cache.ripplekv_context.probe_tokens == 12 and cache.ripplekv_context.policy == policy
     tokens, _ = _answer(model, cache, _ids(n=6, seed=1))  # and it answers like any compressed context
     assert tokens.shape == (1, 4)
@@ -194,8 +209,6 @@ def test_bad_inputs_are_clear_errors():
         compress_context(model, context[0], policy)
     with pytest.raises(ValueError, match="left-padded"):
         compress_context(model, context, policy, attention_mask=torch.cat([torch.ones(1, 90), torch.zeros(1, 6)], 1))
-    with pytest.raises(ValueError, match="sliding-window layers"):
-        compress_context(tiny_model("gemma3"), context, policy, probe_ids=_ids(n=4))
 
     cache = compress_context(model, context, policy)
     with pytest.raises(ValueError, match="another model.*other weights"):
@@ -359,6 +372,19 @@ def test_grid_reports_both_protocols_side_by_side(tmp_path):
     console.print(results_table(results))
     header = console.export_text().splitlines()
     assert any("toy" in line and "toy after" in line and "task mean after" in line for line in header)
+
+    # A cell whose "after" results were dropped from the file (what that protocol runs changed) runs only them.
+    saved = json.loads((tmp_path / "eval.json").read_text())
+    del saved["cells"]["snapkv@0.3"]["after"]
+    (tmp_path / "eval.json").write_text(json.dumps(saved))
+    logged = []
+    again = run_grid(model, _DigitsTokenizer(), ["full", "snapkv"], [0.3], task_examples=examples, window=WINDOW,
+                     out_path=tmp_path / "eval.json", progress=False, log=logged.append,
+                     protocols=["inside", "after"])
+    assert logged == ["[1/2] full: already in " + str(tmp_path / "eval.json") + ", skipped",
+                      "[2/2] snapkv@0.3: after only"]
+    assert again["cells"]["snapkv@0.3"]["after"] == snapkv["after"]
+    assert again["cells"]["snapkv@0.3"]["predictions"] == snapkv["predictions"]
 
 
 @pytest.fixture(scope="module")

@@ -108,14 +108,20 @@ def run_grid(model, tokenizer, methods: Sequence[str], retentions: Sequence[floa
     for i, (method, retention) in enumerate(plan, 1):
         key = cell_key(method, retention)
         policy = make_policy(method, retention or 1.0, profile, window)
-        if key in cells and _same_policy(cells[key], policy):
+        saved = cells[key] if key in cells and _same_policy(cells[key], policy) else None
+        # A saved cell without a protocol's results (dropped from the file when what that protocol runs changed)
+        # runs only that protocol.
+        to_run = [protocol for protocol in protocols if task_examples and (
+            saved is None or (protocol != "inside" and protocol not in saved))]
+        if saved is not None and not to_run:
             log(f"[{i}/{len(plan)}] {key}: already in {out_path}, skipped")
             continue
-        log(f"[{i}/{len(plan)}] {key}")
+        log(f"[{i}/{len(plan)}] {key}" + ("" if saved is None else f": {', '.join(to_run)} only"))
         compression = (lambda p=policy: compress(model, p))
         start = time.perf_counter()
-        cell = {"method": method, "retention": retention, "policy": policy.name, "policy_repr": repr(policy)}
-        if fidelity_ids is not None:
+        cell = (dict(saved) if saved is not None else
+                {"method": method, "retention": retention, "policy": policy.name, "policy_repr": repr(policy)})
+        if fidelity_ids is not None and saved is None:
             if policy.is_full:
                 compressed_fn = full_fn
             elif shared.supports(policy):
@@ -127,7 +133,7 @@ def run_grid(model, tokenizer, methods: Sequence[str], retentions: Sequence[floa
             cell["fidelity"] = {k: (None if isinstance(v, float) and math.isnan(v) else v)
                                 for k, v in report.summary().items()}
             cell["fidelity"]["kl_per_example"] = report.kl
-        for protocol in protocols if task_examples else ():
+        for protocol in to_run:
             generate = protocol_generate_fn(protocol, model, tokenizer, policy)
             report = evaluate(task_examples, generate, progress=progress,
                               desc=key if protocol == "inside" else f"{key} {protocol}", protocol=protocol)
@@ -138,7 +144,7 @@ def run_grid(model, tokenizer, methods: Sequence[str], retentions: Sequence[floa
                 cell.update(scores)
             else:
                 cell[protocol] = scores
-        cell["seconds"] = time.perf_counter() - start
+        cell["seconds"] = cell.get("seconds", 0.0) + time.perf_counter() - start
         cells[key] = cell
         if out_path is not None:
             write_json_atomic(out_path, {"format": FORMAT, "version": FORMAT_VERSION, "settings": settings,

@@ -9,7 +9,8 @@ and fails with the supported range named when transformers is missing. What live
 * ``attention``: the attention registration (a uniquely named ``AttentionInterface`` entry per block, the model's
   configs switched to it; the global entries are never replaced) and the eager attention function;
 * ``cache_steps``: the steps on a model's cache -- ``compress_layer`` at the end of a prefill,
-  ``reselect_layer`` during decoding, ``compressed_cache`` (a cache rebuilt from captured prefill steps) and the
+  ``reselect_layer`` during decoding, ``compressed_cache`` (a cache rebuilt from captured prefill steps),
+  ``probe_cache`` / ``drop_probe`` (a prefill whose last tokens are dropped afterwards) and the
   lookups the core needs (``layer_at``, ``cache_device``);
 * ``model_parts``: a model's decoder layers, its input device, and running other functions in place of its
   decoder-layer forwards (the profiler's replay);
@@ -28,8 +29,8 @@ from ripplekv_ext.integrations.transformers.attention import (attention_implemen
                                                               eager_attention, registered_attention,
                                                               unique_attention_name)
 from ripplekv_ext.integrations.transformers.cache_steps import (cache_classes, cache_device, compress_layer,
-                                                                compressed_cache, is_prefill, layer_at, new_cache,
-                                                                reselect_layer)
+                                                                compressed_cache, drop_probe, is_prefill, layer_at,
+                                                                new_cache, probe_cache, reselect_layer)
 from ripplekv_ext.integrations.transformers.compressed_layer import (CompressedLayer, block_on, close_block,
                                                                      open_block)
 from ripplekv_ext.integrations.transformers.model_parts import decoder_layers, forwards_replaced, input_device
@@ -37,5 +38,6 @@ from ripplekv_ext.integrations.transformers.versions import cache_argument, chec
 
 __all__ = ["CompressedLayer", "attention_implementation", "base_attention", "block_on", "cache_argument",
            "cache_classes", "cache_device", "check_versions", "close_block", "compress_layer", "compressed_cache",
-           "decoder_layers", "eager_attention", "forwards_replaced", "input_device", "is_prefill", "layer_at",
-           "new_cache", "open_block", "output_cache", "registered_attention", "reselect_layer", "unique_attention_name"]
+           "decoder_layers", "drop_probe", "eager_attention", "forwards_replaced", "input_device", "is_prefill",
+           "layer_at", "new_cache", "open_block", "output_cache", "probe_cache", "registered_attention",
+           "reselect_layer", "unique_attention_name"]

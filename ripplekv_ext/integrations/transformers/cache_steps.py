@@ -2,7 +2,9 @@
 
 ``compress_layer`` is what a ``compress`` block runs at the end of a layer's prefill; ``reselect_layer`` its twin
 during decoding (``Policy.decode_every``); ``compressed_cache`` rebuilds a prefill's cache from captured
-``CompressionStep``s under another compressor (the fidelity harness runs many policies from one prefill).
+``CompressionStep``s under another compressor (the fidelity harness runs many policies from one prefill);
+``probe_cache`` and ``drop_probe`` let a prefill end with tokens that are dropped afterwards (``compress_context``'s
+probe).
 """
 
 from __future__ import annotations
@@ -18,8 +20,8 @@ from ripplekv_ext.compressor import KVCompressor
 from ripplekv_ext.integrations.transformers.compressed_layer import CompressedLayer
 from ripplekv_ext.model_info import text_config
 
-__all__ = ["cache_classes", "cache_device", "compress_layer", "compressed_cache", "is_prefill", "layer_at", "new_cache",
-           "reselect_layer"]
+__all__ = ["cache_classes", "cache_device", "compress_layer", "compressed_cache", "drop_probe", "is_prefill", "layer_at",
+           "new_cache", "probe_cache", "reselect_layer"]
 
 
 def cache_classes() -> list:
@@ -30,6 +32,36 @@ def cache_classes() -> list:
 def new_cache(model) -> DynamicCache:
     """The cache ``model`` would create for itself in a forward given none."""
     return DynamicCache(config=text_config(model))
+
+
+def probe_cache(model) -> DynamicCache:
+    """A cache for a prefill whose last tokens (a probe) ``drop_probe`` removes afterwards.
+
+    A sliding-window layer keeps only its last window, so the probe's tokens would push out context tokens it
+    cannot give back: here each sliding-window layer is a plain ``DynamicLayer`` holding every token until
+    ``drop_probe``. What such a layer attends to is unchanged: the model builds its sliding mask from its config.
+    """
+    cache = new_cache(model)
+    for layer_idx, layer in enumerate(cache.layers):
+        if isinstance(layer, DynamicSlidingWindowLayer):
+            cache.layers[layer_idx] = DynamicLayer()
+    return cache
+
+
+def drop_probe(model, cache, probe_tokens: int) -> None:
+    """Remove the last ``probe_tokens`` of every layer of a ``probe_cache`` after its prefill, leaving what a
+    prefill of the context alone leaves: the stand-ins become the model's sliding-window layers, fed the context's
+    tokens (each keeps its last window, as it would have)."""
+    if probe_tokens < 1:
+        raise ValueError(f"probe_tokens must be at least 1, got {probe_tokens}")
+    model_layers = new_cache(model).layers
+    for layer_idx, layer in enumerate(cache.layers):
+        sliding = model_layers[layer_idx] if layer_idx < len(model_layers) else None
+        if isinstance(sliding, DynamicSlidingWindowLayer) and type(layer) is DynamicLayer:
+            sliding.update(layer.keys[:, :, :-probe_tokens], layer.values[:, :, :-probe_tokens])
+            cache.layers[layer_idx] = sliding
+        else:
+            layer.crop(-probe_tokens)
 
 
 def layer_at(cache, layer_idx: Optional[int]):
