@@ -2,7 +2,7 @@
 // what was expected and what was given, so a user can fix the call without reading the source.
 #pragma once
 
-#include <ATen/ATen.h>
+#include "aten.h"
 #include <ATen/MemoryOverlap.h>
 
 #include <algorithm>

@@ -2,7 +2,7 @@
 // Each backend passes the op a `run(params, element_size)` that copies validated rows.
 #pragma once
 
-#include <ATen/ATen.h>
+#include "aten.h"
 
 #include <string>
 #include <tuple>

@@ -2,7 +2,7 @@
 // run(params, dtype), which scores a validated, non-empty call.
 #pragma once
 
-#include <ATen/ATen.h>
+#include "aten.h"
 
 #include <cmath>
 #include <limits>

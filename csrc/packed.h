@@ -5,7 +5,7 @@
 // of one [B, H_kv, sum_l C_l, (D)] buffer, C_l = min(budgets[l], N) (cu_seqlens-style offsets).
 #pragma once
 
-#include <ATen/ATen.h>
+#include "aten.h"
 
 #include <string>
 #include <tuple>

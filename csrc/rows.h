@@ -4,7 +4,7 @@
 // holds what they share: reading the per-row lengths and budgets.
 #pragma once
 
-#include <ATen/ATen.h>
+#include "aten.h"
 
 #include <algorithm>
 #include <vector>

@@ -5,7 +5,7 @@
 // offsets: run(scores4, budgets, offsets, window, indices, op), raising on NaN scores.
 #pragma once
 
-#include <ATen/ATen.h>
+#include "aten.h"
 
 #include <algorithm>
 #include <limits>

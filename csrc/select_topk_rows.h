@@ -3,7 +3,7 @@
 // are shifted to absolute positions. One runner call per compressed row: a loop, not a fused kernel.
 #pragma once
 
-#include <ATen/ATen.h>
+#include "aten.h"
 
 #include <limits>
 #include <vector>

@@ -4,7 +4,7 @@
 // row: a loop, not a fused kernel; the row's scores are materialised ([1, H_kv, n_b - W] floats).
 #pragma once
 
-#include <ATen/ATen.h>
+#include "aten.h"
 
 #include <optional>
 #include <string_view>

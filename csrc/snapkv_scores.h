@@ -2,7 +2,7 @@
 // CPU and CUDA bindings. Each backend passes the op a runner that computes validated, non-empty calls.
 #pragma once
 
-#include <ATen/ATen.h>
+#include "aten.h"
 
 #include <cmath>
 #include <limits>

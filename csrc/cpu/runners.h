@@ -2,7 +2,7 @@
 // same code as snapkv_scores, select_topk and gather_kv). The selection runner lives in select_rows.h.
 #pragma once
 
-#include <ATen/ATen.h>
+#include "../aten.h"
 
 #include "ripplekv/gather_kv.h"
 #include "ripplekv/snapkv_scores.h"

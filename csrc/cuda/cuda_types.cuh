@@ -1,7 +1,7 @@
 // Maps a float dtype to the CUDA element type the kernels are templated over.
 #pragma once
 
-#include <ATen/ATen.h>
+#include "../aten.h"
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 

@@ -2,7 +2,7 @@
 // the same code as snapkv_scores, select_topk and gather_kv), and the device limits they share.
 #pragma once
 
-#include <ATen/ATen.h>
+#include "../aten.h"
 #include <ATen/cuda/CUDAContext.h>
 
 #include <vector>
