@@ -25,7 +25,6 @@ import torch
 
 from e2e_measure import (_policy, _session, cache_bytes, current_rss, kv_bytes_per_token, peak_rss, prompt_ids,
                          ratio_or_none, release_free_memory, reset_peak_rss)
-from ripplekv_ext.integrations.transformers import cache_argument, output_cache
 from ripplekv_ext.model_info import text_config
 
 
@@ -68,6 +67,9 @@ def _real_token_rows(cache, lengths: Sequence[int]) -> int:
 def greedy_batch(model, prompts, new_tokens: int, policy=None) -> dict:
     """Prefill the left-padded batch of ``prompts``, then ``new_tokens - 1`` greedy decode steps, timed; peak RSS
     over both, and the cache after the prefill."""
+    # Imported here, not at the top: the harness's bad arguments are refused before transformers loads.
+    from ripplekv_ext.integrations.transformers import cache_argument, output_cache
+
     ids, mask = left_pad(prompts)
     lengths = mask.sum(dim=1, keepdim=True)
     per_token = kv_bytes_per_token(model, next(model.parameters()).dtype)
