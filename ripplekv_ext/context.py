@@ -12,8 +12,8 @@ prompt, attends to more filler); or the caller's ``probe_ids``, a text expected 
 a tokenizer or a probe, the context's own last ``policy.window`` tokens. The probe is prefilled after the context
 as the window (``dataclasses.replace(policy, window=probe length)``), so every layer keeps its policy budget for the
 context plus the probe, the probe always among them, last; its tokens are then dropped from the cache, and the
-context keeps ``budget - probe length`` tokens per layer. Sliding-window layers (Gemma3's) hold every token during
-that prefill and are then left as a prefill of the context alone leaves them.
+context keeps ``budget - probe length`` tokens per layer. Sliding-window layers (Gemma3's) keep a window longer by
+the probe during that prefill and are then left as a prefill of the context alone leaves them.
 
 The returned cache is a transformers ``DynamicCache`` (its compressed layers are ``CompressedLayer``s)
 stamped with a ``ContextStamp``: the model it was compressed on, the policy, and the context's token ids (which
@@ -199,7 +199,7 @@ def compress_context(model, context_ids: Tensor, policy: Policy, *, tokenizer=No
         inputs["attention_mask"] = prefill_mask.to(device)
         inputs["position_ids"] = (inputs["attention_mask"].long().cumsum(-1) - 1).clamp(min=0)
     if probe_tokens:
-        inputs[_door().cache_argument()] = _door().probe_cache(model)
+        inputs[_door().cache_argument()] = _door().probe_cache(model, probe_tokens)
     with compress(model, prefill_policy, attention=attention), torch.no_grad():
         output = model(**inputs)
     cache = _door().output_cache(output)

@@ -191,3 +191,25 @@ def test_batch_reshuffles_move_the_decode_state_with_the_rows():
     assert layer.prompt_lengths.tolist() == [3, 4] and layer.keys[:, 0, 0, 0].tolist() == [2, 1]
     layer.batch_repeat_interleave(2)
     assert layer.prompt_lengths.tolist() == [3, 3, 4, 4] and layer.recent_queries[:, 0, 0, 0].tolist() == [2, 2, 1, 1]
+
+
+def test_probe_cache_holds_the_probe_beyond_each_sliding_window_and_no_more():
+    # gemma3's tiny sliding layers (window 16) would lose context tokens to a probe; the probe's cache keeps a window
+    # longer by the probe (not every token: a sliding layer's memory stays bounded), and drop_probe leaves exactly
+    # what the stock prefill of the context leaves.
+    from ripplekv_ext.integrations.transformers import drop_probe, output_cache, probe_cache
+
+    model = tiny_model("gemma3")
+    context, probe = torch.randint(3, 512, (1, 96)), torch.randint(3, 512, (1, 12))
+    with torch.no_grad():
+        stock = output_cache(model(context, use_cache=True))
+        cache = output_cache(model(torch.cat([context, probe], 1), use_cache=True,
+                                   **{_compat.cache_argument(): probe_cache(model, 12)}))
+    sliding = [i for i, layer in enumerate(stock.layers) if getattr(layer, "is_sliding", False)]
+    assert sliding and all(cache.layers[i].keys.shape[2] == 16 - 1 + 12 for i in sliding)
+    drop_probe(model, cache, 12)
+    for layer, expected in zip(cache.layers, stock.layers):
+        assert type(layer) is type(expected) and layer.get_seq_length() == expected.get_seq_length() == 96
+        assert torch.equal(layer.keys, expected.keys) and torch.equal(layer.values, expected.values)
+    with pytest.raises(ValueError, match="probe_tokens must be at least 1"):
+        drop_probe(model, cache, 0)

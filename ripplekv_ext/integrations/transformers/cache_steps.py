@@ -34,31 +34,33 @@ def new_cache(model) -> DynamicCache:
     return DynamicCache(config=text_config(model))
 
 
-def probe_cache(model) -> DynamicCache:
-    """A cache for a prefill whose last tokens (a probe) ``drop_probe`` removes afterwards.
+def probe_cache(model, probe_tokens: int) -> DynamicCache:
+    """A cache for a prefill that ends with ``probe_tokens`` tokens (a probe) ``drop_probe`` removes afterwards.
 
     A sliding-window layer keeps only its last window, so the probe's tokens would push out context tokens it
-    cannot give back: here each sliding-window layer is a plain ``DynamicLayer`` holding every token until
-    ``drop_probe``. What such a layer attends to is unchanged: the model builds its sliding mask from its config.
+    could not give back: here each sliding-window layer's window is longer by the probe, so it still holds them
+    after the probe. What such a layer attends to in the prefill is unchanged: the model builds its sliding mask
+    from its config.
     """
     cache = new_cache(model)
     for layer_idx, layer in enumerate(cache.layers):
         if isinstance(layer, DynamicSlidingWindowLayer):
-            cache.layers[layer_idx] = DynamicLayer()
+            cache.layers[layer_idx] = DynamicSlidingWindowLayer(sliding_window=layer.sliding_window + probe_tokens)
     return cache
 
 
 def drop_probe(model, cache, probe_tokens: int) -> None:
     """Remove the last ``probe_tokens`` of every layer of a ``probe_cache`` after its prefill, leaving what a
-    prefill of the context alone leaves: the stand-ins become the model's sliding-window layers, fed the context's
-    tokens (each keeps its last window, as it would have)."""
+    prefill of the context alone leaves: the longer-windowed layers become the model's sliding-window layers, fed
+    the context's tokens they hold (each keeps its last window, as it would have)."""
     if probe_tokens < 1:
         raise ValueError(f"probe_tokens must be at least 1, got {probe_tokens}")
     model_layers = new_cache(model).layers
     for layer_idx, layer in enumerate(cache.layers):
         sliding = model_layers[layer_idx] if layer_idx < len(model_layers) else None
-        if isinstance(sliding, DynamicSlidingWindowLayer) and type(layer) is DynamicLayer:
+        if isinstance(sliding, DynamicSlidingWindowLayer) and isinstance(layer, DynamicSlidingWindowLayer):
             sliding.update(layer.keys[:, :, :-probe_tokens], layer.values[:, :, :-probe_tokens])
+            sliding.cumulative_length = layer.cumulative_length - probe_tokens
             cache.layers[layer_idx] = sliding
         else:
             layer.crop(-probe_tokens)
