@@ -1,7 +1,10 @@
 """The build's CUDA toolkit pairing (tools/cuda_env.py): which nvcc / torch CUDA versions build, and headers taken
-from torch's nvidia wheels only where the toolkit lacks them."""
+from torch's nvidia wheels only where the toolkit lacks them; the source distribution carries every source the
+build compiles."""
 
+import os
 import shutil
+import tarfile
 import subprocess
 import sys
 from pathlib import Path
@@ -72,3 +75,25 @@ def test_nvcc_compiles_cccl_and_cublas_with_the_gap_headers(tmp_path):
     done = subprocess.run([str(Path(root) / "bin" / "nvcc"), "-std=c++17", "-c", str(source), "-o",
                            str(tmp_path / "probe.o"), *flags], capture_output=True, text=True)
     assert done.returncode == 0, done.stderr[-3000:]
+
+
+def test_source_distribution_carries_every_kernel_source(tmp_path):
+    # A pip install from the sdist compiles csrc/ and include/ on the user's machine: a header left out of
+    # MANIFEST.in (csrc/cuda/cuda_types.cuh once was) breaks only the CUDA build there, never here.
+    if shutil.which("git") is None or not (ROOT / ".git").exists():
+        pytest.skip("needs the git checkout to list the tracked sources")
+    tracked = subprocess.run(["git", "ls-files", "csrc", "include", "tools", "ripplekv_ext", "python", "setup.py",
+                              "pyproject.toml", "MANIFEST.in", "README.md"], cwd=ROOT, capture_output=True, text=True,
+                             check=True)
+    files = tracked.stdout.split()
+    tree = tmp_path / "tree"
+    for name in files:  # a copy, so the sdist's egg-info is not written into the checkout
+        (tree / name).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(ROOT / name, tree / name)
+    subprocess.run([sys.executable, "setup.py", "-q", "sdist", "-d", str(tmp_path / "dist")], cwd=tree, check=True,
+                   capture_output=True, env={**os.environ, "RIPPLEKV_SKIP_EXTENSION": "1"})
+    (archive,) = (tmp_path / "dist").glob("*.tar.gz")
+    with tarfile.open(archive) as sdist:
+        carried = {name.split("/", 1)[1] for name in sdist.getnames() if "/" in name}
+    sources = [name for name in files if name.startswith(("csrc/", "include/"))]
+    assert sources and [name for name in sources if name not in carried] == []
