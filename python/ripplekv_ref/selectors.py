@@ -19,6 +19,25 @@ def _keep_protected(head_scores, n: int, window: int, budget: int, sinks: int, r
     return torch.tensor(sorted(kept))
 
 
+def _select_with_recency(q_window: Tensor, keys: Tensor, budget: int, window: int, sink: int, recent_of,
+                         **snapkv_options) -> Tensor:
+    """Both recent selectors: every position when ``budget >= N``; else, per head, ``sinks = min(sink, budget -
+    window)`` sinks and ``recent_of(head's SnapKV scores before the window, sinks, rest)`` recent positions, with
+    ``rest = budget - window - sinks``, kept by ``_keep_protected``."""
+    b, h, n, _ = keys.shape
+    if budget >= n:
+        return torch.arange(n).expand(b, h, n).clone()
+    scores = snapkv_scores(q_window[:, :, -window:], keys, **snapkv_options)
+    sinks = min(sink, budget - window)
+    rest = budget - window - sinks
+    out = torch.empty(b, h, budget, dtype=torch.int64)
+    for row in range(b):
+        for head in range(h):
+            recent = recent_of(scores[row, head], sinks, rest)
+            out[row, head] = _keep_protected(scores[row, head], n, window, budget, sinks, recent)
+    return out
+
+
 def recent_snapkv_select(q_window: Tensor, keys: Tensor, budget: int, window: int, recent_fraction: float,
                          sink: int = 4, kernel_size: int = 7, pooling: str = "max", group_reduce: str = "mean",
                          scale=None) -> Tensor:
@@ -28,20 +47,9 @@ def recent_snapkv_select(q_window: Tensor, keys: Tensor, budget: int, window: in
     ``floor(recent_fraction * (budget - window - sinks))`` recent positions (just before the window), and the rest
     the best SnapKV scores among the positions in between (ties to the lower position). ``budget >= N`` keeps all.
     """
-    b, h, n, _ = keys.shape
-    if budget >= n:
-        return torch.arange(n).expand(b, h, n).clone()
-    scores = snapkv_scores(q_window[:, :, -window:], keys, kernel_size=kernel_size, pooling=pooling,
-                           group_reduce=group_reduce, scale=scale)
-    n_prefix = n - window
-    free = budget - window
-    sinks = min(sink, free)
-    recent = math.floor(recent_fraction * (free - sinks))
-    out = torch.empty(b, h, budget, dtype=torch.int64)
-    for row in range(b):
-        for head in range(h):
-            out[row, head] = _keep_protected(scores[row, head], n, window, budget, sinks, recent)
-    return out
+    return _select_with_recency(q_window, keys, budget, window, sink,
+                                lambda head_scores, sinks, rest: math.floor(recent_fraction * rest),
+                                kernel_size=kernel_size, pooling=pooling, group_reduce=group_reduce, scale=scale)
 
 
 def _each_row_alone(select_one, q_window: Tensor, keys: Tensor, budgets, lengths, window: int) -> Tensor:
@@ -80,25 +88,15 @@ def adaptive_recent_select(q_window: Tensor, keys: Tensor, budget: int, window: 
     after the sinks that lies on the last ``rest`` of them, ``floor(share * rest)`` recent positions (just before
     the window); the best SnapKV scores in between take the remaining slots (ties to the lower position).
     """
-    b, h, n, _ = keys.shape
-    if budget >= n:
-        return torch.arange(n).expand(b, h, n).clone()
-    scores = snapkv_scores(q_window[:, :, -window:], keys, kernel_size=kernel_size, pooling=pooling,
-                           group_reduce=group_reduce, scale=scale)
-    n_prefix = n - window
-    free = budget - window
-    sinks = min(sink, free)
-    rest = free - sinks
-    out = torch.empty(b, h, budget, dtype=torch.int64)
-    for row in range(b):
-        for head in range(h):
-            mass = [float(scores[row, head, p]) for p in range(n_prefix)]
-            body = sum(mass[sinks:])
-            tail = sum(mass[n_prefix - rest:]) if rest else 0.0
-            share = min(tail / body, 1.0) if body > 0 else 0.0
-            recent = math.floor(share * rest)
-            out[row, head] = _keep_protected(scores[row, head], n, window, budget, sinks, recent)
-    return out
+    def recent(head_scores, sinks, rest):
+        mass = [float(score) for score in head_scores]
+        body = sum(mass[sinks:])
+        tail = sum(mass[len(mass) - rest:]) if rest else 0.0
+        share = min(tail / body, 1.0) if body > 0 else 0.0
+        return math.floor(share * rest)
+
+    return _select_with_recency(q_window, keys, budget, window, sink, recent, kernel_size=kernel_size,
+                                pooling=pooling, group_reduce=group_reduce, scale=scale)
 
 
 def adaptive_recent_select_rows(q_window: Tensor, keys: Tensor, budgets, lengths, window: int, sink: int = 4,
