@@ -205,7 +205,7 @@ def compress_context(model, context_ids: Tensor, policy: Policy, *, tokenizer=No
     cache = _door().output_cache(output)
     if probe_tokens:
         # Every row's window (its last probe_tokens slots) is the probe: drop it from every layer.
-        _door().drop_probe(model, cache, probe_tokens)
+        _door().drop_probe(cache, probe_tokens)
     setattr(cache, STAMP_ATTRIBUTE, ContextStamp(model=model_identity(model), policy=policy,
                                                  context_ids=context_ids.detach().cpu(),
                                                  attention_mask=None if attention_mask is None

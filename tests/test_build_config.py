@@ -4,9 +4,9 @@ build compiles."""
 
 import os
 import shutil
-import tarfile
 import subprocess
 import sys
+import tarfile
 from pathlib import Path
 
 import pytest

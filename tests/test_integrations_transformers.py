@@ -207,9 +207,9 @@ def test_probe_cache_holds_the_probe_beyond_each_sliding_window_and_no_more():
                                    **{_compat.cache_argument(): probe_cache(model, 12)}))
     sliding = [i for i, layer in enumerate(stock.layers) if getattr(layer, "is_sliding", False)]
     assert sliding and all(cache.layers[i].keys.shape[2] == 16 - 1 + 12 for i in sliding)
-    drop_probe(model, cache, 12)
+    drop_probe(cache, 12)
     for layer, expected in zip(cache.layers, stock.layers):
         assert type(layer) is type(expected) and layer.get_seq_length() == expected.get_seq_length() == 96
         assert torch.equal(layer.keys, expected.keys) and torch.equal(layer.values, expected.values)
     with pytest.raises(ValueError, match="probe_tokens must be at least 1"):
-        drop_probe(model, cache, 0)
+        drop_probe(cache, 0)

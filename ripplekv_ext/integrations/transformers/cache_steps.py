@@ -49,19 +49,18 @@ def probe_cache(model, probe_tokens: int) -> DynamicCache:
     return cache
 
 
-def drop_probe(model, cache, probe_tokens: int) -> None:
+def drop_probe(cache, probe_tokens: int) -> None:
     """Remove the last ``probe_tokens`` of every layer of a ``probe_cache`` after its prefill, leaving what a
-    prefill of the context alone leaves: the longer-windowed layers become the model's sliding-window layers, fed
-    the context's tokens they hold (each keeps its last window, as it would have)."""
+    prefill of the context alone leaves: each longer-windowed layer becomes a sliding-window layer of the model's
+    window, fed the context's tokens it holds (it keeps its last window, as it would have)."""
     if probe_tokens < 1:
         raise ValueError(f"probe_tokens must be at least 1, got {probe_tokens}")
-    model_layers = new_cache(model).layers
     for layer_idx, layer in enumerate(cache.layers):
-        sliding = model_layers[layer_idx] if layer_idx < len(model_layers) else None
-        if isinstance(sliding, DynamicSlidingWindowLayer) and isinstance(layer, DynamicSlidingWindowLayer):
-            sliding.update(layer.keys[:, :, :-probe_tokens], layer.values[:, :, :-probe_tokens])
-            sliding.cumulative_length = layer.cumulative_length - probe_tokens
-            cache.layers[layer_idx] = sliding
+        if isinstance(layer, DynamicSlidingWindowLayer):
+            restored = DynamicSlidingWindowLayer(sliding_window=layer.sliding_window - probe_tokens)
+            restored.update(layer.keys[:, :, :-probe_tokens], layer.values[:, :, :-probe_tokens])
+            restored.cumulative_length = layer.cumulative_length - probe_tokens  # every context token it has seen
+            cache.layers[layer_idx] = restored
         else:
             layer.crop(-probe_tokens)
 
