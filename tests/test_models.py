@@ -72,6 +72,7 @@ def test_known_models_table(monkeypatch, tmp_path):
     assert models.default_profile_path("gemma3-270m") == tmp_path / "profiles" / "gemma-3-270m.json"
     assert models.default_profile_path("smollm2").name == "smollm2-135m-instruct.json"
     assert models.shipped_profile_path("smollm2").name == "smollm2_profile_fisher_P256_T64_n19.json"
+    assert models.shipped_profile_path("gemma3-270m").name == "gemma3-270m_profile_fisher_P1024_T64_n8.json"
     with pytest.raises(ValueError, match=r"model must be one of \['gemma3-270m', 'smollm2'\], got 'gpt2'"):
         models.known_model("gpt2")
     with pytest.raises(ValueError, match="--model must be 'smollm2' or a local .*other known models: 'gemma3-270m'"):
