@@ -26,6 +26,14 @@ depths and 16 passkey prompts (``CALIBRATION_ANSWERS``; neither the report's len
     OMP_NUM_THREADS=1 .venv/bin/python bench/select_selector.py --model gemma3-270m --prompt-len 1024 --examples 8
     OMP_NUM_THREADS=1 .venv/bin/python bench/select_selector.py --answer-kl --out bench/results/select_selector_smollm2_answers.json
 
+``--compare-profile`` scores RippleKV's default on a second profile beside the first, on the same prompts (how
+gemma-3-270m's Fisher profile was chosen over its perturbation one; add ``--answer-kl`` for retrieval):
+
+    OMP_NUM_THREADS=1 .venv/bin/python bench/select_selector.py --model gemma3-270m --prompt-len 1024 --examples 16 \
+        --splits select-kjv,select-essays --only streamingllm,snapkv,pyramidkv,uniform+adaptive-recent,ripplekv+adaptive-recent \
+        --compare-profile ripplekv_ext/eval/profiles/gemma3-270m_profile_P1024_T64_n6.json \
+        --out bench/results/select_selector_gemma3_profiles.json
+
 Runs with one thread (the machine is shared); the results file records the load average at each cell.
 """
 
@@ -69,6 +77,9 @@ def parse_args(argv=None):
     p.add_argument("--splits", default=",".join(SPLITS))
     p.add_argument("--profile", type=Path, default=None,
                    help="the RippleKV profile to score (default: the one shipped for --model), e.g. a --fast one")
+    p.add_argument("--compare-profile", type=Path, default=None,
+                   help="a second profile: adds RippleKV's default (adaptive-recent) on it as a candidate, scored "
+                        "on the same prompts (KJV prompts start after both profiles' text)")
     p.add_argument("--only", default=None, help="comma-separated candidate names to score (default: all)")
     p.add_argument("--retrieval", action="store_true", help="score the calibration needle grid instead of KL")
     p.add_argument("--answer-kl", action="store_true",
@@ -103,8 +114,9 @@ def parse_args(argv=None):
     return args
 
 
-def candidates(profile, fractions):
-    """name -> policy at a retention; the published methods first ("ripplekv" is the paper's pairing, with SnapKV)."""
+def candidates(profile, fractions, other=None):
+    """name -> policy at a retention; the published methods first ("ripplekv" is the paper's pairing, with SnapKV).
+    ``other``: (name, profile) of a second profile to score RippleKV's default on."""
     out = {"streamingllm": lambda r: Policy.streamingllm(r), "snapkv": lambda r: Policy.snapkv(r),
            "pyramidkv": lambda r: Policy.pyramidkv(r),
            "ripplekv": lambda r: Policy.ripplekv(profile, r, selector=SnapKVSelector())}
@@ -114,6 +126,10 @@ def candidates(profile, fractions):
                                                                        RecentSnapKVSelector(f), r)
     out["uniform+adaptive-recent"] = lambda r: Policy(UniformAllocator(), AdaptiveRecentSelector(), r)
     out["ripplekv+adaptive-recent"] = lambda r: Policy(RippleKVAllocator(profile), AdaptiveRecentSelector(), r)
+    if other is not None:
+        name, other_profile = other
+        out[f"ripplekv+adaptive-recent ({name})"] = lambda r: Policy(RippleKVAllocator(other_profile),
+                                                                    AdaptiveRecentSelector(), r)
     return out
 
 
@@ -232,7 +248,7 @@ def main(argv=None) -> int:
 
     # Options left at their defaults are not part of the settings, so a file written before they existed resumes.
     settings = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()
-                if k not in ("out", "splits") and not (k in ("profile", "only") and v is None)
+                if k not in ("out", "splits") and not (k in ("profile", "compare_profile", "only") and v is None)
                 and not (k in ("retrieval", "retrieval_retention") and not (args.retrieval or args.answer_kl))
                 and not (k in ("answer_kl", "answer_length") and not args.answer_kl)}
     data = {"format": FORMAT, "settings": settings, "cells": {}}
@@ -244,15 +260,17 @@ def main(argv=None) -> int:
 
     model, tokenizer, _ = load_model(args.model)
     profile = load_profile(args.profile or shipped_profile_path(args.model), model=model)
-    profile_tokens = profile.calibration["num_examples"] * (profile.calibration["prefix_len"]
-                                                            + profile.calibration["cont_len"])
-    policies = candidates(profile, args.fractions)
+    other = None if args.compare_profile is None else load_profile(args.compare_profile, model=model)
+    profile_tokens = max(p.calibration["num_examples"] * (p.calibration["prefix_len"] + p.calibration["cont_len"])
+                         for p in (profile, other) if p is not None)
+    policies = candidates(profile, args.fractions, None if other is None else (args.compare_profile.stem, other))
     if args.only:
         wanted = args.only.split(",")
         unknown = [name for name in wanted if name not in policies]
         if unknown:
             sys.exit(f"--only: unknown candidates {unknown}; known: {list(policies)}")
-        policies = {name: policies[name] for name in wanted}
+        compared = [name for name in policies if name.endswith(")")]  # --compare-profile's is always scored
+        policies = {name: policies[name] for name in wanted + compared}
     if args.retrieval:
         return retrieval(model, tokenizer, policies, args, data, log)
     if args.answer_kl:
