@@ -5,7 +5,7 @@ Works on a model or a config object and imports nothing from transformers, so th
 
 from __future__ import annotations
 
-__all__ = ["text_config", "layer_types", "compressible_layers"]
+__all__ = ["text_config", "layer_types", "compressible_layers", "sliding_window"]
 
 
 def text_config(model_or_config):
@@ -37,3 +37,10 @@ def layer_types(model_or_config) -> list[str]:
 def compressible_layers(model_or_config) -> list[int]:
     """Indices of layers with full (global) attention. Sliding-window layers already bound their cache."""
     return [i for i, t in enumerate(layer_types(model_or_config)) if t == "full_attention"]
+
+
+def sliding_window(model_or_config):
+    """The token window of the model's sliding-window layers, or None when it has none."""
+    if "sliding_attention" not in layer_types(model_or_config):
+        return None
+    return getattr(text_config(model_or_config), "sliding_window", None)

@@ -375,3 +375,20 @@ def test_allocate_gives_a_partial_profile_its_own_layers(tiny_dir, profile_path,
     assert code == 0, err
     budgets = json.loads((tmp_path / "budgets.json").read_text())["budgets"]["ripplekv"]
     assert budgets[3] > budgets[2] > budgets[1] > budgets[0]
+
+
+def test_profile_prefixes_slide_on_a_sliding_window_model(tmp_path, tokenizer, capsys):
+    """Without --prefix-len, a model with sliding-window layers is profiled on prefixes twice its window (past
+    --fast's 256 tokens), so that those layers slide as they do in serving; --prefix-len still wins."""
+    from ripplekv_ext.eval.models import tiny_model
+
+    folder = tmp_path / "tiny-gemma3"
+    tiny_model("gemma3", seed=0, vocab_size=len(tokenizer), sliding_window=160).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    common = ["profile", "--model", str(folder), "--fast", "--cont-len", "8", "--examples", "2", "--max-examples", "2"]
+    code, out, _ = run(common + ["--out", str(tmp_path / "slide.json")], capsys)
+    assert code == 0 and "160-token sliding-window layers: profiling 320-token prefixes" in out
+    assert json.loads((tmp_path / "slide.json").read_text())["calibration"]["prefix_len"] == 320
+    code, out, _ = run(common + ["--prefix-len", "48", "--out", str(tmp_path / "given.json")], capsys)
+    assert code == 0 and "sliding-window" not in out
+    assert json.loads((tmp_path / "given.json").read_text())["calibration"]["prefix_len"] == 48

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from ripplekv_ext.eval.models import TINY_ARCHS, load_smollm2, tiny_config, tiny_model
-from ripplekv_ext.model_info import compressible_layers, layer_types
+from ripplekv_ext.model_info import compressible_layers, layer_types, sliding_window
 
 
 @pytest.mark.parametrize("arch", TINY_ARCHS)
@@ -39,6 +39,10 @@ def test_compressible_layers():
     assert compressible_layers(tiny_config("mistral", sliding_window=8)) == []
     assert compressible_layers(tiny_config("mistral", num_layers=6)) == list(range(6))
     assert compressible_layers(tiny_config("qwen2")) == [0, 1, 2, 3]
+    # The window the sliding layers keep: none where no layer slides.
+    assert sliding_window(gemma) == gemma.config.sliding_window and sliding_window(tiny_model("llama")) is None
+    assert sliding_window(tiny_config("mistral", sliding_window=8)) == 8
+    assert sliding_window(tiny_config("mistral", num_layers=6)) is None
 
 
 def test_tiny_model_rejects_unknown_arch():

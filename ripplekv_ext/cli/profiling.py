@@ -54,6 +54,16 @@ def cmd_profile(args) -> int:
         from ripplekv_ext.model_info import text_config
 
         check_layers(args.layers, text_config(model).num_hidden_layers, name)
+    if args.prefix_len is None:
+        from ripplekv_ext.model_info import sliding_window
+
+        # A profile measured on prefixes the sliding layers hold whole sees a model that does not slide; twice the
+        # window is the regime a compressed prompt is in (gemma-3-270m's Fisher profile: docs/defaults.md).
+        window = sliding_window(model)
+        if window and 2 * window > settings["prefix_len"]:
+            settings["prefix_len"] = 2 * window
+            print(f"{name} has {window}-token sliding-window layers: profiling {2 * window}-token prefixes, so that "
+                  "they slide as in serving (--prefix-len overrides)", flush=True)
     examples, source = calibration_examples(tokenizer, args.text, settings["prefix_len"], settings["cont_len"],
                                             settings["num_examples"],
                                             settings["max_examples"] if settings["until_stable"] else None)
