@@ -387,7 +387,7 @@ def test_profile_prefixes_slide_on_a_sliding_window_model(tmp_path, tokenizer, c
     tokenizer.save_pretrained(folder)
     common = ["profile", "--model", str(folder), "--fast", "--cont-len", "8", "--examples", "2", "--max-examples", "2"]
     code, out, _ = run(common + ["--out", str(tmp_path / "slide.json")], capsys)
-    assert code == 0 and "160-token sliding-window layers: profiling 320-token prefixes" in out
+    assert code == 0 and "sliding-window layers: profiling 320-token prefixes, twice their window" in out
     assert json.loads((tmp_path / "slide.json").read_text())["calibration"]["prefix_len"] == 320
     code, out, _ = run(common + ["--prefix-len", "48", "--out", str(tmp_path / "given.json")], capsys)
     assert code == 0 and "sliding-window" not in out

@@ -43,6 +43,12 @@ def test_compressible_layers():
     assert sliding_window(gemma) == gemma.config.sliding_window and sliding_window(tiny_model("llama")) is None
     assert sliding_window(tiny_config("mistral", sliding_window=8)) == 8
     assert sliding_window(tiny_config("mistral", num_layers=6)) is None
+    # Profiles of a sliding-window model are measured past twice its window (what profile and demo use).
+    from ripplekv_ext.profiler import sliding_prefix_len
+
+    assert sliding_prefix_len(tiny_config("gemma3", sliding_window=160), 256) == 320
+    assert sliding_prefix_len(tiny_config("gemma3", sliding_window=100), 256) == 256
+    assert sliding_prefix_len(tiny_model("llama"), 48) == 48
 
 
 def test_tiny_model_rejects_unknown_arch():

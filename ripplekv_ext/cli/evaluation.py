@@ -211,7 +211,7 @@ def cmd_demo(args) -> int:
     from ripplekv_ext.eval.corpus import calibration_examples
     from ripplekv_ext.eval.plots import plot_profile
     from ripplekv_ext.eval.report import REPORT_SIZES, run_report
-    from ripplekv_ext.profiler import format_profile, profile_model
+    from ripplekv_ext.profiler import format_profile, profile_model, sliding_prefix_len
 
     check_eval_args(args)
     sizes = demo_sizes(args)
@@ -229,10 +229,11 @@ def cmd_demo(args) -> int:
     # A profile measured earlier on this very model saves the demo the profiling run (--reprofile measures anew).
     profile = known_profile(args.model, model, log=console.print, reprofile=args.reprofile)
     if profile is None:
-        examples, source = calibration_examples(tokenizer, None, DEMO_PROFILE["prefix_len"],
-                                                DEMO_PROFILE["cont_len"], DEMO_PROFILE["num_examples"])
+        settings = dict(DEMO_PROFILE, prefix_len=sliding_prefix_len(model, DEMO_PROFILE["prefix_len"]))
+        examples, source = calibration_examples(tokenizer, None, settings["prefix_len"], settings["cont_len"],
+                                                settings["num_examples"])
         profile = profile_model(model, examples=examples, source=source, seed=args.seed,
-                                out_path=default_profile_path(args.model), model_name=name, **DEMO_PROFILE)
+                                out_path=default_profile_path(args.model), model_name=name, **settings)
     print(format_profile(profile))
     plot_profile(profile, Path(args.out_dir) / "profile.png")
 

@@ -22,7 +22,7 @@ def check_layers(layers: list[int], num_layers: int, name: str) -> None:
 def cmd_profile(args) -> int:
     from ripplekv_ext.eval.corpus import calibration_examples
     from ripplekv_ext.eval.plots import plot_profile
-    from ripplekv_ext.profiler import FAST_SETTINGS, PLAIN_SETTINGS, format_profile, profile_model
+    from ripplekv_ext.profiler import FAST_SETTINGS, PLAIN_SETTINGS, format_profile, profile_model, sliding_prefix_len
 
     check_model_arg(args.model)
     check_text_source("--text", args.text)
@@ -54,16 +54,10 @@ def cmd_profile(args) -> int:
         from ripplekv_ext.model_info import text_config
 
         check_layers(args.layers, text_config(model).num_hidden_layers, name)
-    if args.prefix_len is None:
-        from ripplekv_ext.model_info import sliding_window
-
-        # A profile measured on prefixes the sliding layers hold whole sees a model that does not slide; twice the
-        # window is the regime a compressed prompt is in (gemma-3-270m's Fisher profile: docs/defaults.md).
-        window = sliding_window(model)
-        if window and 2 * window > settings["prefix_len"]:
-            settings["prefix_len"] = 2 * window
-            print(f"{name} has {window}-token sliding-window layers: profiling {2 * window}-token prefixes, so that "
-                  "they slide as in serving (--prefix-len overrides)", flush=True)
+    if args.prefix_len is None and sliding_prefix_len(model, settings["prefix_len"]) != settings["prefix_len"]:
+        settings["prefix_len"] = sliding_prefix_len(model, settings["prefix_len"])
+        print(f"{name} has sliding-window layers: profiling {settings['prefix_len']}-token prefixes, twice their "
+              "window, so that they slide as in serving (--prefix-len overrides)", flush=True)
     examples, source = calibration_examples(tokenizer, args.text, settings["prefix_len"], settings["cont_len"],
                                             settings["num_examples"],
                                             settings["max_examples"] if settings["until_stable"] else None)

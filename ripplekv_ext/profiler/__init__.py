@@ -32,9 +32,9 @@ from ripplekv_ext.profiler.partial import PARTIAL_SUFFIX
 from ripplekv_ext.profiler.perturbation import perturbation_example
 from ripplekv_ext.profiler.report import format_profile
 from ripplekv_ext.profiler.run import (ESTIMATORS, FAST_SETTINGS, METRIC, PLAIN_SETTINGS, profile_example,
-                                       profile_model)
+                                       profile_model, sliding_prefix_len)
 from ripplekv_ext.profiler.runner import ContinuationRunner
 
 __all__ = ["BACKWARD_COST", "tokens_processed", "fisher_example", "noise_seed", "perturb", "perturber",
            "PARTIAL_SUFFIX", "perturbation_example", "format_profile", "ESTIMATORS", "FAST_SETTINGS", "METRIC",
-           "PLAIN_SETTINGS", "profile_example", "profile_model", "ContinuationRunner"]
+           "PLAIN_SETTINGS", "profile_example", "profile_model", "sliding_prefix_len", "ContinuationRunner"]

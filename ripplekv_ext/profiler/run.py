@@ -18,7 +18,7 @@ import torch
 
 from ripplekv_ext.checks import check_int
 from ripplekv_ext.model_info import compressible_layers as model_compressible_layers
-from ripplekv_ext.model_info import text_config
+from ripplekv_ext.model_info import sliding_window, text_config
 from ripplekv_ext.profile_file import TARGETS, Profile, describe_model, save_profile
 from ripplekv_ext.profiler.cost import tokens_processed
 from ripplekv_ext.profiler.fisher import fisher_example
@@ -36,6 +36,15 @@ PLAIN_SETTINGS = {"estimator": "perturbation", "prefix_len": 1024, "cont_len": 6
                   "until_stable": False, "max_examples": 64}
 FAST_SETTINGS = {"estimator": "fisher", "prefix_len": 256, "cont_len": 64, "num_examples": 8,
                  "until_stable": True, "max_examples": 20}  # at most 20 * (256 + 3 * 64) = 8,960 tokens
+
+
+def sliding_prefix_len(model, prefix_len: int) -> int:
+    """``prefix_len``, or twice the model's sliding window where that is longer.
+
+    A prefix the sliding-window layers hold whole measures a model that does not slide, unlike the prompts it
+    compresses; twice the window is what gemma-3-270m's profiles were compared at (docs/profiling.md)."""
+    window = sliding_window(model)
+    return max(prefix_len, 2 * window) if window else prefix_len
 
 
 def profile_example(model, ids: torch.Tensor, prefix_len: int, layers: Sequence[int], *, sigma: float, seed: int,
