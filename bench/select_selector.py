@@ -34,7 +34,8 @@ gemma-3-270m's Fisher profile was chosen over its perturbation one; add ``--answ
         --compare-profile ripplekv_ext/eval/profiles/gemma3-270m_profile_P1024_T64_n6.json \
         --out bench/results/select_selector_gemma3_profiles.json
 
-Runs with one thread (the machine is shared); the results file records the load average at each cell.
+Runs with one thread unless ``--threads`` says more (the machine is shared); the results file records the load
+average at each cell.
 """
 
 from __future__ import annotations
@@ -87,9 +88,10 @@ def parse_args(argv=None):
     p.add_argument("--answer-length", type=int, default=None,
                    help="--answer-kl's prompt length (default: 1792 for smollm2, 896 otherwise)")
     p.add_argument("--retrieval-retention", type=float, default=0.2)
+    p.add_argument("--threads", type=int, default=1, help="torch CPU threads (default 1)")
     p.add_argument("--out", type=Path, default=None, help="default bench/results/select_selector_<model>.json")
     args = p.parse_args(argv)
-    for name in ("examples", "prompt_len", "cont_len"):
+    for name in ("examples", "prompt_len", "cont_len", "threads"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     try:
@@ -241,14 +243,14 @@ def answer_kl(model, tokenizer, policies, args, data, log) -> int:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    torch.set_num_threads(1)
+    torch.set_num_threads(args.threads)
     from ripplekv_ext._jsonio import write_json_atomic
     from ripplekv_ext.eval.models import load_model, shipped_profile_path
     from ripplekv_ext.profile_file import load_profile
 
     # Options left at their defaults are not part of the settings, so a file written before they existed resumes.
     settings = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()
-                if k not in ("out", "splits") and not (k in ("profile", "compare_profile", "only") and v is None)
+                if k not in ("out", "splits", "threads") and not (k in ("profile", "compare_profile", "only") and v is None)
                 and not (k in ("retrieval", "retrieval_retention") and not (args.retrieval or args.answer_kl))
                 and not (k in ("answer_kl", "answer_length") and not args.answer_kl)}
     data = {"format": FORMAT, "settings": settings, "cells": {}}
