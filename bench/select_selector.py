@@ -118,7 +118,7 @@ def parse_args(argv=None):
 
 def candidates(profile, fractions, other=None):
     """name -> policy at a retention; the published methods first ("ripplekv" is the paper's pairing, with SnapKV).
-    ``other``: (name, profile) of a second profile to score RippleKV's default on."""
+    ``other``: (candidate name, profile) of a second profile to score RippleKV's default on."""
     out = {"streamingllm": lambda r: Policy.streamingllm(r), "snapkv": lambda r: Policy.snapkv(r),
            "pyramidkv": lambda r: Policy.pyramidkv(r),
            "ripplekv": lambda r: Policy.ripplekv(profile, r, selector=SnapKVSelector())}
@@ -130,8 +130,7 @@ def candidates(profile, fractions, other=None):
     out["ripplekv+adaptive-recent"] = lambda r: Policy(RippleKVAllocator(profile), AdaptiveRecentSelector(), r)
     if other is not None:
         name, other_profile = other
-        out[f"ripplekv+adaptive-recent ({name})"] = lambda r: Policy(RippleKVAllocator(other_profile),
-                                                                    AdaptiveRecentSelector(), r)
+        out[name] = lambda r: Policy(RippleKVAllocator(other_profile), AdaptiveRecentSelector(), r)
     return out
 
 
@@ -250,7 +249,8 @@ def main(argv=None) -> int:
 
     # Options left at their defaults are not part of the settings, so a file written before they existed resumes.
     settings = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()
-                if k not in ("out", "splits", "threads") and not (k in ("profile", "compare_profile", "only") and v is None)
+                if k not in ("out", "splits", "threads")
+                and not (k in ("profile", "compare_profile", "only") and v is None)
                 and not (k in ("retrieval", "retrieval_retention") and not (args.retrieval or args.answer_kl))
                 and not (k in ("answer_kl", "answer_length") and not args.answer_kl)}
     data = {"format": FORMAT, "settings": settings, "cells": {}}
@@ -265,14 +265,14 @@ def main(argv=None) -> int:
     other = None if args.compare_profile is None else load_profile(args.compare_profile, model=model)
     profile_tokens = max(p.calibration["num_examples"] * (p.calibration["prefix_len"] + p.calibration["cont_len"])
                          for p in (profile, other) if p is not None)
-    policies = candidates(profile, args.fractions, None if other is None else (args.compare_profile.stem, other))
+    compared = None if other is None else f"ripplekv+adaptive-recent ({args.compare_profile.stem})"
+    policies = candidates(profile, args.fractions, None if other is None else (compared, other))
     if args.only:
         wanted = args.only.split(",")
         unknown = [name for name in wanted if name not in policies]
         if unknown:
             sys.exit(f"--only: unknown candidates {unknown}; known: {list(policies)}")
-        compared = [name for name in policies if name.endswith(")")]  # --compare-profile's is always scored
-        policies = {name: policies[name] for name in wanted + compared}
+        policies = {name: policies[name] for name in wanted + ([compared] if compared else [])}
     if args.retrieval:
         return retrieval(model, tokenizer, policies, args, data, log)
     if args.answer_kl:

@@ -264,7 +264,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--fast", action="store_true",
                    help="the cheap stable profile of docs/profiling.md: Fisher estimator, shorter examples, adds "
                         "examples until stable (sets the defaults marked 'fast:' below)")
-    p.add_argument("--prefix-len", type=positive_int, default=None, help="default 1024 (fast: 256); at least twice a sliding-window model's window")
+    p.add_argument("--prefix-len", type=positive_int, default=None,
+                   help="default 1024 (fast: 256), or twice a sliding-window model's window where that is longer")
     p.add_argument("--cont-len", type=positive_int, default=None, help="default 64 (fast: 64)")
     p.add_argument("--examples", type=positive_int, default=None, help="default 8 (fast: 8, the first stability check)")
     p.add_argument("--sigma", type=positive_float, default=0.1, help="noise scale, relative to each vector's norm")
