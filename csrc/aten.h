@@ -4,7 +4,6 @@
 // called by name. <ATen/ATen.h> declares every operator of torch and doubles each file's compile time.
 
 #include <ATen/core/Tensor.h>
-#include <ATen/MemoryOverlap.h>
 #include <ATen/Parallel.h>
 #include <ATen/TensorOperators.h>
 #include <ATen/ops/aminmax.h>

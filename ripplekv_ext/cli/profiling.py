@@ -54,8 +54,9 @@ def cmd_profile(args) -> int:
         from ripplekv_ext.model_info import text_config
 
         check_layers(args.layers, text_config(model).num_hidden_layers, name)
-    if args.prefix_len is None and sliding_prefix_len(model, settings["prefix_len"]) != settings["prefix_len"]:
-        settings["prefix_len"] = sliding_prefix_len(model, settings["prefix_len"])
+    sliding = sliding_prefix_len(model, settings["prefix_len"])
+    if args.prefix_len is None and sliding != settings["prefix_len"]:
+        settings["prefix_len"] = sliding
         print(f"{name} has sliding-window layers: profiling {settings['prefix_len']}-token prefixes, twice their "
               "window, so that they slide as in serving (--prefix-len overrides)", flush=True)
     examples, source = calibration_examples(tokenizer, args.text, settings["prefix_len"], settings["cont_len"],
