@@ -51,6 +51,7 @@ import torch
 
 from ripplekv_ext import (AdaptiveRecentSelector, Policy, RecentSnapKVSelector, RippleKVAllocator, SnapKVSelector,
                           UniformAllocator)
+from ripplekv_ext.allocation import DEFAULT_RATIO
 from ripplekv_ext.policies import DEFAULT_WINDOW
 
 from select_defaults import Scorer, cut_examples
@@ -81,6 +82,8 @@ def parse_args(argv=None):
     p.add_argument("--compare-profile", type=Path, default=None,
                    help="a second profile: adds RippleKV's default (adaptive-recent) on it as a candidate, scored "
                         "on the same prompts (KJV prompts start after both profiles' text)")
+    p.add_argument("--exponents", default=None,
+                   help="comma-separated exponents: also score RippleKV's budgets with weights s ** exponent")
     p.add_argument("--only", default=None, help="comma-separated candidate names to score (default: all)")
     p.add_argument("--retrieval", action="store_true", help="score the calibration needle grid instead of KL")
     p.add_argument("--answer-kl", action="store_true",
@@ -97,10 +100,14 @@ def parse_args(argv=None):
     try:
         args.retentions = [float(x) for x in args.retentions.split(",")]
         args.fractions = [float(x) for x in args.fractions.split(",")]
+        if args.exponents is not None:
+            args.exponents = [float(x) for x in args.exponents.split(",")]
     except ValueError:
-        p.error("--retentions and --fractions take comma-separated numbers, e.g. 0.1,0.2")
+        p.error("--retentions, --fractions and --exponents take comma-separated numbers, e.g. 0.1,0.2")
     if not all(0 < r <= 1 for r in args.retentions) or not all(0 <= f <= 1 for f in args.fractions):
         p.error("retentions must be in (0, 1] and fractions in [0, 1]")
+    if not all(0 <= e < float("inf") for e in args.exponents or []):
+        p.error(f"--exponents must be finite numbers >= 0, got {args.exponents}")
     args.splits = args.splits.split(",")
     unknown = [s for s in args.splits if s not in SPLITS]
     if unknown:
@@ -116,9 +123,10 @@ def parse_args(argv=None):
     return args
 
 
-def candidates(profile, fractions, other=None):
+def candidates(profile, fractions, other=None, exponents=()):
     """name -> policy at a retention; the published methods first ("ripplekv" is the paper's pairing, with SnapKV).
-    ``other``: (candidate name, profile) of a second profile to score RippleKV's default on."""
+    ``other``: (candidate name, profile) of a second profile to score RippleKV's default on. ``exponents``: RippleKV's
+    budgets with weights ``s ** exponent`` beside the default's, and the paper's ``R ** z`` (R = 1.75, min-max)."""
     out = {"streamingllm": lambda r: Policy.streamingllm(r), "snapkv": lambda r: Policy.snapkv(r),
            "pyramidkv": lambda r: Policy.pyramidkv(r),
            "ripplekv": lambda r: Policy.ripplekv(profile, r, selector=SnapKVSelector())}
@@ -128,6 +136,11 @@ def candidates(profile, fractions, other=None):
                                                                        RecentSnapKVSelector(f), r)
     out["uniform+adaptive-recent"] = lambda r: Policy(UniformAllocator(), AdaptiveRecentSelector(), r)
     out["ripplekv+adaptive-recent"] = lambda r: Policy(RippleKVAllocator(profile), AdaptiveRecentSelector(), r)
+    out[f"ripplekv R={DEFAULT_RATIO:g}+adaptive-recent"] = lambda r: Policy(
+        RippleKVAllocator(profile, ratio=DEFAULT_RATIO), AdaptiveRecentSelector(), r)
+    for e in exponents:
+        out[f"ripplekv s^{e:g}+adaptive-recent"] = lambda r, e=e: Policy(RippleKVAllocator(profile, exponent=e),
+                                                                        AdaptiveRecentSelector(), r)
     if other is not None:
         name, other_profile = other
         out[name] = lambda r: Policy(RippleKVAllocator(other_profile), AdaptiveRecentSelector(), r)
@@ -250,7 +263,7 @@ def main(argv=None) -> int:
     # Options left at their defaults are not part of the settings, so a file written before they existed resumes.
     settings = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()
                 if k not in ("out", "splits", "threads")
-                and not (k in ("profile", "compare_profile", "only") and v is None)
+                and not (k in ("profile", "compare_profile", "only", "exponents") and v is None)
                 and not (k in ("retrieval", "retrieval_retention") and not (args.retrieval or args.answer_kl))
                 and not (k in ("answer_kl", "answer_length") and not args.answer_kl)}
     data = {"format": FORMAT, "settings": settings, "cells": {}}
@@ -266,7 +279,7 @@ def main(argv=None) -> int:
     profile_tokens = max(p.calibration["num_examples"] * (p.calibration["prefix_len"] + p.calibration["cont_len"])
                          for p in (profile, other) if p is not None)
     compared = None if other is None else f"ripplekv+adaptive-recent ({args.compare_profile.stem})"
-    policies = candidates(profile, args.fractions, None if other is None else (compared, other))
+    policies = candidates(profile, args.fractions, None if other is None else (compared, other), args.exponents or [])
     if args.only:
         wanted = args.only.split(",")
         unknown = [name for name in wanted if name not in policies]

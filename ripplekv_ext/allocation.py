@@ -1,5 +1,10 @@
 """Per-layer KV-cache budgets: RippleKV, uniform and PyramidKV (DESIGN.md §4).
 
+RippleKV turns a sensitivity profile into weights in one of two ways: by default budgets proportional to a power
+of the sensitivity (`power_weights`, square root: chosen on calibration text of two models, docs/defaults.md), or
+DESIGN.md's `R ** z` (`ripplekv_weights`: the paper's formula, clipped to `[1/R, R]`) when a ratio or a
+normalisation is asked for.
+
 Every allocator only produces *weights*; one shared routine, `integer_budgets`, turns weights into
 integer per-layer budgets with an exact total, so all methods are compared at exactly the same memory.
 Budgets are tokens kept per KV head, observation window included. A layer whose budget is >= N is not
@@ -17,7 +22,7 @@ from ripplekv_ext.checks import check_int
 
 __all__ = [
     "average_budget", "integer_budgets", "uniform_budgets", "pyramidkv_schedule", "pyramidkv_budgets",
-    "ripplekv_weights", "ripplekv_budgets", "Allocator", "UniformAllocator", "PyramidKVAllocator",
+    "ripplekv_weights", "ripplekv_budgets", "power_weights", "power_budgets", "Allocator", "UniformAllocator", "PyramidKVAllocator",
     "RippleKVAllocator",
 ]
 
@@ -27,6 +32,11 @@ __all__ = [
 # paper's R = 1.5 z-score, 7 of 8 prompts better); at 10% the two are within noise of each other.
 DEFAULT_RATIO = 1.75
 DEFAULT_NORMALIZE = "minmax"
+# RippleKV's default weighting: budgets proportional to sensitivity ** 0.5. Unlike `R ** z` clipped to [1/R, R],
+# it can leave a layer the profile ranks far below the others almost nothing (gemma-3-270m's last global layer,
+# 7x below its first) without starving the layers in between; chosen on calibration prompts of SmolLM2 and
+# gemma-3-270m over R = 1.75 min-max and exponents 0.35-1 (docs/defaults.md, "The allocation, third round").
+DEFAULT_EXPONENT = 0.5
 
 
 def _check_finite_list(name: str, values) -> list[float]:
@@ -202,6 +212,32 @@ def ripplekv_budgets(sensitivity: Sequence[float], n_tokens: int, avg_budget: in
     return integer_budgets(weights, n_tokens, avg_budget, window, priority=sensitivity)
 
 
+def power_weights(sensitivity: Sequence[float], exponent: float = DEFAULT_EXPONENT) -> list[float]:
+    """Per-layer weights `s_l ** exponent`, rescaled to mean exactly 1 (sensitivities are >= 0).
+
+    Exponent 0 (or all-equal sensitivities) gives all-ones weights, 1 budgets proportional to the sensitivity. A
+    layer of sensitivity 0 gets weight 0: `integer_budgets` still gives it the window plus one token.
+    """
+    s = _check_finite_list("sensitivity", sensitivity)
+    if any(x < 0 for x in s):
+        raise ValueError(f"sensitivity must be >= 0 (a KL divergence is never negative), got {min(s)}")
+    if not (isinstance(exponent, (int, float)) and not isinstance(exponent, bool) and math.isfinite(exponent)
+            and exponent >= 0):
+        raise ValueError(f"exponent must be a finite number >= 0, got {exponent!r}")
+    top = max(s)
+    if top == 0 or exponent == 0:
+        return [1.0] * len(s)
+    w = [(x / top) ** exponent for x in s]  # scaled by the largest first: no overflow, no underflow of the top
+    mean = sum(w) / len(w)
+    return [x / mean for x in w]
+
+
+def power_budgets(sensitivity: Sequence[float], n_tokens: int, avg_budget: int, window: int,
+                  exponent: float = DEFAULT_EXPONENT) -> list[int]:
+    """RippleKV's default per-layer budgets: `power_weights` through the shared integer routine."""
+    return integer_budgets(power_weights(sensitivity, exponent), n_tokens, avg_budget, window, priority=sensitivity)
+
+
 class Allocator(abc.ABC):
     """How many tokens each compressible layer keeps, at a given average: the type every allocator is.
 
@@ -256,12 +292,16 @@ class RippleKVAllocator(Allocator):
     A profile may cover only some of the compressible layers: the profiled layers share their RippleKV weights
     (mean 1 among themselves) and every compressible layer the profile does not cover gets weight 1, i.e. the
     average budget, so the total stays `L_c * B_avg`. A profiled layer that is not compressible is an error.
+
+    Weights: `s ** exponent` (`power_weights`; the default, exponent `DEFAULT_EXPONENT`), or DESIGN.md's clipped
+    `R ** z` (`ripplekv_weights`) as soon as `ratio`, `normalize` or `clip` is given (the others then take
+    `DEFAULT_RATIO` / `DEFAULT_NORMALIZE` / `(1/R, R)`); giving both kinds is an error.
     """
 
     name = "ripplekv"
 
-    def __init__(self, profile_or_sensitivity, ratio: float = DEFAULT_RATIO, normalize: str = DEFAULT_NORMALIZE,
-                 clip=None):
+    def __init__(self, profile_or_sensitivity, ratio: Optional[float] = None, normalize: Optional[str] = None,
+                 clip=None, *, exponent: Optional[float] = None):
         sensitivity = getattr(profile_or_sensitivity, "sensitivity", profile_or_sensitivity)
         self.profile = profile_or_sensitivity if sensitivity is not profile_or_sensitivity else None
         values = _check_finite_list("sensitivity", sensitivity)
@@ -281,8 +321,19 @@ class RippleKVAllocator(Allocator):
         # Ascending layer order from here on; `layers` None means "the compressible layers, in order".
         self.layers = layers
         self.sensitivity = values
-        self.ratio, self.normalize, self.clip = ratio, normalize, clip
-        self.weights = ripplekv_weights(self.sensitivity, ratio, normalize, clip)  # validates the options now
+        exp_z = ratio is not None or normalize is not None or clip is not None
+        if exp_z and exponent is not None:
+            raise ValueError("pass either exponent (weights s ** exponent) or ratio / normalize / clip (weights "
+                             "R ** z), not both")
+        if exp_z:
+            self.ratio = DEFAULT_RATIO if ratio is None else ratio
+            self.normalize = DEFAULT_NORMALIZE if normalize is None else normalize
+            self.clip, self.exponent = clip, None
+            self.weights = ripplekv_weights(self.sensitivity, self.ratio, self.normalize, clip)  # validates them now
+        else:
+            self.ratio = self.normalize = self.clip = None
+            self.exponent = DEFAULT_EXPONENT if exponent is None else exponent
+            self.weights = power_weights(self.sensitivity, self.exponent)
 
     def budgets(self, num_layers: int, n_tokens: int, avg_budget: int, window: int,
                 layers: Sequence[int] | None = None) -> list[int]:
@@ -311,5 +362,6 @@ class RippleKVAllocator(Allocator):
     def __repr__(self):
         # The sensitivities' digest tells two profiles apart (a saved result is reused only for its own).
         digest = hashlib.sha256(repr((self.layers, self.sensitivity)).encode()).hexdigest()[:12]
-        return (f"RippleKVAllocator({len(self.sensitivity)} layers, ratio={self.ratio}, "
-                f"normalize={self.normalize!r}, clip={self.clip!r}, profile={digest})")
+        weighting = (f"exponent={self.exponent}" if self.exponent is not None else
+                     f"ratio={self.ratio}, normalize={self.normalize!r}, clip={self.clip!r}")
+        return f"RippleKVAllocator({len(self.sensitivity)} layers, {weighting}, profile={digest})"

@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Optional
 
-from ripplekv_ext.allocation import DEFAULT_RATIO, PyramidKVAllocator, RippleKVAllocator, UniformAllocator
+from ripplekv_ext.allocation import PyramidKVAllocator, RippleKVAllocator, UniformAllocator
 from ripplekv_ext.policies import DEFAULT_WINDOW, Policy
 from ripplekv_ext.selectors import (AdaptiveRecentSelector, H2OSelector, KeyNormSelector, RecentSnapKVSelector,
                                     SnapKVSelector, StreamingLLMSelector)
@@ -48,7 +48,7 @@ def needs_profile(method: str) -> bool:
     return check_method(method).partition("+")[0] == "ripplekv"
 
 
-def make_allocator(name: str, profile=None, ratio: float = DEFAULT_RATIO):
+def make_allocator(name: str, profile=None, ratio: Optional[float] = None):
     if name == "uniform":
         return UniformAllocator()
     if name == "pyramidkv":
@@ -60,7 +60,7 @@ def make_allocator(name: str, profile=None, ratio: float = DEFAULT_RATIO):
     raise ValueError(f"unknown allocator {name!r}: expected one of {ALLOCATORS}")
 
 
-def make_policy(method: str, retention: float, profile=None, window: int = DEFAULT_WINDOW, ratio: float = DEFAULT_RATIO,
+def make_policy(method: str, retention: float, profile=None, window: int = DEFAULT_WINDOW, ratio: Optional[float] = None,
                 decode_every: Optional[int] = None, decode_budget: Optional[int] = None) -> Policy:
     """The policy a method name stands for at ``retention`` (Full ignores the retention and the decode options).
 

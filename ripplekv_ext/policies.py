@@ -18,8 +18,8 @@ import warnings
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
-from ripplekv_ext.allocation import (DEFAULT_NORMALIZE, DEFAULT_RATIO, Allocator, PyramidKVAllocator,
-                                     RippleKVAllocator, UniformAllocator, average_budget)
+from ripplekv_ext.allocation import (Allocator, PyramidKVAllocator, RippleKVAllocator, UniformAllocator,
+                                     average_budget)
 from ripplekv_ext.checks import check_int, is_integer, shown
 from ripplekv_ext.selectors import (AdaptiveRecentSelector, H2OSelector, Selector, SnapKVSelector,
                                     StreamingLLMSelector)
@@ -204,14 +204,15 @@ class Policy:
 
     @classmethod
     def ripplekv(cls, profile_or_sensitivity, retention: float, window: int = DEFAULT_WINDOW,
-                 ratio: float = DEFAULT_RATIO, normalize: str = DEFAULT_NORMALIZE, *,
-                 selector: Optional[Selector] = None, decode_every: Optional[int] = None,
-                 decode_budget: Optional[int] = None) -> "Policy":
+                 ratio: Optional[float] = None, normalize: Optional[str] = None, *,
+                 exponent: Optional[float] = None, selector: Optional[Selector] = None,
+                 decode_every: Optional[int] = None, decode_budget: Optional[int] = None) -> "Policy":
         """RippleKV's per-layer budgets with ``selector`` inside each layer: by default ``AdaptiveRecentSelector``
         (sinks, a recent region each head sizes by its window's attention, SnapKV's scores for the rest), chosen
         on calibration text and retrieval prompts (docs/defaults.md); ``selector=SnapKVSelector()`` is the paper's
-        pairing."""
-        return cls(RippleKVAllocator(profile_or_sensitivity, ratio, normalize),
+        pairing. Budgets follow ``sensitivity ** exponent`` (square root by default), or the paper's clipped
+        ``R ** z`` when ``ratio`` or ``normalize`` is given (``RippleKVAllocator``)."""
+        return cls(RippleKVAllocator(profile_or_sensitivity, ratio, normalize, exponent=exponent),
                    DEFAULT_RIPPLEKV_SELECTOR() if selector is None else selector, retention, window, decode_every,
                    decode_budget)
 

@@ -7,9 +7,10 @@ import types
 import pytest
 from hypothesis import assume, given, settings, strategies as st
 
-from ripplekv_ext.allocation import (PyramidKVAllocator, RippleKVAllocator, UniformAllocator, average_budget,
-                                     integer_budgets, pyramidkv_budgets, pyramidkv_schedule, ripplekv_budgets,
-                                     ripplekv_weights, uniform_budgets)
+from ripplekv_ext.allocation import (DEFAULT_EXPONENT, DEFAULT_RATIO, PyramidKVAllocator, RippleKVAllocator,
+                                     UniformAllocator, average_budget, integer_budgets, power_budgets, power_weights,
+                                     pyramidkv_budgets, pyramidkv_schedule, ripplekv_budgets, ripplekv_weights,
+                                     uniform_budgets)
 
 sensitivities = st.lists(st.floats(0.0, 10.0, allow_nan=False, allow_infinity=False), min_size=1, max_size=40)
 
@@ -175,6 +176,68 @@ def test_ripplekv_weights_errors(kwargs, match):
         ripplekv_weights(**args)
 
 
+# ---- RippleKV's default weights: a power of the sensitivity ------------------------------------------
+
+def test_power_weights_known_values():
+    # Square roots of [1, 4, 9] are [1, 2, 3], mean 2.
+    assert power_weights([1, 4, 9]) == pytest.approx([0.5, 1.0, 1.5], rel=1e-12)
+    assert power_weights([1, 4, 9], exponent=1) == pytest.approx([3 / 14, 12 / 14, 27 / 14], rel=1e-12)
+    assert power_weights([1, 4, 9], exponent=0) == [1.0, 1.0, 1.0]
+    assert power_weights([0.3] * 5) == [1.0] * 5 and power_weights([0.0, 0.0]) == [1.0, 1.0]
+    # A layer of sensitivity 0 gets weight 0, and still the window plus one token.
+    assert power_weights([0.0, 1.0]) == [0.0, 2.0]
+    assert power_budgets([0.0, 1.0], 1000, 100, 8) == [9, 191]
+    # Scores far from 1 neither overflow nor underflow: only their ratios count.
+    assert power_weights([1e300, 4e300]) == pytest.approx(power_weights([1e-300, 4e-300]), rel=1e-12)
+    assert power_weights([1e300, 4e300]) == pytest.approx([2 / 3, 4 / 3], rel=1e-12)
+
+
+def test_power_budgets_on_gemma_profile_starve_the_least_sensitive_layer():
+    # gemma-3-270m's shipped Fisher sensitivities (layers 5, 11, 17) at 30% of 1,024 tokens: the square root gives
+    # the last layer about half the average, where R ** z at R = 1.75 cannot go below 1/R of it.
+    s = [4.5968e-4, 2.7216e-4, 6.5511e-5]
+    budgets = power_budgets(s, 1024, 307, 32)
+    assert sum(budgets) == 3 * 307 and budgets[0] > budgets[1] > budgets[2]
+    assert budgets == [429, 330, 162]
+    assert budgets[2] < 0.55 * 307 and ripplekv_budgets(s, 1024, 307, 32)[2] == int(307 / DEFAULT_RATIO)
+    # The weights are sqrt(s) over their mean, to the budgets' rounding.
+    root = [x ** 0.5 for x in s]
+    assert budgets == pytest.approx([3 * 307 * r / sum(root) for r in root], abs=1)
+
+
+@settings(max_examples=200, deadline=None)
+@given(sensitivities, st.floats(0.0, 2.0), st.integers(1, 64), st.integers(100, 8000), st.floats(0.05, 1.0))
+def test_power_budgets_properties(s, exponent, window, n, retention):
+    w = power_weights(s, exponent)
+    assert math.isclose(sum(w) / len(w), 1.0, rel_tol=1e-9)
+    avg = average_budget(retention, n)
+    assume(avg >= window + 1)
+    budgets = power_budgets(s, n, avg, window, exponent)
+    if n <= avg:
+        assert budgets == [n] * len(s)
+        return
+    assert sum(budgets) == len(s) * avg
+    assert all(min(n, window + 1) <= b <= n for b in budgets)
+    for i in range(len(s)):
+        for j in range(len(s)):
+            if s[i] > s[j]:
+                assert budgets[i] >= budgets[j]
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(sensitivity=[1, float("nan")]), "sensitivity must be finite, got nan at index 1"),
+    (dict(sensitivity=[1, -2]), "sensitivity must be >= 0"),
+    (dict(sensitivity=[]), "sensitivity must not be empty"),
+    (dict(exponent=-0.5), "exponent must be a finite number >= 0, got -0.5"),
+    (dict(exponent=float("inf")), "exponent must be a finite number >= 0"),
+    (dict(exponent="0.5"), "exponent must be a finite number >= 0"),
+    (dict(exponent=True), "exponent must be a finite number >= 0"),
+])
+def test_power_weights_errors(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        power_weights(**(dict(sensitivity=[1, 2, 3]) | kwargs))
+
+
 # ---- PyramidKV ------------------------------------------------------------------------------------
 
 def test_pyramidkv_schedule_worked_examples():
@@ -207,11 +270,25 @@ def test_allocator_classes():
     p = PyramidKVAllocator()
     assert p.name == "pyramidkv" and p.budgets(4, 1000, 128, 32) == [219, 158, 98, 37]
     r = RippleKVAllocator([1.0, 2.0, 3.0])
-    assert r.name == "ripplekv" and r.budgets(3, 1000, 100, 8) == ripplekv_budgets([1, 2, 3], 1000, 100, 8)
-    # Anything with a `sensitivity` list works as a profile.
+    assert r.name == "ripplekv" and r.budgets(3, 1000, 100, 8) == power_budgets([1, 2, 3], 1000, 100, 8)
+    assert r.exponent == DEFAULT_EXPONENT and r.ratio is None
+    assert RippleKVAllocator([1.0, 2.0, 3.0], exponent=1).budgets(3, 1000, 100, 8) == \
+        power_budgets([1, 2, 3], 1000, 100, 8, exponent=1)
+    # Anything with a `sensitivity` list works as a profile. A ratio, a normalisation or a clip asks for R ** z,
+    # the others at their defaults.
     profile = types.SimpleNamespace(sensitivity=[3.0, 2.0, 1.0])
     assert RippleKVAllocator(profile, ratio=2).budgets(3, 1000, 100, 8) == ripplekv_budgets([3, 2, 1], 1000, 100, 8,
                                                                                             ratio=2)
+    assert RippleKVAllocator(profile, normalize="zscore").budgets(3, 1000, 100, 8) == \
+        ripplekv_budgets([3, 2, 1], 1000, 100, 8, normalize="zscore")
+    assert RippleKVAllocator(profile, clip=False).budgets(3, 1000, 100, 8) == \
+        ripplekv_budgets([3, 2, 1], 1000, 100, 8, clip=False)
+    # The weighting is part of the repr (saved results are reused only for their own policy).
+    assert "exponent=0.5" in repr(r) and "ratio=2, normalize='minmax'" in repr(RippleKVAllocator(profile, ratio=2))
+    with pytest.raises(ValueError, match="pass either exponent .* or ratio / normalize / clip"):
+        RippleKVAllocator(profile, ratio=2, exponent=1)
+    with pytest.raises(ValueError, match="exponent must be a finite number >= 0"):
+        RippleKVAllocator(profile, exponent=-1)
     # Every layer keeps everything when N <= avg budget.
     assert r.budgets(3, 80, 100, 8) == [80] * 3
 

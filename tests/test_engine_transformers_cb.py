@@ -10,7 +10,7 @@ import torch
 
 import ripplekv_ext
 from ripplekv_ext import Policy
-from ripplekv_ext.allocation import RippleKVAllocator, UniformAllocator, average_budget, ripplekv_budgets
+from ripplekv_ext.allocation import RippleKVAllocator, UniformAllocator, average_budget, power_budgets
 from ripplekv_ext.engines import TieredAllocator, tier_counts
 from ripplekv_ext.eval.models import tiny_model
 
@@ -237,7 +237,7 @@ def test_block_diagonal_mask_is_each_requests_end_aligned_causal_mask(q_lengths,
 @pytest.mark.parametrize("n_tokens, retention", [(1000, 0.2), (333, 0.1), (4096, 0.3)])
 def test_tiered_budgets_keep_the_total_and_the_extremes(n_tokens, retention):
     avg = average_budget(retention, n_tokens)
-    exact = ripplekv_budgets(SENSITIVITY, n_tokens, avg, WINDOW)
+    exact = power_budgets(SENSITIVITY, n_tokens, avg, WINDOW)
     for tiers in tier_counts(NUM_LAYERS):
         budgets = TieredAllocator(RippleKVAllocator(SENSITIVITY), tiers).budgets(NUM_LAYERS, n_tokens, avg, WINDOW)
         assert sum(budgets) == NUM_LAYERS * avg

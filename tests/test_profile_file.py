@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from api_tables import Case, INF, table_tests
-from ripplekv_ext.allocation import RippleKVAllocator, ripplekv_budgets
+from ripplekv_ext.allocation import RippleKVAllocator, power_budgets
 from ripplekv_ext.eval.models import tiny_model
 from ripplekv_ext.profile_file import (FORMAT_NAME, FORMAT_VERSION, Profile, ProfileError, describe_model,
                                        load_profile, save_profile)
@@ -45,7 +45,7 @@ def test_round_trip(profile, model, tmp_path):
     assert data["model"]["architecture"] == "LlamaForCausalLM" and data["model"]["head_dim"] == 16
     assert len(data["stderr"]) == len(data["sensitivity"]) == 4
     # A loaded profile drives the allocator.
-    assert RippleKVAllocator(loaded).budgets(4, 1000, 100, 8) == ripplekv_budgets(profile.sensitivity, 1000, 100, 8)
+    assert RippleKVAllocator(loaded).budgets(4, 1000, 100, 8) == power_budgets(profile.sensitivity, 1000, 100, 8)
     # Atomic write: nothing but the file itself is left in the folder.
     assert [p.name for p in tmp_path.iterdir()] == ["p.json"]
 
