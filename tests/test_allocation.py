@@ -146,12 +146,17 @@ def test_ratio_one_and_equal_scores_are_uniform(normalize):
     assert ripplekv_budgets([0.3] * 30, 4096, 819, 32, normalize=normalize) == [819] * 30
 
 
-@settings(max_examples=200, deadline=None)
-@given(sensitivities, st.integers(1, 64), st.integers(100, 8000), st.floats(0.05, 1.0))
-def test_ripplekv_budgets_properties(s, window, n, retention):
+@settings(max_examples=300, deadline=None)
+@given(sensitivities, st.integers(1, 64), st.integers(100, 8000), st.floats(0.05, 1.0), st.booleans(),
+       st.floats(0.0, 2.0))
+def test_ripplekv_budgets_properties(s, window, n, retention, power, exponent):
+    """Both weightings (R ** z, and s ** exponent): the exact total, the bounds, budgets monotone in sensitivity."""
+    if power:
+        w = power_weights(s, exponent)
+        assert math.isclose(sum(w) / len(w), 1.0, rel_tol=1e-9)
     avg = average_budget(retention, n)
     assume(avg >= window + 1)
-    budgets = ripplekv_budgets(s, n, avg, window)
+    budgets = power_budgets(s, n, avg, window, exponent) if power else ripplekv_budgets(s, n, avg, window)
     if n <= avg:
         assert budgets == [n] * len(s)
         return
@@ -203,25 +208,6 @@ def test_power_budgets_on_gemma_profile_starve_the_least_sensitive_layer():
     # The weights are sqrt(s) over their mean, to the budgets' rounding.
     root = [x ** 0.5 for x in s]
     assert budgets == pytest.approx([3 * 307 * r / sum(root) for r in root], abs=1)
-
-
-@settings(max_examples=200, deadline=None)
-@given(sensitivities, st.floats(0.0, 2.0), st.integers(1, 64), st.integers(100, 8000), st.floats(0.05, 1.0))
-def test_power_budgets_properties(s, exponent, window, n, retention):
-    w = power_weights(s, exponent)
-    assert math.isclose(sum(w) / len(w), 1.0, rel_tol=1e-9)
-    avg = average_budget(retention, n)
-    assume(avg >= window + 1)
-    budgets = power_budgets(s, n, avg, window, exponent)
-    if n <= avg:
-        assert budgets == [n] * len(s)
-        return
-    assert sum(budgets) == len(s) * avg
-    assert all(min(n, window + 1) <= b <= n for b in budgets)
-    for i in range(len(s)):
-        for j in range(len(s)):
-            if s[i] > s[j]:
-                assert budgets[i] >= budgets[j]
 
 
 @pytest.mark.parametrize("kwargs, match", [
