@@ -22,12 +22,13 @@ from ripplekv_ext.checks import check_int
 
 __all__ = [
     "average_budget", "integer_budgets", "uniform_budgets", "pyramidkv_schedule", "pyramidkv_budgets",
-    "ripplekv_weights", "ripplekv_budgets", "power_weights", "power_budgets", "Allocator", "UniformAllocator", "PyramidKVAllocator",
-    "RippleKVAllocator",
+    "ripplekv_weights", "ripplekv_budgets", "power_weights", "power_budgets", "Allocator", "UniformAllocator",
+    "PyramidKVAllocator", "RippleKVAllocator",
 ]
 
-# RippleKV's defaults, in one place: the budget ratio between the most and the least sensitive layer (R) and the
-# normalisation of the sensitivities. Chosen from data (docs/defaults.md): R = 1.75 with min-max, selected on
+# The defaults of DESIGN.md's `R ** z` weighting (used when a ratio or a normalisation is asked for): the budget ratio
+# between the most and the least sensitive layer (R) and the normalisation of the sensitivities. Chosen from data
+# (docs/defaults.md) when `R ** z` was RippleKV's default: R = 1.75 with min-max, selected on
 # calibration text and confirmed on 8 held-out SmolLM2 prompts at 20% retention (KL -0.013 nats against the
 # paper's R = 1.5 z-score, 7 of 8 prompts better); at 10% the two are within noise of each other.
 DEFAULT_RATIO = 1.75
@@ -321,11 +322,11 @@ class RippleKVAllocator(Allocator):
         # Ascending layer order from here on; `layers` None means "the compressible layers, in order".
         self.layers = layers
         self.sensitivity = values
-        exp_z = ratio is not None or normalize is not None or clip is not None
-        if exp_z and exponent is not None:
+        r_pow_z = ratio is not None or normalize is not None or clip is not None
+        if r_pow_z and exponent is not None:
             raise ValueError("pass either exponent (weights s ** exponent) or ratio / normalize / clip (weights "
                              "R ** z), not both")
-        if exp_z:
+        if r_pow_z:
             self.ratio = DEFAULT_RATIO if ratio is None else ratio
             self.normalize = DEFAULT_NORMALIZE if normalize is None else normalize
             self.clip, self.exponent = clip, None

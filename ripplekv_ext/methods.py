@@ -60,10 +60,12 @@ def make_allocator(name: str, profile=None, ratio: Optional[float] = None):
     raise ValueError(f"unknown allocator {name!r}: expected one of {ALLOCATORS}")
 
 
-def make_policy(method: str, retention: float, profile=None, window: int = DEFAULT_WINDOW, ratio: Optional[float] = None,
-                decode_every: Optional[int] = None, decode_budget: Optional[int] = None) -> Policy:
+def make_policy(method: str, retention: float, profile=None, window: int = DEFAULT_WINDOW,
+                ratio: Optional[float] = None, decode_every: Optional[int] = None,
+                decode_budget: Optional[int] = None) -> Policy:
     """The policy a method name stands for at ``retention`` (Full ignores the retention and the decode options).
 
+    ``ratio``: RippleKV's budgets by the paper's ``R ** z`` with this R instead of the default square root.
     ``decode_every``/``decode_budget``: compression during decoding (``Policy``), off by default.
     """
     name = check_method(method)

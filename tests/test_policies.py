@@ -11,7 +11,8 @@ import torch
 import ripplekv_ref
 from api_tables import Case, INF, NAN, table_tests
 from ripplekv_ext import KVCompressor
-from ripplekv_ext.allocation import PyramidKVAllocator, RippleKVAllocator, UniformAllocator, average_budget
+from ripplekv_ext.allocation import (PyramidKVAllocator, RippleKVAllocator, UniformAllocator, average_budget,
+                                     power_budgets, ripplekv_budgets)
 from ripplekv_ext.policies import DEFAULT_WINDOW, Policy, PromptTooShortWarning
 from ripplekv_ext.selectors import H2OSelector, SnapKVSelector, StreamingLLMSelector
 
@@ -82,6 +83,15 @@ def test_named_constructors_pair_as_published():
     assert Policy.h2o(0.3).name == "uniform+h2o@0.3"
     assert Policy.streamingllm(0.3).name == "uniform+streamingllm@0.3"
     assert Policy.snapkv(0.2).window == DEFAULT_WINDOW
+
+
+def test_ripplekv_weighting_options_reach_the_allocator():
+    sensitivity = [0.1, 0.9, 0.3, 0.5]
+    assert Policy.ripplekv(sensitivity, 0.2, window=8).layer_budgets(4, 400) == power_budgets(sensitivity, 400, 80, 8)
+    assert Policy.ripplekv(sensitivity, 0.2, window=8, exponent=1).layer_budgets(4, 400) == \
+        power_budgets(sensitivity, 400, 80, 8, exponent=1)
+    assert Policy.ripplekv(sensitivity, 0.2, window=8, ratio=1.5, normalize="zscore").layer_budgets(4, 400) == \
+        ripplekv_budgets(sensitivity, 400, 80, 8, ratio=1.5, normalize="zscore")
 
 
 def test_ripplekv_budgets_follow_the_profile():
@@ -247,6 +257,10 @@ BAD_INPUTS = [
          "ratio must be a finite number >= 1"),
     Case("ripplekv ratio nan", lambda c: Policy.ripplekv([1.0, 2.0], 0.2, ratio=NAN), ValueError,
          "ratio must be a finite number >= 1"),
+    Case("ripplekv exponent nan", lambda c: Policy.ripplekv([1.0, 2.0], 0.2, exponent=NAN), ValueError,
+         "exponent must be a finite number >= 0"),
+    Case("ripplekv ratio and exponent", lambda c: Policy.ripplekv([1.0, 2.0], 0.2, ratio=2, exponent=1), ValueError,
+         "pass either exponent"),
     Case("layer_budgets n_tokens 0", lambda c: Policy.snapkv(0.2).layer_budgets(4, 0), ValueError,
          "n_tokens must be an integer >= 1, got 0"),
     Case("layer_budgets n_tokens 2.5", lambda c: Policy.snapkv(0.2).layer_budgets(4, 2.5), ValueError,
