@@ -53,6 +53,16 @@ def _check_finite_list(name: str, values) -> list[float]:
     return out
 
 
+def _check_sensitivity(values) -> list[float]:
+    """Sensitivities as floats: finite and >= 0 (each is a KL divergence)."""
+    out = _check_finite_list("sensitivity", values)
+    negative = [(i, v) for i, v in enumerate(out) if v < 0]
+    if negative:
+        raise ValueError(f"sensitivity must be >= 0 (a KL divergence is never negative), got {negative[0][1]} "
+                         f"at index {negative[0][0]}")
+    return out
+
+
 def average_budget(retention: float, n_tokens: int) -> int:
     """Average per-layer budget `round(retention * N)` for retention in (0, 1]."""
     if not (isinstance(retention, (int, float)) and 0.0 < float(retention) <= 1.0):
@@ -219,9 +229,7 @@ def power_weights(sensitivity: Sequence[float], exponent: float = DEFAULT_EXPONE
     Exponent 0 (or all-equal sensitivities) gives all-ones weights, 1 budgets proportional to the sensitivity. A
     layer of sensitivity 0 gets weight 0: `integer_budgets` still gives it the window plus one token.
     """
-    s = _check_finite_list("sensitivity", sensitivity)
-    if any(x < 0 for x in s):
-        raise ValueError(f"sensitivity must be >= 0 (a KL divergence is never negative), got {min(s)}")
+    s = _check_sensitivity(sensitivity)
     if not (isinstance(exponent, (int, float)) and not isinstance(exponent, bool) and math.isfinite(exponent)
             and exponent >= 0):
         raise ValueError(f"exponent must be a finite number >= 0, got {exponent!r}")
@@ -305,11 +313,7 @@ class RippleKVAllocator(Allocator):
                  clip=None, *, exponent: Optional[float] = None):
         sensitivity = getattr(profile_or_sensitivity, "sensitivity", profile_or_sensitivity)
         self.profile = profile_or_sensitivity if sensitivity is not profile_or_sensitivity else None
-        values = _check_finite_list("sensitivity", sensitivity)
-        negative = [(i, v) for i, v in enumerate(values) if v < 0]
-        if negative:
-            raise ValueError(f"sensitivity must be >= 0 (a KL divergence is never negative), got {negative[0][1]} "
-                             f"at index {negative[0][0]}")
+        values = _check_sensitivity(sensitivity)
         layers = getattr(self.profile, "layers", None)
         if layers is not None:
             layers = [int(x) for x in layers]
