@@ -136,6 +136,9 @@ def candidates(profile, fractions, other=None, exponents=()):
                                                                        RecentSnapKVSelector(f), r)
     out["uniform+adaptive-recent"] = lambda r: Policy(UniformAllocator(), AdaptiveRecentSelector(), r)
     out["ripplekv+adaptive-recent"] = lambda r: Policy(RippleKVAllocator(profile), AdaptiveRecentSelector(), r)
+    # SnapKV's other pooling: averaged scores favour contiguous spans over isolated peaks (docs/defaults.md).
+    out["ripplekv+adaptive-recent avg"] = lambda r: Policy(RippleKVAllocator(profile),
+                                                          AdaptiveRecentSelector(pooling="avg"), r)
     out[f"ripplekv R={DEFAULT_RATIO:g}+adaptive-recent"] = lambda r: Policy(
         RippleKVAllocator(profile, ratio=DEFAULT_RATIO), AdaptiveRecentSelector(), r)
     for e in exponents:
