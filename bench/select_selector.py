@@ -49,8 +49,8 @@ from pathlib import Path
 
 import torch
 
-from ripplekv_ext import (AdaptiveRecentSelector, Policy, RecentSnapKVSelector, RippleKVAllocator, SnapKVSelector,
-                          UniformAllocator)
+from ripplekv_ext import (AdaptiveRecentSelector, PeakSpanSelector, Policy, RecentSnapKVSelector, RippleKVAllocator,
+                          SnapKVSelector, UniformAllocator)
 from ripplekv_ext.allocation import DEFAULT_RATIO
 from ripplekv_ext.policies import DEFAULT_WINDOW
 
@@ -139,6 +139,8 @@ def candidates(profile, fractions, other=None, exponents=()):
     # SnapKV's other pooling: averaged scores favour contiguous spans over isolated peaks (docs/defaults.md).
     out["ripplekv+adaptive-recent avg"] = lambda r: Policy(RippleKVAllocator(profile),
                                                           AdaptiveRecentSelector(pooling="avg"), r)
+    # Half the scored slots to max-pooled peaks, half to averaged spans (PeakSpanSelector, docs/defaults.md).
+    out["ripplekv+peak-span"] = lambda r: Policy(RippleKVAllocator(profile), PeakSpanSelector(), r)
     out[f"ripplekv R={DEFAULT_RATIO:g}+adaptive-recent"] = lambda r: Policy(
         RippleKVAllocator(profile, ratio=DEFAULT_RATIO), AdaptiveRecentSelector(), r)
     for e in exponents:

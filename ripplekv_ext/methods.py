@@ -12,8 +12,8 @@ from typing import Optional
 
 from ripplekv_ext.allocation import PyramidKVAllocator, RippleKVAllocator, UniformAllocator
 from ripplekv_ext.policies import DEFAULT_WINDOW, Policy
-from ripplekv_ext.selectors import (AdaptiveRecentSelector, H2OSelector, KeyNormSelector, RecentSnapKVSelector,
-                                    SnapKVSelector, StreamingLLMSelector)
+from ripplekv_ext.selectors import (AdaptiveRecentSelector, H2OSelector, KeyNormSelector, PeakSpanSelector,
+                                    RecentSnapKVSelector, SnapKVSelector, StreamingLLMSelector)
 
 __all__ = ["PUBLISHED", "DEFAULT_METHODS", "ALLOCATORS", "SELECTORS", "check_method", "is_full", "needs_profile",
            "make_allocator", "make_policy"]
@@ -24,6 +24,7 @@ PUBLISHED = {"streamingllm": Policy.streamingllm, "h2o": Policy.h2o, "snapkv": P
 DEFAULT_METHODS = ("full", *PUBLISHED)
 ALLOCATORS = ("uniform", "pyramidkv", "ripplekv")
 SELECTORS = {"snapkv": SnapKVSelector, "recent-snapkv": RecentSnapKVSelector, "adaptive-recent": AdaptiveRecentSelector,
+             "peak-span": PeakSpanSelector,
              "keynorm": KeyNormSelector, "h2o": H2OSelector, "streamingllm": StreamingLLMSelector}
 
 

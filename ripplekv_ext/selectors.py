@@ -20,11 +20,15 @@ from ripplekv_ext.checks import check_int
 from ripplekv_ext.ops import h2o_scores, select_topk, select_topk_rows, snapkv_scores, streaming_indices
 
 __all__ = ["Selector", "ScoredSelector", "SnapKVSelector", "RecentSnapKVSelector", "AdaptiveRecentSelector",
-           "KeyNormSelector", "H2OSelector", "StreamingLLMSelector", "DEFAULT_RECENT_FRACTION"]
+           "PeakSpanSelector", "KeyNormSelector", "H2OSelector", "StreamingLLMSelector", "DEFAULT_RECENT_FRACTION",
+           "DEFAULT_PEAK_SHARE"]
 
 # The share of a layer's slots beyond the window and the sinks that RecentSnapKVSelector keeps for the most recent
 # positions: chosen on calibration text of two domains at 10, 20 and 30% retention (docs/defaults.md).
 DEFAULT_RECENT_FRACTION = 0.75
+# The share of PeakSpanSelector's scored slots that go to max-pooled peaks (the rest to averaged spans): chosen on
+# calibration text and retrieval prompts of both models (docs/defaults.md).
+DEFAULT_PEAK_SHARE = 0.5
 
 
 def _check_choice(name: str, value, choices: tuple) -> None:
@@ -234,6 +238,68 @@ class AdaptiveRecentSelector(SnapKVSelector):
 
     def __repr__(self):
         return (f"AdaptiveRecentSelector(sink={self.sink}, kernel_size={self.kernel_size}, pooling={self.pooling!r}, "
+                f"group_reduce={self.group_reduce!r})")
+
+
+class PeakSpanSelector(AdaptiveRecentSelector):
+    """``AdaptiveRecentSelector``'s sinks and recent region, with the scored slots split between isolated peaks and
+    contiguous spans: of a head's slots left after the sinks and its recent region, ``floor(peak_share * slots)``
+    go to the best SnapKV scores max-pooled (SnapKV's: an isolated peak, such as a passkey, keeps its height), the
+    rest to the best scores average-pooled over the same ``kernel_size`` (a run of tokens a continuation reads
+    together outranks one token between unread ones). The recent region is sized from the max-pooled scores.
+
+    Averaged scores alone fit running text better but divide a passkey's lone peak by up to ``kernel_size``, below
+    a filler span's even scores; max pooling alone spends slots on lone peaks a continuation does not read. Both
+    ``peak_share`` and the split were chosen on calibration prompts (docs/defaults.md).
+    """
+
+    name = "peak-span"
+
+    def __init__(self, peak_share: float = DEFAULT_PEAK_SHARE, sink: int = 4, kernel_size: int = 7,
+                 group_reduce: str = "mean"):
+        super().__init__(sink, kernel_size, "max", group_reduce)
+        if isinstance(peak_share, bool) or not (isinstance(peak_share, (int, float)) and 0.0 <= peak_share <= 1.0):
+            raise ValueError(f"peak_share must be a number in [0, 1], got {peak_share!r}")
+        self.peak_share = float(peak_share)
+
+    def _split(self, peaks: Tensor, spans: Tensor, free: Tensor, start: Tensor) -> Tensor:
+        """Scores ``[B, H_kv, P]`` for ``select_topk``: the protected positions and each head's peaks at ``+inf``,
+        every other position at its span score."""
+        protected = self._protect(peaks, free, start).isposinf()  # scores are finite or -inf (pads)
+        slots = (free[:, None] - protected.sum(-1)).clamp(min=0)
+        n_peaks = torch.floor(self.peak_share * slots.double()).long()  # [B, H_kv]
+        # Rank of each unprotected position by its peak score; a stable sort gives ties to the lower position.
+        order = torch.sort(peaks.masked_fill(protected, -math.inf), dim=-1, descending=True, stable=True).indices
+        rank = torch.empty_like(order).scatter_(-1, order, torch.arange(order.shape[-1], device=order.device)
+                                                .expand_as(order))
+        return spans.masked_fill(protected | (rank < n_peaks[..., None]), math.inf)
+
+    def _span_scores(self, queries: Tensor, keys: Tensor, window: int, scale: Optional[float],
+                     lengths: Optional[Tensor] = None) -> Tensor:
+        return snapkv_scores(queries[:, :, -window:], keys, kernel_size=self.kernel_size, pooling="avg",
+                             group_reduce=self.group_reduce, scale=scale, lengths=lengths)
+
+    def select(self, queries: Tensor, keys: Tensor, budget: int, window: int,
+               scale: Optional[float] = None) -> Tensor:
+        peaks = self.score(queries, keys, window, scale)
+        b = peaks.shape[0]
+        free = torch.full((b,), max(budget - window, 0), dtype=torch.int64, device=peaks.device)
+        start = torch.zeros(b, dtype=torch.int64, device=peaks.device)
+        spans = self._span_scores(queries, keys, window, scale)
+        return select_topk(self._split(peaks, spans, free, start), budget, window)
+
+    def select_rows(self, queries: Tensor, keys: Tensor, budgets: Tensor, lengths: Tensor, window: int,
+                    scale: Optional[float] = None) -> Tensor:
+        peaks = self.score(queries, keys, window, scale, lengths)
+        free = (budgets.to(peaks.device) - window).clamp(min=0)
+        start = keys.shape[2] - lengths.to(peaks.device)
+        spans = self._span_scores(queries, keys, window, scale, lengths)
+        # Pad positions score -inf in both: never protected, never a peak (a row's real positions outnumber its
+        # slots whenever it is compressed), never kept.
+        return select_topk_rows(self._split(peaks, spans, free, start), budgets, window, lengths)
+
+    def __repr__(self):
+        return (f"PeakSpanSelector(peak_share={self.peak_share:g}, sink={self.sink}, kernel_size={self.kernel_size}, "
                 f"group_reduce={self.group_reduce!r})")
 
 

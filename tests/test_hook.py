@@ -25,8 +25,9 @@ from ripplekv_ext.allocation import average_budget
 from ripplekv_ext.eval.models import TINY_ARCHS, tiny_model
 from ripplekv_ext.model_info import compressible_layers
 from ripplekv_ext.policies import PromptTooShortWarning
-from ripplekv_ext.selectors import AdaptiveRecentSelector, H2OSelector, RecentSnapKVSelector, SnapKVSelector
-from ripplekv_ref.selectors import adaptive_recent_select, recent_snapkv_select
+from ripplekv_ext.selectors import (AdaptiveRecentSelector, H2OSelector, PeakSpanSelector, RecentSnapKVSelector,
+                                    SnapKVSelector)
+from ripplekv_ref.selectors import adaptive_recent_select, peak_span_select, recent_snapkv_select
 
 transformers = pytest.importorskip("transformers")
 from transformers import AttentionInterface  # noqa: E402
@@ -84,6 +85,9 @@ def _reference_indices(policy, query, key, budget, scaling):
         selector = policy.selector
         return recent_snapkv_select(query[:, :, -w:], key, budget, w, selector.recent_fraction, selector.sink,
                                     scale=scaling)
+    if isinstance(policy.selector, PeakSpanSelector):
+        selector = policy.selector
+        return peak_span_select(query[:, :, -w:], key, budget, w, selector.peak_share, selector.sink, scale=scaling)
     if isinstance(policy.selector, AdaptiveRecentSelector):
         return adaptive_recent_select(query[:, :, -w:], key, budget, w, policy.selector.sink, scale=scaling)
     if isinstance(policy.selector, SnapKVSelector):

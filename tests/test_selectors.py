@@ -1,5 +1,5 @@
 """The selectors (ripplekv_ext.selectors) on their own: hand-worked selections and what each needs of its queries;
-RecentSnapKVSelector, AdaptiveRecentSelector and KeyNormSelector against their references (ripplekv_ref.selectors, written position by
+RecentSnapKVSelector, AdaptiveRecentSelector, PeakSpanSelector and KeyNormSelector against their references (ripplekv_ref.selectors, written position by
 position) and against independent facts. Every selector under every allocator, against the reference ops:
 test_policies.py."""
 
@@ -11,11 +11,12 @@ import torch
 from ripplekv_ext import KVCompressor, Policy, UniformAllocator
 from ripplekv_ext.methods import make_policy
 from ripplekv_ext.ops import streaming_indices
-from ripplekv_ext.selectors import (AdaptiveRecentSelector, H2OSelector, KeyNormSelector, RecentSnapKVSelector,
-                                    SnapKVSelector, StreamingLLMSelector)
+from ripplekv_ext.selectors import (AdaptiveRecentSelector, H2OSelector, KeyNormSelector, PeakSpanSelector,
+                                    RecentSnapKVSelector, SnapKVSelector, StreamingLLMSelector)
 from ripplekv_ref import select_topk, select_topk_rows
 from ripplekv_ref.selectors import (adaptive_recent_select, adaptive_recent_select_rows, key_norm_scores,
-                                   recent_snapkv_select, recent_snapkv_select_rows)
+                                   peak_span_select, peak_span_select_rows, recent_snapkv_select,
+                                   recent_snapkv_select_rows)
 from test_policies import _qkv
 
 
@@ -202,6 +203,55 @@ def test_adaptive_through_a_policy_and_its_options():
                            ({"pooling": "min"}, "pooling must be one of")):
         with pytest.raises((ValueError, TypeError), match=match):
             AdaptiveRecentSelector(**options)
+
+
+# ---- PeakSpanSelector: AdaptiveRecent's protection, then max-pooled peaks and average-pooled spans ---------------
+
+@pytest.mark.parametrize("budget", [RECENT_WINDOW, RECENT_WINDOW + 1, RECENT_WINDOW + 3, 20, 47, 95])
+@pytest.mark.parametrize("peak_share", [0.0, 0.5, 0.8, 1.0])
+@pytest.mark.parametrize("sharpness", [0.5, 3.0])
+def test_peak_span_select_matches_the_reference(budget, peak_share, sharpness):
+    q, k = _inputs(seed=budget)
+    q = q * sharpness
+    got = PeakSpanSelector(peak_share, sink=4).select(q, k, budget, RECENT_WINDOW)
+    assert torch.equal(got, peak_span_select(q, k, budget, RECENT_WINDOW, peak_share, sink=4))
+
+
+@pytest.mark.parametrize("budget", [20, 47])
+def test_peak_span_at_its_ends_is_the_adaptive_selector_or_averaged_snapkv(budget):
+    q, k = _inputs(seed=3)
+    # Every scored slot a peak: AdaptiveRecentSelector's selection, position for position.
+    assert torch.equal(PeakSpanSelector(1.0).select(q, k, budget, RECENT_WINDOW),
+                       AdaptiveRecentSelector().select(q, k, budget, RECENT_WINDOW))
+    # No peaks, no sinks, and a window that reads only far back (no recent region): SnapKV with averaged scores.
+    far_q, far_k = _window_reading(list(range(30, 40)))
+    assert torch.equal(PeakSpanSelector(0.0, sink=0).select(far_q, far_k, budget, RECENT_WINDOW),
+                       SnapKVSelector(pooling="avg").select(far_q, far_k, budget, RECENT_WINDOW))
+
+
+def test_peak_span_select_rows_matches_the_reference_for_a_left_padded_batch():
+    lengths = torch.tensor([96, 70, 9, 0, 40, 25])
+    budgets = torch.tensor([30, 30, 30, 30, 12, 25])
+    q, k = _inputs(batch=len(lengths), seed=12)
+    selector = PeakSpanSelector(0.5, sink=4)
+    got = selector.select_rows(q * 2, k, budgets, lengths, RECENT_WINDOW)
+    assert torch.equal(got, peak_span_select_rows(q * 2, k, budgets, lengths, RECENT_WINDOW, 0.5, 4))
+    for row in (0, 1, 4):  # a row alone gives its own selection
+        n = int(lengths[row])
+        alone = selector.select(q[row:row + 1] * 2, k[row:row + 1, :, 96 - n:], int(budgets[row]),
+                                RECENT_WINDOW) + 96 - n
+        assert torch.equal(got[row:row + 1, :, got.shape[2] - alone.shape[2]:], alone)
+
+
+def test_peak_span_through_a_policy_and_its_options():
+    policy = make_policy("ripplekv+peak-span", 0.25, window=RECENT_WINDOW, profile=[1.0, 2.0, 3.0])
+    assert isinstance(policy.selector, PeakSpanSelector) and policy.name == "ripplekv+peak-span@0.25"
+    for options, match in (({"peak_share": 1.5}, "peak_share must be a number in"),
+                           ({"peak_share": True}, "peak_share must be a number in"),
+                           ({"peak_share": "0.5"}, "peak_share must be a number in"), ({"sink": -1}, "sink"),
+                           ({"kernel_size": 4}, "kernel_size must be odd")):
+        with pytest.raises((ValueError, TypeError), match=match):
+            PeakSpanSelector(**options)
 
 
 # ---- KeyNormSelector: the smallest-norm keys ---------------------------------------------------------------------

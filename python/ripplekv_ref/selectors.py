@@ -78,6 +78,16 @@ def recent_snapkv_select_rows(q_window: Tensor, keys: Tensor, budgets, lengths, 
                            q_window, keys, budgets, lengths, window)
 
 
+def _adaptive_recent(head_scores, sinks: int, rest: int) -> int:
+    """``AdaptiveRecentSelector``'s recent positions for one head: ``floor(share * rest)``, ``share`` the part of the
+    head's score mass after its ``sinks`` that lies on its last ``rest`` positions."""
+    mass = [float(score) for score in head_scores]
+    body = sum(mass[sinks:])
+    tail = sum(mass[len(mass) - rest:]) if rest else 0.0
+    share = min(tail / body, 1.0) if body > 0 else 0.0
+    return math.floor(share * rest)
+
+
 def adaptive_recent_select(q_window: Tensor, keys: Tensor, budget: int, window: int, sink: int = 4,
                            kernel_size: int = 7, pooling: str = "max", group_reduce: str = "mean",
                            scale=None) -> Tensor:
@@ -88,14 +98,7 @@ def adaptive_recent_select(q_window: Tensor, keys: Tensor, budget: int, window: 
     after the sinks that lies on the last ``rest`` of them, ``floor(share * rest)`` recent positions (just before
     the window); the best SnapKV scores in between take the remaining slots (ties to the lower position).
     """
-    def recent(head_scores, sinks, rest):
-        mass = [float(score) for score in head_scores]
-        body = sum(mass[sinks:])
-        tail = sum(mass[len(mass) - rest:]) if rest else 0.0
-        share = min(tail / body, 1.0) if body > 0 else 0.0
-        return math.floor(share * rest)
-
-    return _select_with_recency(q_window, keys, budget, window, sink, recent, kernel_size=kernel_size,
+    return _select_with_recency(q_window, keys, budget, window, sink, _adaptive_recent, kernel_size=kernel_size,
                                 pooling=pooling, group_reduce=group_reduce, scale=scale)
 
 
@@ -103,6 +106,45 @@ def adaptive_recent_select_rows(q_window: Tensor, keys: Tensor, budgets, lengths
                                 **options) -> Tensor:
     """``adaptive_recent_select`` on each row of a left-padded batch alone (``_each_row_alone``)."""
     return _each_row_alone(lambda q, k, budget: adaptive_recent_select(q, k, budget, window, sink, **options),
+                           q_window, keys, budgets, lengths, window)
+
+
+def peak_span_select(q_window: Tensor, keys: Tensor, budget: int, window: int, peak_share: float, sink: int = 4,
+                     kernel_size: int = 7, group_reduce: str = "mean", scale=None) -> Tensor:
+    """Positions kept per KV head by ``PeakSpanSelector``, ascending.
+
+    The sinks and the recent region of ``adaptive_recent_select`` (sized from the max-pooled SnapKV scores); then,
+    of the ``slots`` left, ``floor(peak_share * slots)`` positions with the best max-pooled scores, and the rest of
+    the budget the best average-pooled scores among the positions not yet kept (ties to the lower position, both
+    times). ``budget >= N`` keeps all.
+    """
+    b, h, n, _ = keys.shape
+    if budget >= n:
+        return torch.arange(n).expand(b, h, n).clone()
+    options = dict(kernel_size=kernel_size, group_reduce=group_reduce, scale=scale)
+    peaks = snapkv_scores(q_window[:, :, -window:], keys, pooling="max", **options)
+    spans = snapkv_scores(q_window[:, :, -window:], keys, pooling="avg", **options)
+    n_prefix = n - window
+    sinks = min(sink, budget - window)
+    rest = budget - window - sinks
+    out = torch.empty(b, h, budget, dtype=torch.int64)
+    for row in range(b):
+        for head in range(h):
+            recent = _adaptive_recent(peaks[row, head], sinks, rest)
+            kept = set(range(sinks)) | set(range(n_prefix - recent, n_prefix))
+            n_peaks = math.floor(peak_share * (budget - window - len(kept)))
+            for scores, count in ((peaks, n_peaks), (spans, None)):
+                ranked = sorted((p for p in range(n_prefix) if p not in kept),
+                                key=lambda p: (-float(scores[row, head, p]), p))
+                kept.update(ranked[:budget - window - len(kept) if count is None else count])
+            out[row, head] = torch.tensor(sorted(kept | set(range(n_prefix, n))))
+    return out
+
+
+def peak_span_select_rows(q_window: Tensor, keys: Tensor, budgets, lengths, window: int, peak_share: float,
+                          sink: int = 4, **options) -> Tensor:
+    """``peak_span_select`` on each row of a left-padded batch alone (``_each_row_alone``)."""
+    return _each_row_alone(lambda q, k, budget: peak_span_select(q, k, budget, window, peak_share, sink, **options),
                            q_window, keys, budgets, lengths, window)
 
 
