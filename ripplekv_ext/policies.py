@@ -21,7 +21,7 @@ from typing import Optional, Sequence
 from ripplekv_ext.allocation import (Allocator, PyramidKVAllocator, RippleKVAllocator, UniformAllocator,
                                      average_budget)
 from ripplekv_ext.checks import check_int, is_integer, shown
-from ripplekv_ext.selectors import (AdaptiveRecentSelector, H2OSelector, Selector, SnapKVSelector,
+from ripplekv_ext.selectors import (H2OSelector, PeakSpanSelector, Selector, SnapKVSelector,
                                     StreamingLLMSelector)
 
 __all__ = ["Policy", "DEFAULT_WINDOW", "DEFAULT_RIPPLEKV_SELECTOR", "PromptTooShortWarning"]
@@ -29,7 +29,7 @@ __all__ = ["Policy", "DEFAULT_WINDOW", "DEFAULT_RIPPLEKV_SELECTOR", "PromptTooSh
 DEFAULT_WINDOW = 32
 # The selector inside RippleKV's layers when none is given (Policy.ripplekv, the vLLM plugin's "ripplekv"): chosen on
 # calibration text and calibration retrieval prompts (docs/defaults.md).
-DEFAULT_RIPPLEKV_SELECTOR = AdaptiveRecentSelector
+DEFAULT_RIPPLEKV_SELECTOR = PeakSpanSelector
 
 
 class PromptTooShortWarning(UserWarning):
@@ -207,9 +207,10 @@ class Policy:
                  ratio: Optional[float] = None, normalize: Optional[str] = None, *,
                  exponent: Optional[float] = None, selector: Optional[Selector] = None,
                  decode_every: Optional[int] = None, decode_budget: Optional[int] = None) -> "Policy":
-        """RippleKV's per-layer budgets with ``selector`` inside each layer: by default ``AdaptiveRecentSelector``
-        (sinks, a recent region each head sizes by its window's attention, SnapKV's scores for the rest), chosen
-        on calibration text and retrieval prompts (docs/defaults.md); ``selector=SnapKVSelector()`` is the paper's
+        """RippleKV's per-layer budgets with ``selector`` inside each layer: by default ``PeakSpanSelector``
+        (sinks, a recent region each head sizes by its window's attention, then half the rest to SnapKV's
+        max-pooled peaks and half to its average-pooled spans), chosen on calibration text and retrieval prompts
+        (docs/defaults.md); ``selector=SnapKVSelector()`` is the paper's
         pairing. Budgets follow ``sensitivity ** exponent`` (square root by default), or the paper's clipped
         ``R ** z`` when ``ratio`` or ``normalize`` is given (``RippleKVAllocator``)."""
         return cls(RippleKVAllocator(profile_or_sensitivity, ratio, normalize, exponent=exponent),

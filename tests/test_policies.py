@@ -77,8 +77,9 @@ def test_short_prompts_stay_uncompressed():
 def test_named_constructors_pair_as_published():
     assert Policy.snapkv(0.2).name == "uniform+snapkv@0.2"
     assert Policy.pyramidkv(0.2).name == "pyramidkv+snapkv@0.2"
-    # RippleKV's default selector protects sinks and recent tokens (docs/defaults.md); the paper pairs it with SnapKV.
-    assert Policy.ripplekv([1.0, 2.0], 0.1).name == "ripplekv+adaptive-recent@0.1"
+    # RippleKV's default selector protects sinks and recent tokens and splits the rest between peaks and spans
+    # (docs/defaults.md); the paper pairs it with SnapKV.
+    assert Policy.ripplekv([1.0, 2.0], 0.1).name == "ripplekv+peak-span@0.1"
     assert Policy.ripplekv([1.0, 2.0], 0.1, selector=SnapKVSelector()).name == "ripplekv+snapkv@0.1"
     assert Policy.h2o(0.3).name == "uniform+h2o@0.3"
     assert Policy.streamingllm(0.3).name == "uniform+streamingllm@0.3"
