@@ -220,21 +220,31 @@ class AdaptiveRecentSelector(SnapKVSelector):
         # Protected positions outrank every score (select_topk keeps them all: they never exceed the free slots).
         return scores.masked_fill(protected, math.inf)
 
+    @staticmethod
+    def _rows(keys: Tensor, budgets, window: int, lengths: Optional[Tensor]) -> tuple[Tensor, Tensor]:
+        """(free slots beyond the window, first real position) of each row: ``budgets`` an int without ``lengths``,
+        else int64 ``[B]`` for a left-padded batch."""
+        b = keys.shape[0]
+        if lengths is None:
+            return (torch.full((b,), max(budgets - window, 0), dtype=torch.int64, device=keys.device),
+                    torch.zeros(b, dtype=torch.int64, device=keys.device))
+        return (budgets.to(keys.device) - window).clamp(min=0), keys.shape[2] - lengths.to(keys.device)
+
+    def _ranking(self, queries: Tensor, keys: Tensor, window: int, scale: Optional[float], budgets,
+                 lengths: Optional[Tensor] = None) -> Tensor:
+        """Scores for ``select_topk`` (``select_topk_rows`` with ``lengths``): protected positions at ``+inf``."""
+        scores = self.score(queries, keys, window, scale, lengths)
+        return self._protect(scores, *self._rows(keys, budgets, window, lengths))
+
     def select(self, queries: Tensor, keys: Tensor, budget: int, window: int,
                scale: Optional[float] = None) -> Tensor:
-        scores = self.score(queries, keys, window, scale)
-        b = scores.shape[0]
-        free = torch.full((b,), max(budget - window, 0), dtype=torch.int64, device=scores.device)
-        start = torch.zeros(b, dtype=torch.int64, device=scores.device)
-        return select_topk(self._protect(scores, free, start), budget, window)
+        return select_topk(self._ranking(queries, keys, window, scale, budget), budget, window)
 
     def select_rows(self, queries: Tensor, keys: Tensor, budgets: Tensor, lengths: Tensor, window: int,
                     scale: Optional[float] = None) -> Tensor:
-        scores = self.score(queries, keys, window, scale, lengths)
-        free = (budgets.to(scores.device) - window).clamp(min=0)
-        start = keys.shape[2] - lengths.to(scores.device)  # each row's first real position
         # Rows kept whole (n_b <= budget) never read their scores; compressed rows' protected slots are real ones.
-        return select_topk_rows(self._protect(scores, free, start), budgets, window, lengths)
+        return select_topk_rows(self._ranking(queries, keys, window, scale, budgets, lengths), budgets, window,
+                                lengths)
 
     def __repr__(self):
         return (f"AdaptiveRecentSelector(sink={self.sink}, kernel_size={self.kernel_size}, pooling={self.pooling!r}, "
@@ -262,9 +272,15 @@ class PeakSpanSelector(AdaptiveRecentSelector):
             raise ValueError(f"peak_share must be a number in [0, 1], got {peak_share!r}")
         self.peak_share = float(peak_share)
 
-    def _split(self, peaks: Tensor, spans: Tensor, free: Tensor, start: Tensor) -> Tensor:
-        """Scores ``[B, H_kv, P]`` for ``select_topk``: the protected positions and each head's peaks at ``+inf``,
-        every other position at its span score."""
+    def _ranking(self, queries: Tensor, keys: Tensor, window: int, scale: Optional[float], budgets,
+                 lengths: Optional[Tensor] = None) -> Tensor:
+        """The protected positions and each head's peaks at ``+inf``, every other position at its span score. Pad
+        positions score -inf in both: never protected, never a peak (a row's real positions outnumber its slots
+        whenever it is compressed), never kept."""
+        peaks = self.score(queries, keys, window, scale, lengths)
+        spans = snapkv_scores(queries[:, :, -window:], keys, kernel_size=self.kernel_size, pooling="avg",
+                              group_reduce=self.group_reduce, scale=scale, lengths=lengths)
+        free, start = self._rows(keys, budgets, window, lengths)
         protected = self._protect(peaks, free, start).isposinf()  # scores are finite or -inf (pads)
         slots = (free[:, None] - protected.sum(-1)).clamp(min=0)
         n_peaks = torch.floor(self.peak_share * slots.double()).long()  # [B, H_kv]
@@ -273,30 +289,6 @@ class PeakSpanSelector(AdaptiveRecentSelector):
         rank = torch.empty_like(order).scatter_(-1, order, torch.arange(order.shape[-1], device=order.device)
                                                 .expand_as(order))
         return spans.masked_fill(protected | (rank < n_peaks[..., None]), math.inf)
-
-    def _span_scores(self, queries: Tensor, keys: Tensor, window: int, scale: Optional[float],
-                     lengths: Optional[Tensor] = None) -> Tensor:
-        return snapkv_scores(queries[:, :, -window:], keys, kernel_size=self.kernel_size, pooling="avg",
-                             group_reduce=self.group_reduce, scale=scale, lengths=lengths)
-
-    def select(self, queries: Tensor, keys: Tensor, budget: int, window: int,
-               scale: Optional[float] = None) -> Tensor:
-        peaks = self.score(queries, keys, window, scale)
-        b = peaks.shape[0]
-        free = torch.full((b,), max(budget - window, 0), dtype=torch.int64, device=peaks.device)
-        start = torch.zeros(b, dtype=torch.int64, device=peaks.device)
-        spans = self._span_scores(queries, keys, window, scale)
-        return select_topk(self._split(peaks, spans, free, start), budget, window)
-
-    def select_rows(self, queries: Tensor, keys: Tensor, budgets: Tensor, lengths: Tensor, window: int,
-                    scale: Optional[float] = None) -> Tensor:
-        peaks = self.score(queries, keys, window, scale, lengths)
-        free = (budgets.to(peaks.device) - window).clamp(min=0)
-        start = keys.shape[2] - lengths.to(peaks.device)
-        spans = self._span_scores(queries, keys, window, scale, lengths)
-        # Pad positions score -inf in both: never protected, never a peak (a row's real positions outnumber its
-        # slots whenever it is compressed), never kept.
-        return select_topk_rows(self._split(peaks, spans, free, start), budgets, window, lengths)
 
     def __repr__(self):
         return (f"PeakSpanSelector(peak_share={self.peak_share:g}, sink={self.sink}, kernel_size={self.kernel_size}, "

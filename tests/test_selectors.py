@@ -182,13 +182,15 @@ def test_a_head_reading_far_back_keeps_what_it_reads():
     assert not set(far) <= set(fixed)
 
 
-def test_adaptive_select_rows_matches_the_reference_for_a_left_padded_batch():
+@pytest.mark.parametrize("selector,reference", [
+    (AdaptiveRecentSelector(sink=4), lambda *a: adaptive_recent_select_rows(*a, 4)),
+    (PeakSpanSelector(0.5, sink=4), lambda *a: peak_span_select_rows(*a, 0.5, 4))], ids=["adaptive", "peak-span"])
+def test_adaptive_select_rows_match_the_reference_for_a_left_padded_batch(selector, reference):
     lengths = torch.tensor([96, 70, 9, 0, 40, 25])
     budgets = torch.tensor([30, 30, 30, 30, 12, 25])
     q, k = _inputs(batch=len(lengths), seed=11)
-    selector = AdaptiveRecentSelector(sink=4)
     got = selector.select_rows(q * 2, k, budgets, lengths, RECENT_WINDOW)
-    assert torch.equal(got, adaptive_recent_select_rows(q * 2, k, budgets, lengths, RECENT_WINDOW, 4))
+    assert torch.equal(got, reference(q * 2, k, budgets, lengths, RECENT_WINDOW))
     for row in (0, 1, 4):  # a row alone gives its own selection
         n = int(lengths[row])
         alone = selector.select(q[row:row + 1] * 2, k[row:row + 1, :, 96 - n:], int(budgets[row]),
@@ -227,20 +229,6 @@ def test_peak_span_at_its_ends_is_the_adaptive_selector_or_averaged_snapkv(budge
     far_q, far_k = _window_reading(list(range(30, 40)))
     assert torch.equal(PeakSpanSelector(0.0, sink=0).select(far_q, far_k, budget, RECENT_WINDOW),
                        SnapKVSelector(pooling="avg").select(far_q, far_k, budget, RECENT_WINDOW))
-
-
-def test_peak_span_select_rows_matches_the_reference_for_a_left_padded_batch():
-    lengths = torch.tensor([96, 70, 9, 0, 40, 25])
-    budgets = torch.tensor([30, 30, 30, 30, 12, 25])
-    q, k = _inputs(batch=len(lengths), seed=12)
-    selector = PeakSpanSelector(0.5, sink=4)
-    got = selector.select_rows(q * 2, k, budgets, lengths, RECENT_WINDOW)
-    assert torch.equal(got, peak_span_select_rows(q * 2, k, budgets, lengths, RECENT_WINDOW, 0.5, 4))
-    for row in (0, 1, 4):  # a row alone gives its own selection
-        n = int(lengths[row])
-        alone = selector.select(q[row:row + 1] * 2, k[row:row + 1, :, 96 - n:], int(budgets[row]),
-                                RECENT_WINDOW) + 96 - n
-        assert torch.equal(got[row:row + 1, :, got.shape[2] - alone.shape[2]:], alone)
 
 
 def test_peak_span_through_a_policy_and_its_options():
