@@ -167,6 +167,7 @@ def main(argv=None) -> int:
     out = Path(args.out)
     results = {"figure": "decode-time compression", "model": model_name, "settings": settings,
                "profile": str(profile_path), "policies": {k: (v.name if v else "full") for k, v in runs.items()},
+               "policy_reprs": {k: repr(v) for k, v in runs.items()},
                "teacher_forcing": f"continuation fed in chunks of {args.chunk} tokens (chunk divides K: the same "
                                   "logits and selections as token by token)",
                "machine": machine_description(), "examples": {}, "speed": {}}
@@ -177,7 +178,13 @@ def main(argv=None) -> int:
         # More examples extend a finished run: every other setting must match.
         same = {k: v for k, v in settings.items() if k != "examples"}
         if {k: v for k, v in previous.get("settings", {}).items() if k != "examples"} == same:
-            results["examples"], results["speed"] = previous.get("examples", {}), previous.get("speed", {})
+            # A method's name can come to mean another policy (a default changed): its saved runs are measured again.
+            saved = previous.get("policy_reprs", {})
+            kept = {name for name, policy in results["policy_reprs"].items() if saved.get(name) == policy}
+            results["examples"] = {index: {name: run for name, run in runs_done.items() if name in kept}
+                                   for index, runs_done in previous.get("examples", {}).items()}
+            # Speeds are compared within one run: any policy measured again times every one again.
+            results["speed"] = previous.get("speed", {}) if kept == set(runs) else {}
             print(f"resuming {out}: {sum(len(e) for e in results['examples'].values())} runs done", flush=True)
 
     layers = model.config.num_hidden_layers
