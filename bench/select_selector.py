@@ -140,6 +140,7 @@ def candidates(profile, fractions, other=None, exponents=()):
     out["ripplekv+adaptive-recent avg"] = lambda r: Policy(RippleKVAllocator(profile),
                                                           AdaptiveRecentSelector(pooling="avg"), r)
     # Half the scored slots to max-pooled peaks, half to averaged spans (PeakSpanSelector, docs/defaults.md).
+    out["uniform+peak-span"] = lambda r: Policy(UniformAllocator(), PeakSpanSelector(), r)
     out["ripplekv+peak-span"] = lambda r: Policy(RippleKVAllocator(profile), PeakSpanSelector(), r)
     out[f"ripplekv R={DEFAULT_RATIO:g}+adaptive-recent"] = lambda r: Policy(
         RippleKVAllocator(profile, ratio=DEFAULT_RATIO), AdaptiveRecentSelector(), r)
