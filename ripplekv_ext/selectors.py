@@ -14,6 +14,7 @@ import math
 from typing import Optional
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 from ripplekv_ext.checks import check_int
@@ -118,11 +119,15 @@ class SnapKVSelector(ScoredSelector):
 
     def score(self, queries: Tensor, keys: Tensor, window: int, scale: Optional[float] = None,
               lengths: Optional[Tensor] = None) -> Tensor:
+        return self._window_scores(queries, keys, window, scale, lengths, self.kernel_size, self.pooling)
+
+    def _window_scores(self, queries: Tensor, keys: Tensor, window: int, scale: Optional[float],
+                       lengths: Optional[Tensor], kernel_size: int, pooling: str) -> Tensor:
         # More queries than the window are accepted and cut to it.
         _check_queries(queries, keys)
         if queries.shape[2] < window:
             raise ValueError(f"queries must hold at least window = {window} positions, got {queries.shape[2]}")
-        return snapkv_scores(queries[:, :, -window:], keys, kernel_size=self.kernel_size, pooling=self.pooling,
+        return snapkv_scores(queries[:, :, -window:], keys, kernel_size=kernel_size, pooling=pooling,
                              group_reduce=self.group_reduce, scale=scale, lengths=lengths)
 
     def __repr__(self):
@@ -277,9 +282,13 @@ class PeakSpanSelector(AdaptiveRecentSelector):
         """The protected positions and each head's peaks at ``+inf``, every other position at its span score. Pad
         positions score -inf in both: never protected, never a peak (a row's real positions outnumber its slots
         whenever it is compressed), never kept."""
-        peaks = self.score(queries, keys, window, scale, lengths)
-        spans = snapkv_scores(queries[:, :, -window:], keys, kernel_size=self.kernel_size, pooling="avg",
-                              group_reduce=self.group_reduce, scale=scale, lengths=lengths)
+        # One scoring of the window, pooled both ways as the op pools (group reduction first; max pads with -inf,
+        # average counts zero padding, a row's pad positions stay -inf and pad the pooling as its boundary does).
+        unpooled = self._window_scores(queries, keys, window, scale, lengths, 1, "max")
+        pad = unpooled.isneginf()
+        k = self.kernel_size
+        peaks = F.max_pool1d(unpooled, k, 1, k // 2).masked_fill(pad, -math.inf)
+        spans = F.avg_pool1d(unpooled.masked_fill(pad, 0.0), k, 1, k // 2).masked_fill(pad, -math.inf)
         free, start = self._rows(keys, budgets, window, lengths)
         protected = self._protect(peaks, free, start).isposinf()  # scores are finite or -inf (pads)
         slots = (free[:, None] - protected.sum(-1)).clamp(min=0)
