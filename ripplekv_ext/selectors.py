@@ -37,6 +37,12 @@ def _check_choice(name: str, value, choices: tuple) -> None:
         raise ValueError(f"{name} must be one of {choices}, got {value!r}")
 
 
+def _check_fraction(name: str, value) -> float:
+    if isinstance(value, bool) or not (isinstance(value, (int, float)) and 0.0 <= float(value) <= 1.0):
+        raise ValueError(f"{name} must be a number in [0, 1], got {value!r}")
+    return float(value)
+
+
 def _check_queries(queries: Tensor, keys: Tensor) -> None:
     if queries.dim() != 4 or keys.dim() != 4:
         raise ValueError(f"queries and keys must be 4-D ([B, H_q, W, D] and [B, H_kv, N, D]), got "
@@ -150,10 +156,7 @@ class RecentSnapKVSelector(SnapKVSelector):
     def __init__(self, recent_fraction: float = DEFAULT_RECENT_FRACTION, sink: int = 4, kernel_size: int = 7,
                  pooling: str = "max", group_reduce: str = "mean"):
         super().__init__(kernel_size, pooling, group_reduce)
-        if isinstance(recent_fraction, bool) or not (isinstance(recent_fraction, (int, float))
-                                                    and 0.0 <= float(recent_fraction) <= 1.0):
-            raise ValueError(f"recent_fraction must be a number in [0, 1], got {recent_fraction!r}")
-        self.recent_fraction = float(recent_fraction)
+        self.recent_fraction = _check_fraction("recent_fraction", recent_fraction)
         self.sink = check_int("sink", sink, 0)
 
     def protected(self, budget: int, window: int) -> tuple[int, int]:
@@ -208,9 +211,9 @@ class AdaptiveRecentSelector(SnapKVSelector):
         super().__init__(kernel_size, pooling, group_reduce)
         self.sink = check_int("sink", sink, 0)
 
-    def _protect(self, scores: Tensor, free: Tensor, start: Tensor) -> Tensor:
-        """``scores`` ``[B, H_kv, P]`` with each row's protected positions set to ``+inf``: its first ``sink`` real
-        positions (row ``b``'s start at ``start[b]``) and its adaptive recent region, under ``free[b]`` slots."""
+    def _protected(self, scores: Tensor, free: Tensor, start: Tensor) -> Tensor:
+        """Bool ``[B, H_kv, P]``: each row's protected positions under ``scores``: its first ``sink`` real positions
+        (row ``b``'s start at ``start[b]``) and its adaptive recent region, under ``free[b]`` slots."""
         n_prefix = scores.shape[-1]
         sink = free.clamp(max=self.sink)
         rest = (free - sink).clamp(min=0)
@@ -220,10 +223,8 @@ class AdaptiveRecentSelector(SnapKVSelector):
         tail = mass.masked_fill(position < (n_prefix - rest)[:, None, None], 0.0).sum(-1, dtype=torch.float64)
         share = torch.where(body > 0, tail / body, torch.zeros_like(body)).clamp(0.0, 1.0)
         recent = torch.floor(share * rest[:, None]).long()  # [B, H_kv], at most rest
-        protected = ((position >= start[:, None, None]) & (position < (start + sink)[:, None, None])) | (
+        return ((position >= start[:, None, None]) & (position < (start + sink)[:, None, None])) | (
             position >= n_prefix - recent[..., None])
-        # Protected positions outrank every score (select_topk keeps them all: they never exceed the free slots).
-        return scores.masked_fill(protected, math.inf)
 
     @staticmethod
     def _rows(keys: Tensor, budgets, window: int, lengths: Optional[Tensor]) -> tuple[Tensor, Tensor]:
@@ -239,7 +240,8 @@ class AdaptiveRecentSelector(SnapKVSelector):
                  lengths: Optional[Tensor] = None) -> Tensor:
         """Scores for ``select_topk`` (``select_topk_rows`` with ``lengths``): protected positions at ``+inf``."""
         scores = self.score(queries, keys, window, scale, lengths)
-        return self._protect(scores, *self._rows(keys, budgets, window, lengths))
+        # Protected positions outrank every score (select_topk keeps them all: they never exceed the free slots).
+        return scores.masked_fill(self._protected(scores, *self._rows(keys, budgets, window, lengths)), math.inf)
 
     def select(self, queries: Tensor, keys: Tensor, budget: int, window: int,
                scale: Optional[float] = None) -> Tensor:
@@ -273,9 +275,7 @@ class PeakSpanSelector(AdaptiveRecentSelector):
     def __init__(self, peak_share: float = DEFAULT_PEAK_SHARE, sink: int = 4, kernel_size: int = 7,
                  group_reduce: str = "mean"):
         super().__init__(sink, kernel_size, "max", group_reduce)
-        if isinstance(peak_share, bool) or not (isinstance(peak_share, (int, float)) and 0.0 <= peak_share <= 1.0):
-            raise ValueError(f"peak_share must be a number in [0, 1], got {peak_share!r}")
-        self.peak_share = float(peak_share)
+        self.peak_share = _check_fraction("peak_share", peak_share)
 
     def _ranking(self, queries: Tensor, keys: Tensor, window: int, scale: Optional[float], budgets,
                  lengths: Optional[Tensor] = None) -> Tensor:
@@ -290,7 +290,7 @@ class PeakSpanSelector(AdaptiveRecentSelector):
         peaks = F.max_pool1d(unpooled, k, 1, k // 2).masked_fill(pad, -math.inf)
         spans = F.avg_pool1d(unpooled.masked_fill(pad, 0.0), k, 1, k // 2).masked_fill(pad, -math.inf)
         free, start = self._rows(keys, budgets, window, lengths)
-        protected = self._protect(peaks, free, start).isposinf()  # scores are finite or -inf (pads)
+        protected = self._protected(peaks, free, start)
         slots = (free[:, None] - protected.sum(-1)).clamp(min=0)
         n_peaks = torch.floor(self.peak_share * slots.double()).long()  # [B, H_kv]
         # Rank of each unprotected position by its peak score; a stable sort gives ties to the lower position.
