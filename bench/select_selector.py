@@ -140,8 +140,15 @@ def candidates(profile, fractions, other=None, exponents=()):
     out["ripplekv+adaptive-recent avg"] = lambda r: Policy(RippleKVAllocator(profile),
                                                           AdaptiveRecentSelector(pooling="avg"), r)
     # Half the scored slots to max-pooled peaks, half to averaged spans (PeakSpanSelector, docs/defaults.md).
-    out["uniform+peak-span"] = lambda r: Policy(UniformAllocator(), PeakSpanSelector(), r)
-    out["ripplekv+peak-span"] = lambda r: Policy(RippleKVAllocator(profile), PeakSpanSelector(), r)
+    out["uniform+peak-span"] = lambda r: Policy(UniformAllocator(), PeakSpanSelector(value_weighted=False), r)
+    out["ripplekv+peak-span"] = lambda r: Policy(RippleKVAllocator(profile), PeakSpanSelector(value_weighted=False), r)
+    # Each position's attention mass times its value's norm before the pooling (VATP; docs/defaults.md).
+    out["uniform+peak-span value-weighted"] = lambda r: Policy(UniformAllocator(),
+                                                               PeakSpanSelector(value_weighted=True), r)
+    out["ripplekv+peak-span value-weighted"] = lambda r: Policy(RippleKVAllocator(profile),
+                                                                PeakSpanSelector(value_weighted=True), r)
+    out["ripplekv+snapkv value-weighted"] = lambda r: Policy(RippleKVAllocator(profile),
+                                                             SnapKVSelector(value_weighted=True), r)
     out[f"ripplekv R={DEFAULT_RATIO:g}+adaptive-recent"] = lambda r: Policy(
         RippleKVAllocator(profile, ratio=DEFAULT_RATIO), AdaptiveRecentSelector(), r)
     for e in exponents:

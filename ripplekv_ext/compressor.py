@@ -153,13 +153,15 @@ class KVCompressor:
         return out
 
     def select(self, layer_idx: int, queries: Tensor, keys: Tensor,
-               scale: Optional[float] = None, budget: Optional[int] = None) -> Optional[Tensor]:
+               scale: Optional[float] = None, budget: Optional[int] = None,
+               values: Optional[Tensor] = None) -> Optional[Tensor]:
         """int64 ``[B, H_kv, C]`` ascending positions to keep, or ``None`` when the layer stays as it is.
 
         ``queries``: post-RoPE prompt queries ``[B, H_q, W', D]``: at least the last ``window`` positions for
         SnapKV, every prompt position for H2O (``policy.selector.needs_all_queries``), unused by StreamingLLM.
         ``scale`` is the model's softmax scale (default ``1/sqrt(D)``). ``budget``: tokens to keep (default: the
-        policy's for an ``N``-token prompt); during decoding, ``decode_budgets``'s.
+        policy's for an ``N``-token prompt); during decoding, ``decode_budgets``'s. ``values`` ``[B, H_kv, N, D]``:
+        needed by a selector that reads them (``policy.selector.needs_values``).
         """
         if keys.dim() != 4:
             raise ValueError(f"keys must be 4-D [B, H_kv, N, D], got {keys.dim()}-D")
@@ -167,7 +169,18 @@ class KVCompressor:
         budget = self._budget(layer_idx, n, budget)
         if budget is None or budget >= n:
             return None
-        return self.policy.selector.select(queries, keys, budget, self.policy.window, scale)
+        return self.policy.selector.select(queries, keys, budget, self.policy.window, scale,
+                                           **self._values_argument(keys, values))
+
+    def _values_argument(self, keys: Tensor, values: Optional[Tensor]) -> dict:
+        """``{"values": values}`` for a selector that reads them, else nothing (a selector of one's own may not take
+        the argument)."""
+        if not self.policy.selector.needs_values:
+            return {}
+        if values is None:
+            raise ValueError(f"{self.policy.selector!r} reads the layer's values: pass values= (the keys' shape "
+                             f"{list(keys.shape)})")
+        return {"values": values}
 
     def compress(self, layer_idx: int, queries: Tensor, keys: Tensor, values: Tensor,
                  scale: Optional[float] = None, budget: Optional[int] = None) -> tuple[Tensor, Tensor]:
@@ -179,7 +192,7 @@ class KVCompressor:
         observed = self.on_compress is not None
         if observed:
             start = _clock(keys)
-        indices = self.select(layer_idx, queries, keys, scale, budget)
+        indices = self.select(layer_idx, queries, keys, scale, budget, values)
         keys_c, values_c = (keys, values) if indices is None else gather_kv(keys, values, indices)
         if observed:
             seconds = _clock(keys) - start
@@ -203,7 +216,7 @@ class KVCompressor:
         return [self.layer_budget(layer_idx, n) if n > 0 else 0 for n in _as_lengths(lengths)]
 
     def select_rows(self, layer_idx: int, queries: Tensor, keys: Tensor, lengths,
-                    scale: Optional[float] = None, budgets=None) -> Optional[Tensor]:
+                    scale: Optional[float] = None, budgets=None, values: Optional[Tensor] = None) -> Optional[Tensor]:
         """int64 ``[B, H_kv, C_max]`` positions to keep per row of a left-padded batch, or ``None`` when every row
         keeps all its real tokens.
 
@@ -213,6 +226,7 @@ class KVCompressor:
         *last* ``C_b`` slots; the first ``C_max - C_b`` are ``-1``. ``queries`` are the padded batch's queries
         (``[B, H_q, W', D]``, its last ``W'`` positions), as ``select`` takes them. ``budgets``: one per row
         (default: the policy's for each row's length); during decoding, ``decode_budgets``'s for each row.
+        ``values`` as in ``select``.
         """
         if keys.dim() != 4:
             raise ValueError(f"keys must be 4-D [B, H_kv, N, D], got {keys.dim()}-D")
@@ -222,11 +236,11 @@ class KVCompressor:
         if budgets is None or all(budget >= length for budget, length in zip(budgets, lengths)):
             return None
         if all(length == n for length in lengths) and len(set(budgets)) == 1:  # no padding: one batched call
-            return self.select(layer_idx, queries, keys, scale, budgets[0])
+            return self.select(layer_idx, queries, keys, scale, budgets[0], values)
         # One call for the whole batch (the per-row ops for scored selectors; other selectors go row by row).
         as_tensor = functools.partial(torch.tensor, dtype=torch.int64, device=keys.device)
         return self.policy.selector.select_rows(queries, keys, as_tensor(budgets), as_tensor(lengths),
-                                                self.policy.window, scale)
+                                                self.policy.window, scale, **self._values_argument(keys, values))
 
     def compress_rows(self, layer_idx: int, queries: Tensor, keys: Tensor, values: Tensor, lengths,
                       scale: Optional[float] = None, budgets=None) -> tuple[Tensor, Tensor, Tensor]:
@@ -243,7 +257,7 @@ class KVCompressor:
         if observed:
             start = _clock(keys)
         lengths = _check_lengths(lengths, keys.shape[0], keys.shape[2] if keys.dim() == 4 else 0)
-        indices = self.select_rows(layer_idx, queries, keys, lengths, scale, budgets)
+        indices = self.select_rows(layer_idx, queries, keys, lengths, scale, budgets, values)
         if indices is None:
             keys_c, values_c = keys, values
             n = keys.shape[2]

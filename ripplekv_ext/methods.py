@@ -8,6 +8,7 @@ allocator and selector is written once, there. Any other allocator x selector pa
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Optional
 
 from ripplekv_ext.allocation import PyramidKVAllocator, RippleKVAllocator, UniformAllocator
@@ -25,6 +26,8 @@ DEFAULT_METHODS = ("full", *PUBLISHED)
 ALLOCATORS = ("uniform", "pyramidkv", "ripplekv")
 SELECTORS = {"snapkv": SnapKVSelector, "recent-snapkv": RecentSnapKVSelector, "adaptive-recent": AdaptiveRecentSelector,
              "peak-span": PeakSpanSelector,
+             # PeakSpan's scores by attention mass alone (RippleKV's selector before value weighting was chosen).
+             "peak-span-unweighted": functools.partial(PeakSpanSelector, value_weighted=False),
              "keynorm": KeyNormSelector, "h2o": H2OSelector, "streamingllm": StreamingLLMSelector}
 
 

@@ -209,8 +209,9 @@ class Policy:
                  decode_every: Optional[int] = None, decode_budget: Optional[int] = None) -> "Policy":
         """RippleKV's per-layer budgets with ``selector`` inside each layer: by default ``PeakSpanSelector``
         (sinks, a recent region each head sizes by its window's attention, then half the rest to SnapKV's
-        max-pooled peaks and half to its average-pooled spans), chosen on calibration text and retrieval prompts
-        (docs/defaults.md); ``selector=SnapKVSelector()`` is the paper's
+        max-pooled peaks and half to its average-pooled spans, each position's attention weighted by its value's
+        norm), chosen on calibration text and retrieval prompts (docs/defaults.md); ``selector=SnapKVSelector()``
+        is the paper's
         pairing. Budgets follow ``sensitivity ** exponent`` (square root by default), or the paper's clipped
         ``R ** z`` when ``ratio`` or ``normalize`` is given (``RippleKVAllocator``)."""
         return cls(RippleKVAllocator(profile_or_sensitivity, ratio, normalize, exponent=exponent),

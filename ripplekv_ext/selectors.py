@@ -22,7 +22,7 @@ from ripplekv_ext.ops import h2o_scores, select_topk, select_topk_rows, snapkv_s
 
 __all__ = ["Selector", "ScoredSelector", "SnapKVSelector", "RecentSnapKVSelector", "AdaptiveRecentSelector",
            "PeakSpanSelector", "KeyNormSelector", "H2OSelector", "StreamingLLMSelector", "DEFAULT_RECENT_FRACTION",
-           "DEFAULT_PEAK_SHARE"]
+           "DEFAULT_PEAK_SHARE", "DEFAULT_VALUE_WEIGHTED"]
 
 # The share of a layer's slots beyond the window and the sinks that RecentSnapKVSelector keeps for the most recent
 # positions: chosen on calibration text of two domains at 10, 20 and 30% retention (docs/defaults.md).
@@ -30,6 +30,9 @@ DEFAULT_RECENT_FRACTION = 0.75
 # The share of PeakSpanSelector's scored slots that go to max-pooled peaks (the rest to averaged spans): chosen on
 # calibration text and retrieval prompts of both models (docs/defaults.md).
 DEFAULT_PEAK_SHARE = 0.5
+# Whether PeakSpanSelector weighs each position's attention mass by its value's norm: chosen on calibration text and
+# retrieval prompts of both models (docs/defaults.md).
+DEFAULT_VALUE_WEIGHTED = True
 
 
 def _check_choice(name: str, value, choices: tuple) -> None:
@@ -53,21 +56,25 @@ class Selector(abc.ABC):
     """Which ``budget`` of a layer's ``N`` positions each KV head keeps; the last ``window`` always among them.
 
     ``name`` names the selector in method names (``ALLOCATOR+SELECTOR``); ``needs_all_queries`` says whether it
-    reads the queries of every prompt position (H2O) or only the window's.
+    reads the queries of every prompt position (H2O) or only the window's; ``needs_values`` whether it reads the
+    layer's values (the compressor passes ``values=`` only to a selector that does, so a selector of one's own
+    need not take them).
     """
 
     name: str = "custom"
     needs_all_queries: bool = False
+    needs_values: bool = False
 
     @abc.abstractmethod
     def select(self, queries: Tensor, keys: Tensor, budget: int, window: int,
-               scale: Optional[float] = None) -> Tensor:
+               scale: Optional[float] = None, values: Optional[Tensor] = None) -> Tensor:
         """int64 ``[B, H_kv, budget]``, ascending. ``queries``: the post-RoPE queries ``[B, H_q, W', D]`` of the
         last ``W' >= window`` prompt positions (every position when ``needs_all_queries``); ``keys``
-        ``[B, H_kv, N, D]``; ``scale`` the model's softmax scale (None: ``1/sqrt(D)``)."""
+        ``[B, H_kv, N, D]``; ``scale`` the model's softmax scale (None: ``1/sqrt(D)``); ``values`` ``[B, H_kv, N,
+        D]``, read when ``needs_values``."""
 
     def select_rows(self, queries: Tensor, keys: Tensor, budgets: Tensor, lengths: Tensor, window: int,
-                    scale: Optional[float] = None) -> Tensor:
+                    scale: Optional[float] = None, values: Optional[Tensor] = None) -> Tensor:
         """``select`` for each row of a left-padded batch alone: int64 ``[B, H_kv, C_max]``, row ``b``'s
         ``min(budgets[b], lengths[b])`` kept positions (in the padded layout, ascending) in its last slots and
         ``-1`` before them. Row ``b``'s ``n_b = lengths[b]`` real tokens are positions ``[N - n_b, N)``.
@@ -85,7 +92,9 @@ class Selector(abc.ABC):
                 positions = torch.arange(start, n, device=keys.device).expand(1, h_kv, length)
             else:
                 row_queries = queries[row:row + 1, :, max(queries.shape[2] - length, 0):]
-                positions = self.select(row_queries, keys[row:row + 1, :, start:], budget, window, scale) + start
+                row_values = None if values is None else values[row:row + 1, :, start:]
+                positions = self.select(row_queries, keys[row:row + 1, :, start:], budget, window, scale,
+                                        values=row_values) + start
             indices[row, :, indices.shape[2] - c:] = positions[0]
         return indices
 
@@ -97,48 +106,87 @@ class ScoredSelector(Selector):
 
     @abc.abstractmethod
     def score(self, queries: Tensor, keys: Tensor, window: int, scale: Optional[float] = None,
-              lengths: Optional[Tensor] = None) -> Tensor:
+              lengths: Optional[Tensor] = None, values: Optional[Tensor] = None) -> Tensor:
         """float32 ``[B, H_kv, N - window]``: higher is kept first. With ``lengths`` (a left-padded batch) each row
         is scored alone and pad positions score ``-inf``."""
 
     def select(self, queries: Tensor, keys: Tensor, budget: int, window: int,
-               scale: Optional[float] = None) -> Tensor:
-        return select_topk(self.score(queries, keys, window, scale), budget, window)
+               scale: Optional[float] = None, values: Optional[Tensor] = None) -> Tensor:
+        return select_topk(self.score(queries, keys, window, scale, values=values), budget, window)
 
     def select_rows(self, queries: Tensor, keys: Tensor, budgets: Tensor, lengths: Tensor, window: int,
-                    scale: Optional[float] = None) -> Tensor:
-        return select_topk_rows(self.score(queries, keys, window, scale, lengths), budgets, window, lengths)
+                    scale: Optional[float] = None, values: Optional[Tensor] = None) -> Tensor:
+        return select_topk_rows(self.score(queries, keys, window, scale, lengths, values), budgets, window, lengths)
+
+
+def _pool(scores: Tensor, kernel_size: int, pooling: str) -> Tensor:
+    """``scores`` ``[B, H, P]`` pooled along positions as ``snapkv_scores`` pools: max pads with -inf, average counts
+    zero padding; a row's pad positions (-inf) stay -inf and pad the pooling as its boundary does."""
+    pad = scores.isneginf()
+    k = kernel_size
+    if pooling == "max":
+        return F.max_pool1d(scores, k, 1, k // 2).masked_fill(pad, -math.inf)
+    return F.avg_pool1d(scores.masked_fill(pad, 0.0), k, 1, k // 2).masked_fill(pad, -math.inf)
 
 
 class SnapKVSelector(ScoredSelector):
-    """Top tokens by attention mass from the last ``window`` queries, pooled along positions (SnapKV)."""
+    """Top tokens by attention mass from the last ``window`` queries, pooled along positions (SnapKV).
+
+    ``value_weighted``: each position's attention mass times the L2 norm of its value (per KV head) before the
+    pooling (VATP: Guo et al., 2024, "Attention Score is not All You Need for Token Importance Indicator in KV Cache
+    Reduction: Value Also Matters"). A token adds its weight times its value to a head's output: tokens that draw
+    attention with small values (as sinks do) change the output little, and mass alone ranks them too high."""
 
     name = "snapkv"
 
-    def __init__(self, kernel_size: int = 7, pooling: str = "max", group_reduce: str = "mean"):
+    def __init__(self, kernel_size: int = 7, pooling: str = "max", group_reduce: str = "mean",
+                 value_weighted: bool = False):
         # Checked here, so a bad option fails when the policy is built, not at the first prefill.
         if check_int("kernel_size", kernel_size, 1) % 2 == 0:
             raise ValueError(f"kernel_size must be odd (pooling keeps the length), got {kernel_size}")
         _check_choice("pooling", pooling, ("max", "avg"))
         _check_choice("group_reduce", group_reduce, ("mean", "max"))
+        if not isinstance(value_weighted, bool):
+            raise ValueError(f"value_weighted must be True or False, got {value_weighted!r}")
         self.kernel_size, self.pooling, self.group_reduce = kernel_size, pooling, group_reduce
+        self.value_weighted = bool(value_weighted)
+
+    @property
+    def needs_values(self) -> bool:
+        return self.value_weighted
 
     def score(self, queries: Tensor, keys: Tensor, window: int, scale: Optional[float] = None,
-              lengths: Optional[Tensor] = None) -> Tensor:
-        return self._window_scores(queries, keys, window, scale, lengths, self.kernel_size, self.pooling)
+              lengths: Optional[Tensor] = None, values: Optional[Tensor] = None) -> Tensor:
+        return self._window_scores(queries, keys, window, scale, lengths, self.kernel_size, self.pooling, values)
 
     def _window_scores(self, queries: Tensor, keys: Tensor, window: int, scale: Optional[float],
-                       lengths: Optional[Tensor], kernel_size: int, pooling: str) -> Tensor:
+                       lengths: Optional[Tensor], kernel_size: int, pooling: str,
+                       values: Optional[Tensor] = None) -> Tensor:
         # More queries than the window are accepted and cut to it.
         _check_queries(queries, keys)
         if queries.shape[2] < window:
             raise ValueError(f"queries must hold at least window = {window} positions, got {queries.shape[2]}")
-        return snapkv_scores(queries[:, :, -window:], keys, kernel_size=kernel_size, pooling=pooling,
-                             group_reduce=self.group_reduce, scale=scale, lengths=lengths)
+        if not self.value_weighted:
+            return snapkv_scores(queries[:, :, -window:], keys, kernel_size=kernel_size, pooling=pooling,
+                                 group_reduce=self.group_reduce, scale=scale, lengths=lengths)
+        if values is None or values.shape != keys.shape:
+            got = None if values is None else list(values.shape)
+            raise ValueError(f"{self!r} weighs each position by its value's norm: values= must have the keys' "
+                             f"shape {list(keys.shape)}, got {got}")
+        mass = snapkv_scores(queries[:, :, -window:], keys, kernel_size=1, group_reduce=self.group_reduce,
+                             scale=scale, lengths=lengths)
+        norms = torch.linalg.vector_norm(values[:, :, :mass.shape[-1]].float(), dim=-1)
+        # Pad positions keep their -inf (a pad value's norm may be 0, and -inf * 0 is NaN).
+        weighted = (mass * norms).masked_fill(mass.isneginf(), -math.inf)
+        return weighted if kernel_size == 1 else _pool(weighted, kernel_size, pooling)
+
+    def _options_repr(self) -> str:
+        # Only a value-weighted selector names the option: the reprs of the others stay what results recorded.
+        return (f"kernel_size={self.kernel_size}, pooling={self.pooling!r}, group_reduce={self.group_reduce!r}"
+                + (", value_weighted=True" if self.value_weighted else ""))
 
     def __repr__(self):
-        return (f"SnapKVSelector(kernel_size={self.kernel_size}, pooling={self.pooling!r}, "
-                f"group_reduce={self.group_reduce!r})")
+        return f"SnapKVSelector({self._options_repr()})"
 
 
 class RecentSnapKVSelector(SnapKVSelector):
@@ -154,8 +202,8 @@ class RecentSnapKVSelector(SnapKVSelector):
     name = "recent-snapkv"
 
     def __init__(self, recent_fraction: float = DEFAULT_RECENT_FRACTION, sink: int = 4, kernel_size: int = 7,
-                 pooling: str = "max", group_reduce: str = "mean"):
-        super().__init__(kernel_size, pooling, group_reduce)
+                 pooling: str = "max", group_reduce: str = "mean", value_weighted: bool = False):
+        super().__init__(kernel_size, pooling, group_reduce, value_weighted)
         self.recent_fraction = _check_fraction("recent_fraction", recent_fraction)
         self.sink = check_int("sink", sink, 0)
 
@@ -166,8 +214,8 @@ class RecentSnapKVSelector(SnapKVSelector):
         return sink, math.floor(self.recent_fraction * (free - sink))
 
     def select(self, queries: Tensor, keys: Tensor, budget: int, window: int,
-               scale: Optional[float] = None) -> Tensor:
-        scores = self.score(queries, keys, window, scale)
+               scale: Optional[float] = None, values: Optional[Tensor] = None) -> Tensor:
+        scores = self.score(queries, keys, window, scale, values=values)
         sink, recent = self.protected(budget, window)
         # Protected positions outrank every score (select_topk keeps them all: they never exceed the free slots).
         scores[..., :sink] = math.inf
@@ -176,8 +224,8 @@ class RecentSnapKVSelector(SnapKVSelector):
         return select_topk(scores, budget, window)
 
     def select_rows(self, queries: Tensor, keys: Tensor, budgets: Tensor, lengths: Tensor, window: int,
-                    scale: Optional[float] = None) -> Tensor:
-        scores = self.score(queries, keys, window, scale, lengths)
+                    scale: Optional[float] = None, values: Optional[Tensor] = None) -> Tensor:
+        scores = self.score(queries, keys, window, scale, lengths, values)
         n_prefix = scores.shape[-1]
         free = (budgets.to(scores.device) - window).clamp(min=0)
         sink = free.clamp(max=self.sink)
@@ -190,8 +238,7 @@ class RecentSnapKVSelector(SnapKVSelector):
         return select_topk_rows(scores.masked_fill(protected[:, None, :], math.inf), budgets, window, lengths)
 
     def __repr__(self):
-        return (f"RecentSnapKVSelector(recent_fraction={self.recent_fraction:g}, sink={self.sink}, "
-                f"kernel_size={self.kernel_size}, pooling={self.pooling!r}, group_reduce={self.group_reduce!r})")
+        return f"RecentSnapKVSelector(recent_fraction={self.recent_fraction:g}, sink={self.sink}, {self._options_repr()})"
 
 
 class AdaptiveRecentSelector(SnapKVSelector):
@@ -207,8 +254,9 @@ class AdaptiveRecentSelector(SnapKVSelector):
 
     name = "adaptive-recent"
 
-    def __init__(self, sink: int = 4, kernel_size: int = 7, pooling: str = "max", group_reduce: str = "mean"):
-        super().__init__(kernel_size, pooling, group_reduce)
+    def __init__(self, sink: int = 4, kernel_size: int = 7, pooling: str = "max", group_reduce: str = "mean",
+                 value_weighted: bool = False):
+        super().__init__(kernel_size, pooling, group_reduce, value_weighted)
         self.sink = check_int("sink", sink, 0)
 
     def _protected(self, scores: Tensor, free: Tensor, start: Tensor) -> Tensor:
@@ -237,25 +285,24 @@ class AdaptiveRecentSelector(SnapKVSelector):
         return (budgets.to(keys.device) - window).clamp(min=0), keys.shape[2] - lengths.to(keys.device)
 
     def _ranking(self, queries: Tensor, keys: Tensor, window: int, scale: Optional[float], budgets,
-                 lengths: Optional[Tensor] = None) -> Tensor:
+                 lengths: Optional[Tensor] = None, values: Optional[Tensor] = None) -> Tensor:
         """Scores for ``select_topk`` (``select_topk_rows`` with ``lengths``): protected positions at ``+inf``."""
-        scores = self.score(queries, keys, window, scale, lengths)
+        scores = self.score(queries, keys, window, scale, lengths, values)
         # Protected positions outrank every score (select_topk keeps them all: they never exceed the free slots).
         return scores.masked_fill(self._protected(scores, *self._rows(keys, budgets, window, lengths)), math.inf)
 
     def select(self, queries: Tensor, keys: Tensor, budget: int, window: int,
-               scale: Optional[float] = None) -> Tensor:
-        return select_topk(self._ranking(queries, keys, window, scale, budget), budget, window)
+               scale: Optional[float] = None, values: Optional[Tensor] = None) -> Tensor:
+        return select_topk(self._ranking(queries, keys, window, scale, budget, values=values), budget, window)
 
     def select_rows(self, queries: Tensor, keys: Tensor, budgets: Tensor, lengths: Tensor, window: int,
-                    scale: Optional[float] = None) -> Tensor:
+                    scale: Optional[float] = None, values: Optional[Tensor] = None) -> Tensor:
         # Rows kept whole (n_b <= budget) never read their scores; compressed rows' protected slots are real ones.
-        return select_topk_rows(self._ranking(queries, keys, window, scale, budgets, lengths), budgets, window,
-                                lengths)
+        return select_topk_rows(self._ranking(queries, keys, window, scale, budgets, lengths, values), budgets,
+                                window, lengths)
 
     def __repr__(self):
-        return (f"AdaptiveRecentSelector(sink={self.sink}, kernel_size={self.kernel_size}, pooling={self.pooling!r}, "
-                f"group_reduce={self.group_reduce!r})")
+        return f"AdaptiveRecentSelector(sink={self.sink}, {self._options_repr()})"
 
 
 class PeakSpanSelector(AdaptiveRecentSelector):
@@ -267,28 +314,26 @@ class PeakSpanSelector(AdaptiveRecentSelector):
 
     Averaged scores alone fit running text better but divide a passkey's lone peak by up to ``kernel_size``, below
     a filler span's even scores; max pooling alone spends slots on lone peaks a continuation does not read. Both
-    ``peak_share`` and the split were chosen on calibration prompts (docs/defaults.md).
+    ``peak_share`` and the split were chosen on calibration prompts (docs/defaults.md), and so was
+    ``value_weighted`` (``SnapKVSelector``'s; on by default here): lower KL on running text and on retrieval
+    answers on both models.
     """
 
     name = "peak-span"
 
     def __init__(self, peak_share: float = DEFAULT_PEAK_SHARE, sink: int = 4, kernel_size: int = 7,
-                 group_reduce: str = "mean"):
-        super().__init__(sink, kernel_size, "max", group_reduce)
+                 group_reduce: str = "mean", value_weighted: bool = DEFAULT_VALUE_WEIGHTED):
+        super().__init__(sink, kernel_size, "max", group_reduce, value_weighted)
         self.peak_share = _check_fraction("peak_share", peak_share)
 
     def _ranking(self, queries: Tensor, keys: Tensor, window: int, scale: Optional[float], budgets,
-                 lengths: Optional[Tensor] = None) -> Tensor:
+                 lengths: Optional[Tensor] = None, values: Optional[Tensor] = None) -> Tensor:
         """The protected positions and each head's peaks at ``+inf``, every other position at its span score. Pad
         positions score -inf in both: never protected, never a peak (a row's real positions outnumber its slots
         whenever it is compressed), never kept."""
-        # One scoring of the window, pooled both ways as the op pools (group reduction first; max pads with -inf,
-        # average counts zero padding, a row's pad positions stay -inf and pad the pooling as its boundary does).
-        unpooled = self._window_scores(queries, keys, window, scale, lengths, 1, "max")
-        pad = unpooled.isneginf()
-        k = self.kernel_size
-        peaks = F.max_pool1d(unpooled, k, 1, k // 2).masked_fill(pad, -math.inf)
-        spans = F.avg_pool1d(unpooled.masked_fill(pad, 0.0), k, 1, k // 2).masked_fill(pad, -math.inf)
+        # One scoring of the window (group reduction first), pooled both ways as the op pools.
+        unpooled = self._window_scores(queries, keys, window, scale, lengths, 1, "max", values)
+        peaks, spans = _pool(unpooled, self.kernel_size, "max"), _pool(unpooled, self.kernel_size, "avg")
         free, start = self._rows(keys, budgets, window, lengths)
         protected = self._protected(peaks, free, start)
         slots = (free[:, None] - protected.sum(-1)).clamp(min=0)
@@ -301,7 +346,7 @@ class PeakSpanSelector(AdaptiveRecentSelector):
 
     def __repr__(self):
         return (f"PeakSpanSelector(peak_share={self.peak_share:g}, sink={self.sink}, kernel_size={self.kernel_size}, "
-                f"group_reduce={self.group_reduce!r})")
+                f"group_reduce={self.group_reduce!r}" + (", value_weighted=True)" if self.value_weighted else ")"))
 
 
 class KeyNormSelector(ScoredSelector):
@@ -311,7 +356,7 @@ class KeyNormSelector(ScoredSelector):
     name = "keynorm"
 
     def score(self, queries: Tensor, keys: Tensor, window: int, scale: Optional[float] = None,
-              lengths: Optional[Tensor] = None) -> Tensor:
+              lengths: Optional[Tensor] = None, values: Optional[Tensor] = None) -> Tensor:
         if keys.dim() != 4:
             raise ValueError(f"keys must be 4-D [B, H_kv, N, D], got {keys.dim()}-D")
         n = keys.shape[2]
@@ -338,7 +383,7 @@ class H2OSelector(ScoredSelector):
         self.chunk_size, self.group_reduce = chunk_size, group_reduce
 
     def score(self, queries: Tensor, keys: Tensor, window: int, scale: Optional[float] = None,
-              lengths: Optional[Tensor] = None) -> Tensor:
+              lengths: Optional[Tensor] = None, values: Optional[Tensor] = None) -> Tensor:
         _check_queries(queries, keys)
         n = keys.shape[2]
         if queries.shape[2] != n:
@@ -361,7 +406,7 @@ class StreamingLLMSelector(Selector):
         self.sink = check_int("sink", sink, 0)
 
     def select(self, queries: Tensor, keys: Tensor, budget: int, window: int,
-               scale: Optional[float] = None) -> Tensor:
+               scale: Optional[float] = None, values: Optional[Tensor] = None) -> Tensor:
         b, h, n, _ = keys.shape
         return streaming_indices(n, budget, sink=self.sink, batch=b, heads=h, device=keys.device)
 

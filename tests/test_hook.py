@@ -27,7 +27,7 @@ from ripplekv_ext.model_info import compressible_layers
 from ripplekv_ext.policies import PromptTooShortWarning
 from ripplekv_ext.selectors import (AdaptiveRecentSelector, H2OSelector, PeakSpanSelector, RecentSnapKVSelector,
                                     SnapKVSelector)
-from ripplekv_ref.selectors import adaptive_recent_select, peak_span_select, recent_snapkv_select
+from ripplekv_ref.selectors import adaptive_recent_select, peak_span_select, recent_snapkv_select, window_scores
 
 transformers = pytest.importorskip("transformers")
 from transformers import AttentionInterface  # noqa: E402
@@ -77,21 +77,22 @@ def _prefill_then_continue(model, ids, continuation, cache=None):
     return [out.logits, chunk.logits, step.logits], cache
 
 
-def _reference_indices(policy, query, key, budget, scaling):
+def _reference_indices(policy, query, key, value, budget, scaling):
     n, w = key.shape[2], policy.window
     if budget >= n:
         return None
-    if isinstance(policy.selector, RecentSnapKVSelector):
-        selector = policy.selector
+    selector = policy.selector
+    values = value if selector.needs_values else None
+    if isinstance(selector, RecentSnapKVSelector):
         return recent_snapkv_select(query[:, :, -w:], key, budget, w, selector.recent_fraction, selector.sink,
-                                    scale=scaling)
-    if isinstance(policy.selector, PeakSpanSelector):
-        selector = policy.selector
-        return peak_span_select(query[:, :, -w:], key, budget, w, selector.peak_share, selector.sink, scale=scaling)
-    if isinstance(policy.selector, AdaptiveRecentSelector):
-        return adaptive_recent_select(query[:, :, -w:], key, budget, w, policy.selector.sink, scale=scaling)
-    if isinstance(policy.selector, SnapKVSelector):
-        return ripplekv_ref.select_topk(ripplekv_ref.snapkv_scores(query[:, :, -w:], key, scale=scaling), budget, w)
+                                    scale=scaling, values=values)
+    if isinstance(selector, PeakSpanSelector):
+        return peak_span_select(query[:, :, -w:], key, budget, w, selector.peak_share, selector.sink, scale=scaling,
+                                values=values)
+    if isinstance(selector, AdaptiveRecentSelector):
+        return adaptive_recent_select(query[:, :, -w:], key, budget, w, selector.sink, scale=scaling, values=values)
+    if isinstance(selector, SnapKVSelector):
+        return ripplekv_ref.select_topk(window_scores(query[:, :, -w:], key, values, scale=scaling), budget, w)
     if isinstance(policy.selector, H2OSelector):
         scores = ripplekv_ref.h2o_scores(query, key, scale=scaling)[..., : n - w].contiguous()
         return ripplekv_ref.select_topk(scores, budget, w)
@@ -114,7 +115,7 @@ class MaskedReference:
             out = sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, **kwargs)
             if layer in self.layers:  # end of prefill: what the policy keeps
                 budget = self.policy.layer_budgets(len(self.layers), kv_len)[self.layers.index(layer)]
-                self.keep[layer] = (kv_len, _reference_indices(self.policy, query, key, budget, scaling))
+                self.keep[layer] = (kv_len, _reference_indices(self.policy, query, key, value, budget, scaling))
             return out
         n, idx = self.keep[layer]
         b, h_kv = key.shape[:2]

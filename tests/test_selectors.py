@@ -16,7 +16,7 @@ from ripplekv_ext.selectors import (AdaptiveRecentSelector, H2OSelector, KeyNorm
 from ripplekv_ref import select_topk, select_topk_rows
 from ripplekv_ref.selectors import (adaptive_recent_select, adaptive_recent_select_rows, key_norm_scores,
                                    peak_span_select, peak_span_select_rows, recent_snapkv_select,
-                                   recent_snapkv_select_rows)
+                                   recent_snapkv_select_rows, window_scores)
 from test_policies import _qkv
 
 
@@ -184,7 +184,8 @@ def test_a_head_reading_far_back_keeps_what_it_reads():
 
 @pytest.mark.parametrize("selector,reference", [
     (AdaptiveRecentSelector(sink=4), lambda *a: adaptive_recent_select_rows(*a, 4)),
-    (PeakSpanSelector(0.5, sink=4), lambda *a: peak_span_select_rows(*a, 0.5, 4))], ids=["adaptive", "peak-span"])
+    (PeakSpanSelector(0.5, sink=4, value_weighted=False), lambda *a: peak_span_select_rows(*a, 0.5, 4))],
+    ids=["adaptive", "peak-span"])
 def test_adaptive_select_rows_match_the_reference_for_a_left_padded_batch(selector, reference):
     lengths = torch.tensor([96, 70, 9, 0, 40, 25])
     budgets = torch.tensor([30, 30, 30, 30, 12, 25])
@@ -215,7 +216,7 @@ def test_adaptive_through_a_policy_and_its_options():
 def test_peak_span_select_matches_the_reference(budget, peak_share, sharpness):
     q, k = _inputs(seed=budget)
     q = q * sharpness
-    got = PeakSpanSelector(peak_share, sink=4).select(q, k, budget, RECENT_WINDOW)
+    got = PeakSpanSelector(peak_share, sink=4, value_weighted=False).select(q, k, budget, RECENT_WINDOW)
     assert torch.equal(got, peak_span_select(q, k, budget, RECENT_WINDOW, peak_share, sink=4))
 
 
@@ -223,23 +224,122 @@ def test_peak_span_select_matches_the_reference(budget, peak_share, sharpness):
 def test_peak_span_at_its_ends_is_the_adaptive_selector_or_averaged_snapkv(budget):
     q, k = _inputs(seed=3)
     # Every scored slot a peak: AdaptiveRecentSelector's selection, position for position.
-    assert torch.equal(PeakSpanSelector(1.0).select(q, k, budget, RECENT_WINDOW),
+    assert torch.equal(PeakSpanSelector(1.0, value_weighted=False).select(q, k, budget, RECENT_WINDOW),
                        AdaptiveRecentSelector().select(q, k, budget, RECENT_WINDOW))
     # No peaks, no sinks, and a window that reads only far back (no recent region): SnapKV with averaged scores.
     far_q, far_k = _window_reading(list(range(30, 40)))
-    assert torch.equal(PeakSpanSelector(0.0, sink=0).select(far_q, far_k, budget, RECENT_WINDOW),
+    assert torch.equal(PeakSpanSelector(0.0, sink=0, value_weighted=False).select(far_q, far_k, budget, RECENT_WINDOW),
                        SnapKVSelector(pooling="avg").select(far_q, far_k, budget, RECENT_WINDOW))
 
 
 def test_peak_span_through_a_policy_and_its_options():
     policy = make_policy("ripplekv+peak-span", 0.25, window=RECENT_WINDOW, profile=[1.0, 2.0, 3.0])
     assert isinstance(policy.selector, PeakSpanSelector) and policy.name == "ripplekv+peak-span@0.25"
+    assert policy.selector.needs_values and repr(policy.selector).endswith("value_weighted=True)")
+    unweighted = make_policy("uniform+peak-span-unweighted", 0.25, window=RECENT_WINDOW).selector
+    assert isinstance(unweighted, PeakSpanSelector) and not unweighted.needs_values
+    assert repr(unweighted) == "PeakSpanSelector(peak_share=0.5, sink=4, kernel_size=7, group_reduce='mean')"
     for options, match in (({"peak_share": 1.5}, "peak_share must be a number in"),
                            ({"peak_share": True}, "peak_share must be a number in"),
                            ({"peak_share": "0.5"}, "peak_share must be a number in"), ({"sink": -1}, "sink"),
-                           ({"kernel_size": 4}, "kernel_size must be odd")):
+                           ({"kernel_size": 4}, "kernel_size must be odd"),
+                           ({"value_weighted": 1}, "value_weighted must be True or False")):
         with pytest.raises((ValueError, TypeError), match=match):
             PeakSpanSelector(**options)
+
+
+# ---- Value-weighted scores: each position's attention mass times its value's norm, then pooled --------------------
+
+def _values(like, seed=0):
+    """Values whose norms spread over two orders of magnitude (as a model's do: sinks' values are near zero)."""
+    g = torch.Generator().manual_seed(seed)
+    v = torch.randn(like.shape, generator=g)
+    return v * torch.exp(3 * torch.rand(*like.shape[:3], 1, generator=g) - 2)
+
+
+VALUE_WEIGHTED = {  # kind: (weighted selector, its reference, the same selector unweighted)
+    "snapkv": (SnapKVSelector(value_weighted=True),
+               lambda q, k, budget, v: select_topk(window_scores(q, k, v), budget, RECENT_WINDOW), SnapKVSelector()),
+    "snapkv-avg": (SnapKVSelector(pooling="avg", value_weighted=True),
+                   lambda q, k, budget, v: select_topk(window_scores(q, k, v, pooling="avg"), budget, RECENT_WINDOW),
+                   SnapKVSelector(pooling="avg")),
+    "recent-snapkv": (RecentSnapKVSelector(0.5, value_weighted=True),
+                      lambda q, k, budget, v: recent_snapkv_select(q, k, budget, RECENT_WINDOW, 0.5, values=v),
+                      RecentSnapKVSelector(0.5)),
+    "adaptive-recent": (AdaptiveRecentSelector(value_weighted=True),
+                        lambda q, k, budget, v: adaptive_recent_select(q, k, budget, RECENT_WINDOW, values=v),
+                        AdaptiveRecentSelector()),
+    "peak-span": (PeakSpanSelector(0.5, value_weighted=True),
+                  lambda q, k, budget, v: peak_span_select(q, k, budget, RECENT_WINDOW, 0.5, values=v),
+                  PeakSpanSelector(0.5, value_weighted=False)),
+}
+
+
+@pytest.mark.parametrize("kind", list(VALUE_WEIGHTED))
+@pytest.mark.parametrize("budget", [RECENT_WINDOW + 1, 20, 47, 95])
+def test_value_weighted_selectors_match_the_reference(kind, budget):
+    selector, reference, unweighted = VALUE_WEIGHTED[kind]
+    q, k = _inputs(seed=budget)
+    v = _values(k, seed=budget)
+    got = selector.select(q * 2, k, budget, RECENT_WINDOW, values=v)
+    assert torch.equal(got, reference(q * 2, k, budget, v))
+    if budget == 20:  # the weighting moves the selection (else this could not tell weighted from plain scores)
+        assert not torch.equal(got, unweighted.select(q * 2, k, budget, RECENT_WINDOW))
+
+
+@pytest.mark.parametrize("sink", [4, 0])  # without sinks, pooling reads the pads next to a row's first tokens
+def test_value_weighted_rows_match_the_reference_and_each_row_alone(sink):
+    lengths = torch.tensor([96, 70, 9, 0, 40, 25])
+    budgets = torch.tensor([30, 30, 30, 30, 12, 25])
+    q, k = _inputs(batch=len(lengths), seed=12)
+    v = _values(k, seed=12)
+    for row, n in enumerate(lengths.tolist()):  # zero values at the pads: a pad must not score 0 * -inf = NaN
+        v[row, :, :96 - n] = 0.0
+    selector = PeakSpanSelector(0.5, sink=sink, value_weighted=True)
+    got = selector.select_rows(q * 2, k, budgets, lengths, RECENT_WINDOW, values=v)
+    assert torch.equal(got, peak_span_select_rows(q * 2, k, budgets, lengths, RECENT_WINDOW, 0.5, sink, values=v))
+    for row in (0, 1, 4):
+        n = int(lengths[row])
+        alone = selector.select(q[row:row + 1] * 2, k[row:row + 1, :, 96 - n:], int(budgets[row]), RECENT_WINDOW,
+                                values=v[row:row + 1, :, 96 - n:]) + 96 - n
+        assert torch.equal(got[row:row + 1, :, got.shape[2] - alone.shape[2]:], alone)
+
+
+@pytest.mark.parametrize("budget", [20, 47])
+def test_values_of_one_norm_change_nothing(budget):
+    # Scaling every score of a head by one number keeps its ranking and its recent share: the unweighted selection.
+    q, k = _inputs(seed=5)
+    v = torch.nn.functional.normalize(torch.randn(k.shape), dim=-1) * 3.0
+    for weighted, plain in ((PeakSpanSelector(value_weighted=True), PeakSpanSelector(value_weighted=False)),
+                            (SnapKVSelector(value_weighted=True), SnapKVSelector())):
+        assert torch.equal(weighted.select(q, k, budget, RECENT_WINDOW, values=v),
+                           plain.select(q, k, budget, RECENT_WINDOW))
+
+
+def test_a_read_token_with_a_null_value_gives_way():
+    # Hand-worked: the window reads positions 30 and 60 alike; position 30's value is zero, so it adds nothing to
+    # the head's output and the weighted selector keeps 60 alone, where attention mass alone keeps both.
+    n = 120
+    q, k = _window_reading([30, 60], n)
+    v = torch.ones(1, 1, n, 8)
+    v[0, 0, 30] = 0.0
+    budget = RECENT_WINDOW + 1
+    assert SnapKVSelector(kernel_size=1).select(q, k, budget + 1, RECENT_WINDOW)[0, 0, :2].tolist() == [30, 60]
+    assert SnapKVSelector(kernel_size=1, value_weighted=True).select(q, k, budget, RECENT_WINDOW,
+                                                                     values=v)[0, 0, 0].item() == 60
+
+
+def test_value_weighted_needs_the_values():
+    q, k = _inputs()
+    for values, match in ((None, "values= must have the keys' shape"), (k[:, :, :-1], "got \\[2, 2, 95, 16\\]")):
+        with pytest.raises(ValueError, match=match):
+            PeakSpanSelector(value_weighted=True).select(q, k, 20, RECENT_WINDOW, values=values)
+    compressor = KVCompressor(Policy(UniformAllocator(), PeakSpanSelector(value_weighted=True), 0.25,
+                                     window=RECENT_WINDOW), 1)
+    with pytest.raises(ValueError, match="reads the layer's values: pass values="):
+        compressor.select(0, q, k)
+    kept_keys, kept_values = compressor.compress(0, q, k, _values(k))
+    assert kept_keys.shape[2] == 24 and kept_values.shape == kept_keys.shape
 
 
 # ---- KeyNormSelector: the smallest-norm keys ---------------------------------------------------------------------

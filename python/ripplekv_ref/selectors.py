@@ -8,6 +8,24 @@ from torch import Tensor
 from ripplekv_ref.snapkv_scores import snapkv_scores
 
 
+def window_scores(q_window: Tensor, keys: Tensor, values=None, kernel_size: int = 7, pooling: str = "max",
+                  group_reduce: str = "mean", scale=None) -> Tensor:
+    """SnapKV's scores of the positions before the window (``snapkv_scores``); with ``values`` (``value_weighted``),
+    each position's unpooled attention mass times its value's L2 norm, then pooled position by position: the max,
+    or the sum over ``kernel_size`` (zero padding counted), of the weighted masses within ``kernel_size // 2``."""
+    if values is None:
+        return snapkv_scores(q_window, keys, kernel_size, pooling, group_reduce, scale)
+    mass = snapkv_scores(q_window, keys, 1, "max", group_reduce, scale)
+    n_prefix = mass.shape[-1]
+    weighted = mass * values[:, :, :n_prefix].float().norm(dim=-1)
+    half = kernel_size // 2
+    out = torch.empty_like(weighted)
+    for p in range(n_prefix):
+        near = weighted[..., max(p - half, 0):p + half + 1]
+        out[..., p] = near.amax(-1) if pooling == "max" else near.sum(-1) / kernel_size
+    return out
+
+
 def _keep_protected(head_scores, n: int, window: int, budget: int, sinks: int, recent: int) -> Tensor:
     """One head's kept positions, ascending: ``sinks`` first positions, ``recent`` positions just before the window,
     the window, and the best ``head_scores`` in between for the remaining slots (ties to the lower position)."""
@@ -20,14 +38,14 @@ def _keep_protected(head_scores, n: int, window: int, budget: int, sinks: int, r
 
 
 def _select_with_recency(q_window: Tensor, keys: Tensor, budget: int, window: int, sink: int, recent_of,
-                         **snapkv_options) -> Tensor:
+                         values=None, **snapkv_options) -> Tensor:
     """Both recent selectors: every position when ``budget >= N``; else, per head, ``sinks = min(sink, budget -
     window)`` sinks and ``recent_of(head's SnapKV scores before the window, sinks, rest)`` recent positions, with
     ``rest = budget - window - sinks``, kept by ``_keep_protected``."""
     b, h, n, _ = keys.shape
     if budget >= n:
         return torch.arange(n).expand(b, h, n).clone()
-    scores = snapkv_scores(q_window[:, :, -window:], keys, **snapkv_options)
+    scores = window_scores(q_window[:, :, -window:], keys, values, **snapkv_options)
     sinks = min(sink, budget - window)
     rest = budget - window - sinks
     out = torch.empty(b, h, budget, dtype=torch.int64)
@@ -40,7 +58,7 @@ def _select_with_recency(q_window: Tensor, keys: Tensor, budget: int, window: in
 
 def recent_snapkv_select(q_window: Tensor, keys: Tensor, budget: int, window: int, recent_fraction: float,
                          sink: int = 4, kernel_size: int = 7, pooling: str = "max", group_reduce: str = "mean",
-                         scale=None) -> Tensor:
+                         scale=None, values=None) -> Tensor:
     """Positions kept per KV head by SnapKV with sinks and a recent region (``RecentSnapKVSelector``), ascending.
 
     Of the ``budget - window`` slots before the window: ``min(sink, budget - window)`` sinks (the first positions),
@@ -48,13 +66,15 @@ def recent_snapkv_select(q_window: Tensor, keys: Tensor, budget: int, window: in
     the best SnapKV scores among the positions in between (ties to the lower position). ``budget >= N`` keeps all.
     """
     return _select_with_recency(q_window, keys, budget, window, sink,
-                                lambda head_scores, sinks, rest: math.floor(recent_fraction * rest),
+                                lambda head_scores, sinks, rest: math.floor(recent_fraction * rest), values,
                                 kernel_size=kernel_size, pooling=pooling, group_reduce=group_reduce, scale=scale)
 
 
-def _each_row_alone(select_one, q_window: Tensor, keys: Tensor, budgets, lengths, window: int) -> Tensor:
-    """``select_one(row_queries, row_keys, budget)`` on each row of a left-padded batch alone: row ``b``'s kept
-    positions (padded layout) in its last slots, ``-1`` before them, as ``select_topk_rows`` lays them out."""
+def _each_row_alone(select_one, q_window: Tensor, keys: Tensor, budgets, lengths, window: int,
+                    values=None) -> Tensor:
+    """``select_one(row_queries, row_keys, budget, row_values)`` on each row of a left-padded batch alone: row
+    ``b``'s kept positions (padded layout) in its last slots, ``-1`` before them, as ``select_topk_rows`` lays them
+    out. ``row_values`` is None without ``values``."""
     b, h, n, _ = keys.shape
     budgets, lengths = [int(x) for x in budgets], [int(x) for x in lengths]
     kept = [min(budget, length) for budget, length in zip(budgets, lengths)]
@@ -65,17 +85,18 @@ def _each_row_alone(select_one, q_window: Tensor, keys: Tensor, budgets, lengths
         start = n - length
         row_q = q_window[row:row + 1, :, -min(window, length):] if length < window else q_window[row:row + 1]
         positions = (torch.arange(length).expand(1, h, length) if budget >= length else
-                     select_one(row_q, keys[row:row + 1, :, start:], budget))
+                     select_one(row_q, keys[row:row + 1, :, start:], budget,
+                                None if values is None else values[row:row + 1, :, start:]))
         out[row, :, out.shape[2] - c:] = positions[0] + start
     return out
 
 
 def recent_snapkv_select_rows(q_window: Tensor, keys: Tensor, budgets, lengths, window: int, recent_fraction: float,
-                              sink: int = 4, **options) -> Tensor:
+                              sink: int = 4, values=None, **options) -> Tensor:
     """``recent_snapkv_select`` on each row of a left-padded batch alone (``_each_row_alone``)."""
-    return _each_row_alone(lambda q, k, budget: recent_snapkv_select(q, k, budget, window, recent_fraction, sink,
-                                                                    **options),
-                           q_window, keys, budgets, lengths, window)
+    return _each_row_alone(lambda q, k, budget, v: recent_snapkv_select(q, k, budget, window, recent_fraction, sink,
+                                                                       values=v, **options),
+                           q_window, keys, budgets, lengths, window, values)
 
 
 def _adaptive_recent(head_scores, sinks: int, rest: int) -> int:
@@ -90,7 +111,7 @@ def _adaptive_recent(head_scores, sinks: int, rest: int) -> int:
 
 def adaptive_recent_select(q_window: Tensor, keys: Tensor, budget: int, window: int, sink: int = 4,
                            kernel_size: int = 7, pooling: str = "max", group_reduce: str = "mean",
-                           scale=None) -> Tensor:
+                           scale=None, values=None) -> Tensor:
     """Positions kept per KV head by ``AdaptiveRecentSelector``, ascending.
 
     Of the ``free = budget - window`` slots before the window: ``sinks = min(sink, free)`` sinks (the first
@@ -98,32 +119,33 @@ def adaptive_recent_select(q_window: Tensor, keys: Tensor, budget: int, window: 
     after the sinks that lies on the last ``rest`` of them, ``floor(share * rest)`` recent positions (just before
     the window); the best SnapKV scores in between take the remaining slots (ties to the lower position).
     """
-    return _select_with_recency(q_window, keys, budget, window, sink, _adaptive_recent, kernel_size=kernel_size,
-                                pooling=pooling, group_reduce=group_reduce, scale=scale)
+    return _select_with_recency(q_window, keys, budget, window, sink, _adaptive_recent, values,
+                                kernel_size=kernel_size, pooling=pooling, group_reduce=group_reduce, scale=scale)
 
 
 def adaptive_recent_select_rows(q_window: Tensor, keys: Tensor, budgets, lengths, window: int, sink: int = 4,
-                                **options) -> Tensor:
+                                values=None, **options) -> Tensor:
     """``adaptive_recent_select`` on each row of a left-padded batch alone (``_each_row_alone``)."""
-    return _each_row_alone(lambda q, k, budget: adaptive_recent_select(q, k, budget, window, sink, **options),
-                           q_window, keys, budgets, lengths, window)
+    return _each_row_alone(lambda q, k, budget, v: adaptive_recent_select(q, k, budget, window, sink, values=v,
+                                                                         **options),
+                           q_window, keys, budgets, lengths, window, values)
 
 
 def peak_span_select(q_window: Tensor, keys: Tensor, budget: int, window: int, peak_share: float, sink: int = 4,
-                     kernel_size: int = 7, group_reduce: str = "mean", scale=None) -> Tensor:
+                     kernel_size: int = 7, group_reduce: str = "mean", scale=None, values=None) -> Tensor:
     """Positions kept per KV head by ``PeakSpanSelector``, ascending.
 
     The sinks and the recent region of ``adaptive_recent_select`` (sized from the max-pooled SnapKV scores); then,
     of the ``slots`` left, ``floor(peak_share * slots)`` positions with the best max-pooled scores, and the rest of
     the budget the best average-pooled scores among the positions not yet kept (ties to the lower position, both
-    times). ``budget >= N`` keeps all.
+    times). ``budget >= N`` keeps all. ``values``: the scores weighted by the values' norms (``window_scores``).
     """
     b, h, n, _ = keys.shape
     if budget >= n:
         return torch.arange(n).expand(b, h, n).clone()
     options = dict(kernel_size=kernel_size, group_reduce=group_reduce, scale=scale)
-    peaks = snapkv_scores(q_window[:, :, -window:], keys, pooling="max", **options)
-    spans = snapkv_scores(q_window[:, :, -window:], keys, pooling="avg", **options)
+    peaks = window_scores(q_window[:, :, -window:], keys, values, pooling="max", **options)
+    spans = window_scores(q_window[:, :, -window:], keys, values, pooling="avg", **options)
     n_prefix = n - window
     sinks = min(sink, budget - window)
     rest = budget - window - sinks
@@ -142,10 +164,11 @@ def peak_span_select(q_window: Tensor, keys: Tensor, budget: int, window: int, p
 
 
 def peak_span_select_rows(q_window: Tensor, keys: Tensor, budgets, lengths, window: int, peak_share: float,
-                          sink: int = 4, **options) -> Tensor:
+                          sink: int = 4, values=None, **options) -> Tensor:
     """``peak_span_select`` on each row of a left-padded batch alone (``_each_row_alone``)."""
-    return _each_row_alone(lambda q, k, budget: peak_span_select(q, k, budget, window, peak_share, sink, **options),
-                           q_window, keys, budgets, lengths, window)
+    return _each_row_alone(lambda q, k, budget, v: peak_span_select(q, k, budget, window, peak_share, sink,
+                                                                   values=v, **options),
+                           q_window, keys, budgets, lengths, window, values)
 
 
 def key_norm_scores(keys: Tensor, window: int, lengths=None) -> Tensor:
