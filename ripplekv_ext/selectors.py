@@ -175,7 +175,7 @@ class SnapKVSelector(ScoredSelector):
                              f"shape {list(keys.shape)}, got {got}")
         mass = snapkv_scores(queries[:, :, -window:], keys, kernel_size=1, group_reduce=self.group_reduce,
                              scale=scale, lengths=lengths)
-        norms = torch.linalg.vector_norm(values[:, :, :mass.shape[-1]].float(), dim=-1)
+        norms = torch.linalg.vector_norm(values[:, :, :mass.shape[-1]], dim=-1, dtype=torch.float32)
         # Pad positions keep their -inf (a pad value's norm may be 0, and -inf * 0 is NaN).
         weighted = (mass * norms).masked_fill(mass.isneginf(), -math.inf)
         return weighted if kernel_size == 1 else _pool(weighted, kernel_size, pooling)
