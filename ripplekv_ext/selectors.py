@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from ripplekv_ext.checks import check_int
+from ripplekv_ext.checks import check_bool, check_choice, check_fraction, check_int
 from ripplekv_ext.ops import h2o_scores, select_topk, select_topk_rows, snapkv_scores, streaming_indices
 
 __all__ = ["Selector", "ScoredSelector", "SnapKVSelector", "RecentSnapKVSelector", "AdaptiveRecentSelector",
@@ -33,17 +33,6 @@ DEFAULT_PEAK_SHARE = 0.5
 # Whether PeakSpanSelector weighs each position's attention mass by its value's norm: chosen on calibration text and
 # retrieval prompts of both models (docs/defaults.md).
 DEFAULT_VALUE_WEIGHTED = True
-
-
-def _check_choice(name: str, value, choices: tuple) -> None:
-    if value not in choices:
-        raise ValueError(f"{name} must be one of {choices}, got {value!r}")
-
-
-def _check_fraction(name: str, value) -> float:
-    if isinstance(value, bool) or not (isinstance(value, (int, float)) and 0.0 <= float(value) <= 1.0):
-        raise ValueError(f"{name} must be a number in [0, 1], got {value!r}")
-    return float(value)
 
 
 def _check_queries(queries: Tensor, keys: Tensor) -> None:
@@ -138,22 +127,19 @@ class SnapKVSelector(ScoredSelector):
     attention with small values (as sinks do) change the output little, and mass alone ranks them too high."""
 
     name = "snapkv"
+    value_weighted = False  # what a selector saved (pickled) before the option existed did
 
     def __init__(self, kernel_size: int = 7, pooling: str = "max", group_reduce: str = "mean",
                  value_weighted: bool = False):
         # Checked here, so a bad option fails when the policy is built, not at the first prefill.
         if check_int("kernel_size", kernel_size, 1) % 2 == 0:
             raise ValueError(f"kernel_size must be odd (pooling keeps the length), got {kernel_size}")
-        _check_choice("pooling", pooling, ("max", "avg"))
-        _check_choice("group_reduce", group_reduce, ("mean", "max"))
-        if not isinstance(value_weighted, bool):
-            raise ValueError(f"value_weighted must be True or False, got {value_weighted!r}")
+        check_choice("pooling", pooling, ("max", "avg"))
+        check_choice("group_reduce", group_reduce, ("mean", "max"))
         self.kernel_size, self.pooling, self.group_reduce = kernel_size, pooling, group_reduce
-        self.value_weighted = bool(value_weighted)
+        self.value_weighted = check_bool("value_weighted", value_weighted)
 
-    @property
-    def needs_values(self) -> bool:
-        return self.value_weighted
+    needs_values = property(lambda self: self.value_weighted)
 
     def score(self, queries: Tensor, keys: Tensor, window: int, scale: Optional[float] = None,
               lengths: Optional[Tensor] = None, values: Optional[Tensor] = None) -> Tensor:
@@ -204,7 +190,7 @@ class RecentSnapKVSelector(SnapKVSelector):
     def __init__(self, recent_fraction: float = DEFAULT_RECENT_FRACTION, sink: int = 4, kernel_size: int = 7,
                  pooling: str = "max", group_reduce: str = "mean", value_weighted: bool = False):
         super().__init__(kernel_size, pooling, group_reduce, value_weighted)
-        self.recent_fraction = _check_fraction("recent_fraction", recent_fraction)
+        self.recent_fraction = check_fraction("recent_fraction", recent_fraction)
         self.sink = check_int("sink", sink, 0)
 
     def protected(self, budget: int, window: int) -> tuple[int, int]:
@@ -324,7 +310,7 @@ class PeakSpanSelector(AdaptiveRecentSelector):
     def __init__(self, peak_share: float = DEFAULT_PEAK_SHARE, sink: int = 4, kernel_size: int = 7,
                  group_reduce: str = "mean", value_weighted: bool = DEFAULT_VALUE_WEIGHTED):
         super().__init__(sink, kernel_size, "max", group_reduce, value_weighted)
-        self.peak_share = _check_fraction("peak_share", peak_share)
+        self.peak_share = check_fraction("peak_share", peak_share)
 
     def _ranking(self, queries: Tensor, keys: Tensor, window: int, scale: Optional[float], budgets,
                  lengths: Optional[Tensor] = None, values: Optional[Tensor] = None) -> Tensor:
@@ -379,7 +365,7 @@ class H2OSelector(ScoredSelector):
 
     def __init__(self, chunk_size: int = 1024, group_reduce: str = "mean"):
         check_int("chunk_size", chunk_size, 1)
-        _check_choice("group_reduce", group_reduce, ("mean", "max"))
+        check_choice("group_reduce", group_reduce, ("mean", "max"))
         self.chunk_size, self.group_reduce = chunk_size, group_reduce
 
     def score(self, queries: Tensor, keys: Tensor, window: int, scale: Optional[float] = None,

@@ -329,6 +329,19 @@ def test_a_read_token_with_a_null_value_gives_way():
                                                                      values=v)[0, 0, 0].item() == 60
 
 
+def test_a_selector_saved_before_value_weighting_loads_unweighted():
+    # A pickled selector restores its __dict__ without __init__: one saved before the option has no value_weighted.
+    import pickle
+
+    old = PeakSpanSelector(value_weighted=False)
+    del old.__dict__["value_weighted"]
+    loaded = pickle.loads(pickle.dumps(old))
+    assert not loaded.needs_values and repr(loaded) == repr(PeakSpanSelector(value_weighted=False))
+    q, k = _inputs()
+    assert torch.equal(loaded.select(q, k, 20, RECENT_WINDOW),
+                       PeakSpanSelector(value_weighted=False).select(q, k, 20, RECENT_WINDOW))
+
+
 def test_value_weighted_needs_the_values():
     q, k = _inputs()
     for values, match in ((None, "values= must have the keys' shape"), (k[:, :, :-1], "got \\[2, 2, 95, 16\\]")):
