@@ -11,7 +11,7 @@ import ripplekv_ref
 from api_tables import Case, INF, NAN, table_tests
 from ripplekv_ext import KVCompressor, Policy
 from ripplekv_ext.allocation import average_budget
-from ripplekv_ext.selectors import H2OSelector, Selector
+from ripplekv_ext.selectors import H2OSelector, PeakSpanSelector, Selector
 from test_allocation import _profile_like
 
 WINDOW = 8
@@ -178,6 +178,8 @@ ROW_POLICIES = {
     "h2o": Policy.h2o(0.3, window=WINDOW),
     "streamingllm": Policy.streamingllm(0.3, window=WINDOW),
     "pyramidkv+h2o": Policy(Policy.pyramidkv(0.3).allocator, H2OSelector(), 0.3, WINDOW),
+    # The value-weighted default selector: reads each row's values too.
+    "pyramidkv+peak-span": Policy(Policy.pyramidkv(0.3).allocator, PeakSpanSelector(), 0.3, WINDOW),
 }
 # The short rows are too short for 30%: left whole, as documented.
 short_rows_left_whole = pytest.mark.filterwarnings("ignore::ripplekv_ext.policies.PromptTooShortWarning")
@@ -190,7 +192,7 @@ def _rows_layer(b, n, seed=0, h_kv=2, groups=2, d=16):
 
 
 @short_rows_left_whole
-@pytest.mark.parametrize("policy_name", ["snapkv", "pyramidkv", "h2o", "streamingllm"])
+@pytest.mark.parametrize("policy_name", ["snapkv", "pyramidkv", "h2o", "streamingllm", "pyramidkv+peak-span"])
 def test_compress_rows_equals_each_row_alone(policy_name):
     policy = ROW_POLICIES[policy_name]
     comp = KVCompressor(policy, num_layers=3)
@@ -217,19 +219,20 @@ def test_compress_rows_equals_each_row_alone(policy_name):
 
 
 @short_rows_left_whole
-@pytest.mark.parametrize("policy_name", ["snapkv", "h2o", "pyramidkv+h2o"])
+@pytest.mark.parametrize("policy_name", ["snapkv", "h2o", "pyramidkv+h2o", "pyramidkv+peak-span"])
 def test_per_row_ops_equal_the_row_loop(policy_name):
     # A scored selector's select_rows runs the per-row ops (one call for the batch); the Selector base's runs each
-    # row alone through select.
+    # row alone through select (with that row's values, for a selector that reads them).
     policy = ROW_POLICIES[policy_name]
     comp = KVCompressor(policy, num_layers=2)
     lengths = (64, 40, 5, 0, 20, 33)
-    q, k, _ = _rows_layer(len(lengths), 64, seed=4)
+    q, k, v = _rows_layer(len(lengths), 64, seed=4)
     queries = q if policy.selector.needs_all_queries else q[:, :, -WINDOW:]
+    values = {"values": v} if policy.selector.needs_values else {}
     for layer in range(2):
-        batched = comp.select_rows(layer, queries, k, torch.tensor(lengths))
+        batched = comp.select_rows(layer, queries, k, torch.tensor(lengths), **values)
         budgets = torch.tensor(comp.layer_row_budgets(layer, lengths))
-        loop = Selector.select_rows(policy.selector, queries, k, budgets, torch.tensor(lengths), WINDOW)
+        loop = Selector.select_rows(policy.selector, queries, k, budgets, torch.tensor(lengths), WINDOW, **values)
         assert torch.equal(batched, loop)
 
 
