@@ -166,10 +166,10 @@ class SnapKVSelector(ScoredSelector):
         weighted = (mass * norms).masked_fill(mass.isneginf(), -math.inf)
         return weighted if kernel_size == 1 else _pool(weighted, kernel_size, pooling)
 
-    def _options_repr(self) -> str:
+    def _options_repr(self, pooling: bool = True) -> str:
         # Only a value-weighted selector names the option: the reprs of the others stay what results recorded.
-        return (f"kernel_size={self.kernel_size}, pooling={self.pooling!r}, group_reduce={self.group_reduce!r}"
-                + (", value_weighted=True" if self.value_weighted else ""))
+        return (f"kernel_size={self.kernel_size}, " + (f"pooling={self.pooling!r}, " if pooling else "")
+                + f"group_reduce={self.group_reduce!r}" + (", value_weighted=True" if self.value_weighted else ""))
 
     def __repr__(self):
         return f"SnapKVSelector({self._options_repr()})"
@@ -224,7 +224,8 @@ class RecentSnapKVSelector(SnapKVSelector):
         return select_topk_rows(scores.masked_fill(protected[:, None, :], math.inf), budgets, window, lengths)
 
     def __repr__(self):
-        return f"RecentSnapKVSelector(recent_fraction={self.recent_fraction:g}, sink={self.sink}, {self._options_repr()})"
+        return (f"RecentSnapKVSelector(recent_fraction={self.recent_fraction:g}, sink={self.sink}, "
+                f"{self._options_repr()})")
 
 
 class AdaptiveRecentSelector(SnapKVSelector):
@@ -331,8 +332,7 @@ class PeakSpanSelector(AdaptiveRecentSelector):
         return spans.masked_fill(protected | (rank < n_peaks[..., None]), math.inf)
 
     def __repr__(self):
-        return (f"PeakSpanSelector(peak_share={self.peak_share:g}, sink={self.sink}, kernel_size={self.kernel_size}, "
-                f"group_reduce={self.group_reduce!r}" + (", value_weighted=True)" if self.value_weighted else ")"))
+        return f"PeakSpanSelector(peak_share={self.peak_share:g}, sink={self.sink}, {self._options_repr(False)})"
 
 
 class KeyNormSelector(ScoredSelector):
