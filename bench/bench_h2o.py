@@ -24,7 +24,8 @@ def bench_h2o_scores(benchmark, impl, shape, device):
     q = torch.randn(s["B"], s["H_q"], n, s["D"], generator=g).to(device, torch.float16)
     k = torch.randn(s["B"], s["H_kv"], n, s["D"], generator=g).to(device, torch.float16)
     fn = IMPLS[impl]
-    torch.testing.assert_close(fn(q, k, 256), ripplekv_ref.h2o_scores(q, k, 256), rtol=1e-4, atol=1e-4)
+    if impl != "reference":  # the timed scores are the reference's
+        torch.testing.assert_close(fn(q, k, 256), ripplekv_ref.h2o_scores(q, k, 256), rtol=1e-4, atol=1e-4)
 
     def run():
         fn(q, k, 256)

@@ -35,6 +35,12 @@ def profile_path(tiny_dir, tmp_path_factory):
     return path
 
 
+@pytest.fixture(autouse=True)
+def _in_a_temporary_folder(tmp_path, monkeypatch):
+    # A command run with the default --out-dir writes ripplekv-results/ into the current folder: never the checkout.
+    monkeypatch.chdir(tmp_path)
+
+
 def run(argv, capsys):
     code = cli.main(argv)
     out, err = capsys.readouterr()
@@ -221,16 +227,18 @@ def test_output_folder_that_cannot_be_written_is_refused_before_loading(tiny_dir
 def test_read_only_output_folder_is_refused(tiny_dir, tmp_path, capsys, no_model_load):
     import os
 
-    if os.geteuid() == 0:
-        pytest.skip("root writes into read-only folders")
-    ro = tmp_path / "ro"
-    ro.mkdir()
-    ro.chmod(0o555)
-    try:
-        _one_line_error(["eval", "--model", str(tiny_dir), "--methods", "full", "--out-dir", str(ro)], capsys,
-                        f"--out-dir {ro} cannot be written")
-    finally:
-        ro.chmod(0o755)
+    # An existing folder that takes no files, whoever runs the test (root writes into a chmod 555 folder).
+    _one_line_error(["eval", "--model", str(tiny_dir), "--methods", "full", "--out-dir", "/proc"], capsys,
+                    "--out-dir /proc cannot be written")
+    if os.geteuid() != 0:
+        ro = tmp_path / "ro"
+        ro.mkdir()
+        ro.chmod(0o555)
+        try:
+            _one_line_error(["eval", "--model", str(tiny_dir), "--methods", "full", "--out-dir", str(ro)], capsys,
+                            f"--out-dir {ro} cannot be written")
+        finally:
+            ro.chmod(0o755)
 
 
 def test_profile_out_existing_folder_is_refused_up_front(tiny_dir, tmp_path, capsys, no_model_load):

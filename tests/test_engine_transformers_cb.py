@@ -313,7 +313,7 @@ def test_serve_restores_the_engine(model):
 # One generate_batch in a fresh interpreter, then its peak RSS: the engine's IO touches its whole mask buffer when
 # it is built, so a buffer sized from uncompressed lengths shows in the peak whatever the prompts.
 _PEAK_RSS_RUN = """
-import contextlib, json, resource, sys
+import contextlib, json, sys
 import torch, transformers
 from ripplekv_ext import Policy
 from ripplekv_ext.eval.models import tiny_model
@@ -328,7 +328,8 @@ block = contextlib.nullcontext() if retention == 1 else cb.serve(model, Policy.s
 with block:
     out = model.generate_batch(prompts, generation_config=gen, continuous_batching_config=config, progress_bar=False)
 assert len(out) == len(prompts) and all(r.error is None and len(r.generated_tokens) == 4 for r in out.values())
-print(json.dumps(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss))
+# VmHWM, this process's own peak: ru_maxrss would also hold the parent's size at the fork (Linux keeps it across exec).
+print(json.dumps(next(int(x.split()[1]) for x in open("/proc/self/status") if x.startswith("VmHWM:"))))
 """
 
 
@@ -350,10 +351,14 @@ def test_serve_peak_memory_is_at_most_the_stock_engines(tmp_path):
 
     stock = peak_mb(1)
     # The stock engine's mask buffer is max_batch_tokens x (cache tokens + max_batch_tokens) float32, 68 MiB here;
-    # serve's engine buffers hold no cached tokens and its own masks are sized by what the requests hold.
-    peaks = {retention: peak_mb(retention) for retention in (0.5, 0.2, 0.05)}
-    for retention, peak in peaks.items():
-        assert peak <= stock, f"serve at {retention:.0%}: peak RSS {peak:.0f} MiB, stock {stock:.0f} MiB"
+    # serve's engine buffers hold no cached tokens and its own masks are sized by what the requests hold. Measured
+    # here: stock 864 MiB, serve 807-809 MiB at every retention. Half the buffer is the margin: a serve that built
+    # the stock buffer too would fail, the allocator's noise between processes (well under a MiB) would not.
+    saving = 34
+    for retention in (0.5, 0.05):
+        peak = peak_mb(retention)
+        assert peak <= stock - saving, (f"serve at {retention:.0%}: peak RSS {peak:.0f} MiB, stock {stock:.0f} MiB "
+                                        f"(expected at least {saving} MiB less)")
 
 
 @needs_supported_transformers

@@ -140,7 +140,8 @@ BAD_INPUTS = [
     # Sizes that have no meaning raise, as the reference does.
     Case("h2o_scores H_q=0", lambda d: ripplekv_ext.h2o_scores(
         rand(1, 0, 32, 8, device=d), rand(1, 2, 32, 8, device=d)),
-         error=(RuntimeError, "must be a positive multiple of the keys heads")),
+         error=(RuntimeError, "must be a positive multiple of the keys heads"),
+         reference="must be a positive multiple of the key heads"),
     Case("h2o_scores D=0", lambda d: ripplekv_ext.h2o_scores(rand(1, 4, 32, 0, device=d), rand(1, 2, 32, 0, device=d)),
          error=(RuntimeError, "head dimension D (dim 3) must be >= 1, got 0")),
     # Every tensor on one device (meta included): no uninitialised memory, no silent no-op.
@@ -150,7 +151,8 @@ BAD_INPUTS = [
     # lengths: int64 [B], one per row; a lone int says what the argument must be.
     Case("h2o_scores lengths of another size", lambda d: ripplekv_ext.h2o_scores(
         rand(1, 4, 32, 8, device=d), rand(1, 2, 32, 8, device=d), lengths=torch.tensor([32, 32])),
-         error=(RuntimeError, "lengths dim 0 (B) must be 1, got 2")),
+         error=(RuntimeError, "lengths dim 0 (B) must be 1, got 2"),
+         reference="lengths must have B = 1 entries, got 2"),
     Case("h2o_scores lengths=32", lambda d: ripplekv_ext.h2o_scores(
         rand(1, 4, 32, 8, device=d), rand(1, 2, 32, 8, device=d), lengths=32),
          error=(TypeError, "h2o_scores: lengths must be an int64 [B] tensor or a list of ints")),

@@ -199,18 +199,31 @@ def test_compressed_decoding_matches_masked_reference(arch, policy_name):
     assert _max_diff(ours[1:], full[1:]) > 1e-3  # and compression did change the continuation
 
 
-@pytest.mark.parametrize("dtype,tol", [(torch.float16, 2e-2), (torch.bfloat16, 1e-1)], ids=["fp16", "bf16"])
-def test_half_precision_models(dtype, tol):
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+def test_half_precision_models(dtype):
     model = tiny_model("llama").to(dtype)
     policy = Policy.ripplekv(_sensitivity(4), 0.3, window=WINDOW)
     ids, cont = _ids(), _ids(n=5, seed=1)
     with compress(model, policy):
         ours, cache = _prefill_then_continue(model, ids, cont)
-    with MaskedReference(model, policy):
-        reference, _ = _prefill_then_continue(model, ids, cont)
+    with MaskedReference(model, policy) as masked:
+        reference, full_cache = _prefill_then_continue(model, ids, cont)
+    full, _ = _prefill_then_continue(model, ids, cont)
+    model_fp32 = tiny_model("llama")
+    with MaskedReference(model_fp32, policy):
+        reference_fp32, _ = _prefill_then_continue(model_fp32, ids, cont)
     assert cache.layers[0].keys.dtype == dtype
     assert all(torch.isfinite(x).all() for x in ours)
+    # The positions each layer keeps are the reference's, exactly.
+    for layer in range(4):
+        n, idx = masked.keep[layer]
+        kept = full_cache.layers[layer].keys[:, :, :n].gather(2, idx[..., None].expand(-1, -1, -1, model.config.head_dim))
+        assert torch.equal(cache.layers[layer].keys[:, :, :idx.shape[2]], kept), layer
+    # The outputs, within the dtype's own rounding (the half model's masked reference against the fp32 model's), and
+    # compression changed them by far more than that.
+    tol = _max_diff(reference, reference_fp32)
     assert _max_diff(ours, reference) <= tol
+    assert _max_diff(ours[1:], full[1:]) > 5 * tol
 
 
 def test_eager_attention_when_asked():
@@ -367,13 +380,29 @@ def test_context_manager_restores_the_model():
 
 def test_rejects_bad_arguments():
     model = tiny_model("llama")
+    before = _snapshot(model)
     with pytest.raises(TypeError, match="policy must be a ripplekv_ext.Policy, got str"):
         with compress(model, "snapkv"):
             pass
+    _assert_same(before, _snapshot(model))
     with pytest.raises(ValueError, match="attention must be 'sdpa' or 'eager', got 'flash'"):
         with compress(model, Policy.full(), attention="flash"):
             pass
-    _assert_same(_snapshot(model), _snapshot(model))
+    _assert_same(before, _snapshot(model))
+
+
+def test_snapshot_sees_a_refusal_that_left_the_model_changed():
+    # What test_rejects_bad_arguments relies on: a change a refused block could leave behind shows.
+    model = tiny_model("llama")
+    before = _snapshot(model)
+    model.model.layers[0].register_forward_hook(lambda *args: None)
+    with pytest.raises(AssertionError, match="hooks"):
+        _assert_same(before, _snapshot(model))
+    model = tiny_model("llama")
+    before = _snapshot(model)
+    model.config._attn_implementation = "eager"
+    with pytest.raises(AssertionError, match="attn"):
+        _assert_same(before, _snapshot(model))
 
 
 # --- One block per model; a prompt too short for the policy ----------------------------------------------------
@@ -400,8 +429,21 @@ def test_second_block_on_one_model_is_refused_and_model_ends_as_it_began():
 
 def test_blocks_on_two_models_are_independent():
     m1, m2 = tiny_model("llama", seed=0), tiny_model("llama", seed=0)
-    with compress(m1, Policy.snapkv(0.5, window=8)), compress(m2, Policy.snapkv(0.5, window=8)):
-        pass
+    ids = _ids(batch=1, n=64)
+    before = _snapshot(m2)
+    with torch.no_grad():
+        stock = m2(ids).logits
+        with compress(m1, Policy.snapkv(0.5, window=8)), compress(m2, Policy.streamingllm(0.25, window=8)):
+            first = output_cache(m1(ids, use_cache=True))
+            second = output_cache(m2(ids, use_cache=True))
+        # Each model compressed by its own policy (the same weights, other budgets), as if its block were alone.
+        assert [layer.keys.shape[2] for layer in first.layers] == [32] * 4
+        assert [layer.keys.shape[2] for layer in second.layers] == [16] * 4
+        with compress(m2, Policy.streamingllm(0.25, window=8)):
+            alone = output_cache(m2(ids, use_cache=True))
+        assert all(torch.equal(a.keys, b.keys) for a, b in zip(second.layers, alone.layers))
+        _assert_same(before, _snapshot(m2))  # and each is restored when its block closes
+        assert torch.equal(m2(ids).logits, stock)
 
 
 def test_prompt_too_short_for_the_policy_passes_uncompressed_with_a_warning():

@@ -70,7 +70,13 @@ def test_snapkv_mass_identity():
     q = torch.randn(1, 2, 4, 8)
     k = torch.randn(1, 2, 20, 8)
     prefix = ripplekv_ref.snapkv_scores(q, k, kernel_size=1).sum(-1)
-    assert bool((prefix < 4).all()) and bool((prefix > 0).all())
+    # The window's own mass, computed here from the definition: query i attends to window keys 0..i.
+    logits = (q @ k[:, :, 16:].transpose(-1, -2)) / 8 ** 0.5
+    causal = torch.ones(4, 4, dtype=torch.bool).tril()
+    full = torch.cat([q @ k[:, :, :16].transpose(-1, -2) / 8 ** 0.5, logits.masked_fill(~causal, float("-inf"))], -1)
+    window = full.softmax(-1)[..., 16:].sum((-1, -2))
+    torch.testing.assert_close(prefix + window, torch.full_like(prefix, 4.0))
+    assert bool((prefix > 0).all()) and bool((window > 0).all())
 
 
 def test_select_topk_by_hand():

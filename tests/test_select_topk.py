@@ -169,7 +169,7 @@ BAD_INPUTS = [
          error=(RuntimeError, "scores must not contain NaN, got NaN")),
     Case("select_topk NaN, budget == window", lambda d: ripplekv_ext.select_topk(
         nan_at(rand(2, 2, 40, device=d), 1, 1, 7), 4, 4),
-         error=(RuntimeError, "of row 3 (row = b * H_kv + h)")),
+         error=(RuntimeError, "of row 3 (row = b * H_kv + h)"), reference="scores must not contain NaN"),
 ]
 
 

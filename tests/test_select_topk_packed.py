@@ -107,7 +107,7 @@ BAD_INPUTS = [
     # NaN scores: the selection raises, naming the row and the layer.
     Case("select_topk_packed NaN in layer 1", lambda d: ripplekv_ext.select_topk_packed(
         nan_at(rand(2, 1, 2, 40, device=d), 1, 0, 1, 3), [10, 10], 4),
-         error=(RuntimeError, "of row 1 (row = b * H_kv + h) of layer 1")),
+         error=(RuntimeError, "of row 1 (row = b * H_kv + h) of layer 1"), reference="scores must not contain NaN"),
 ]
 
 

@@ -10,7 +10,8 @@ import ripplekv_ref
 from conftest import DEVICES
 from op_samples import FLOAT_DTYPES, bnhd, nan_at, rand
 from op_tables import Case, I64_MAX, op_tests, other_device
-from test_snapkv_scores import SCORE_TOL, SHAPES, assert_same_selection, make_window  # noqa: F401
+from ripplekv_ref.comparison import SCORE_TOL, assert_same_selection
+from test_snapkv_scores import SHAPES, make_window  # noqa: F401
 
 
 @pytest.mark.parametrize("shape", SHAPES[1:], ids=str)

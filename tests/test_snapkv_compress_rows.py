@@ -9,7 +9,8 @@ import ripplekv_ref
 from conftest import DEVICES, requires_cuda
 from op_samples import FLOAT_DTYPES, bnhd, nan_at, rand
 from op_tables import Case, op_tests
-from test_snapkv_scores import assert_same_selection, make_window
+from ripplekv_ref.comparison import assert_same_selection
+from test_snapkv_scores import make_window
 
 W = 6
 
@@ -212,7 +213,8 @@ BAD_INPUTS = [
     Case("snapkv_compress_rows NaN in a real key", lambda d: ripplekv_ext.snapkv_compress_rows(
         rand(2, 4, 8, 16, device=d), nan_at(rand(2, 2, 64, 16, device=d), 1, 0, 40, 0), rand(2, 2, 64, 16, device=d),
         torch.tensor([20, 20]), torch.tensor([64, 30])),
-         error=(RuntimeError, "scores must not contain NaN, got NaN in batch row 1")),
+         error=(RuntimeError, "scores must not contain NaN, got NaN in batch row 1"),
+         reference="scores must not contain NaN"),
     Case("snapkv_compress_rows NaN in a pad key", lambda d: ripplekv_ext.snapkv_compress_rows(
         rand(2, 4, 8, 16, device=d), nan_at(rand(2, 2, 64, 16, device=d), 1, 0, 10, 0), rand(2, 2, 64, 16, device=d),
         torch.tensor([20, 20]), torch.tensor([64, 30])),

@@ -11,13 +11,10 @@ from hypothesis import given, settings, strategies as st
 
 import ripplekv_ext
 import ripplekv_ref
+from ripplekv_ref.comparison import SCORE_TOL, assert_same_selection
 from conftest import DEVICES, requires_cuda
 from op_samples import FLOAT_DTYPES, bnhd, nan_at, rand
 from op_tables import Case, assert_same_nan_scores, op_tests, other_device, scores_nan_like_reference
-
-# Scores are fp32 whatever the input dtype (inputs are upcast exactly), so one tolerance serves all
-# dtypes; it covers the different summation order of the tiled kernels.
-SCORE_TOL = dict(rtol=1e-5, atol=1e-5)
 
 
 def make_window(B, H_q, H_kv, W, N, D, dtype, device, seed=0, scale=1.0):
@@ -28,22 +25,17 @@ def make_window(B, H_q, H_kv, W, N, D, dtype, device, seed=0, scale=1.0):
     return q, k, v
 
 
-def assert_same_selection(idx, idx_ref, scores_ref, window):
-    """Indices must be identical, except where two scores are equal within the score tolerance: there the
-    kernel's fp32 summation order may legitimately flip a near-tie at the selection threshold."""
-    if torch.equal(idx, idx_ref):
-        return
-    n_prefix = scores_ref.shape[-1]
-    for row in range(idx.shape[0] * idx.shape[1]):
-        a, b = idx.flatten(0, 1)[row].tolist(), idx_ref.flatten(0, 1)[row].tolist()
-        if a == b:
-            continue
-        s = scores_ref.flatten(0, 1)[row]
-        ours_only = [j for j in set(a) - set(b)]
-        ref_only = [j for j in set(b) - set(a)]
-        assert all(j < n_prefix for j in ours_only + ref_only), "window positions must always be kept"
-        for j_ours, j_ref in zip(sorted(ours_only), sorted(ref_only)):
-            assert torch.isclose(s[j_ours], s[j_ref], **SCORE_TOL), (row, j_ours, j_ref, s[j_ours], s[j_ref])
+def test_assert_same_selection_catches_planted_bugs():
+    scores = torch.arange(10.0).view(1, 1, 10)
+    ref = ripplekv_ref.select_topk(scores, 6, 2)  # positions 6..9 and the window 10, 11
+    assert_same_selection(ref, ref, scores, 2)
+    planted = {"a repeated index": [6, 6, 8, 9, 10, 11], "descending": [7, 6, 8, 9, 10, 11],
+               "a lower score kept": [5, 7, 8, 9, 10, 11], "the window dropped": [5, 6, 7, 8, 9, 11],
+               "a pad after a position": [6, 7, 8, 9, 10, -1]}
+    for name, wrong in planted.items():
+        with pytest.raises(AssertionError):
+            assert_same_selection(torch.tensor([[wrong]]), ref, scores, 2)
+            pytest.fail(name)
 
 
 SHAPES = [  # (B, H_q, H_kv, W, N, D)
@@ -300,7 +292,8 @@ BAD_INPUTS = [
     # Sizes that have no meaning raise, as the reference does.
     Case("snapkv_scores H_q=0", lambda d: ripplekv_ext.snapkv_scores(
         rand(1, 0, 8, 16, device=d), rand(1, 2, 64, 16, device=d)),
-         error=(RuntimeError, "must be a positive multiple of the keys heads")),
+         error=(RuntimeError, "must be a positive multiple of the keys heads"),
+         reference="must be a positive multiple of the key heads"),
     Case("snapkv_scores D=0", lambda d: ripplekv_ext.snapkv_scores(
         rand(1, 4, 8, 0, device=d), rand(1, 2, 64, 0, device=d)),
          error=(RuntimeError, "head dimension D (dim 3) must be >= 1, got 0")),

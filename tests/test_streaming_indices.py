@@ -14,11 +14,22 @@ def test_by_hand():
     assert ripplekv_ext.streaming_indices(10, 5, sink=0).tolist() == [[[5, 6, 7, 8, 9]]]
 
 
-@pytest.mark.parametrize("n, budget, sink", [(100, 20, 4), (100, 100, 4), (7, 3, 1), (1, 1, 4), (64, 8, 8)])
-def test_matches_reference(n, budget, sink, device):
+def stated(n, budget, sink):
+    """DESIGN.md's rule, written from its statement: the first ``sink`` positions and the last ``budget - sink``; a
+    prompt within its budget is kept whole."""
+    if n <= budget:
+        return list(range(n))
+    return [p for p in range(n) if p < sink or p >= n - (budget - sink)]
+
+
+@pytest.mark.parametrize("n, budget, sink", [(100, 20, 4), (100, 100, 4), (7, 3, 1), (1, 1, 4), (64, 8, 8),
+                                             (101, 100, 0), (50, 5, 5)])
+def test_matches_the_stated_rule_and_the_reference(n, budget, sink, device):
     ours = ripplekv_ext.streaming_indices(n, budget, sink, batch=2, heads=3, device=device)
     ref = ripplekv_ref.streaming_indices(n, budget, sink, batch=2, heads=3, device=device)
-    assert torch.equal(ours, ref) and ours.dtype == torch.int64 and ours.device.type == device.type
+    assert ours.dtype == torch.int64 and ours.device.type == device.type
+    assert all(row == stated(n, budget, sink) for row in ours.flatten(0, 1).tolist())
+    assert torch.equal(ours, ref)
     assert ours.shape == (2, 3, min(n, budget)) and ours.is_contiguous()
     assert bool((ours.diff(dim=-1) > 0).all())
 
