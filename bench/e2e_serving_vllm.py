@@ -84,7 +84,7 @@ def tiny_model(folder: Path) -> tuple[str, str]:
     """A 4-layer random Llama (head size 64) and a made-up profile for it, for --quick."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from ripplekv_ext.profile_file import Profile, describe_model, save_profile
+    from ripplekv_ext.profile_file import Profile, save_profile
 
     torch.manual_seed(0)
     config = LlamaConfig(vocab_size=2048, hidden_size=256, intermediate_size=512, num_hidden_layers=4,
@@ -92,14 +92,7 @@ def tiny_model(folder: Path) -> tuple[str, str]:
                          tie_word_embeddings=False)
     model = LlamaForCausalLM(config).float()
     model.save_pretrained(folder / "model", safe_serialization=True)
-    sensitivity = [0.4, 0.1, 0.2, 0.05]
-    profile = Profile(model=describe_model(model, "tiny-llama"),
-                      method={"target": "values", "sigma": 1.0, "seed": 0, "draws": 1, "metric": "kl"},
-                      calibration={"source": "synthetic", "num_examples": 1, "prefix_len": 64, "cont_len": 8},
-                      layers=[0, 1, 2, 3], sensitivity=sensitivity, stderr=[0.0] * 4, per_example=[sensitivity],
-                      compressible_layers=[0, 1, 2, 3], stability={"split_half_spearman": None, "until_stable": False},
-                      cost={"seconds": 0.0, "tokens_processed": 0, "device": "cpu"})
-    save_profile(profile, folder / "profile.json")
+    save_profile(Profile.from_sensitivity(model, [0.4, 0.1, 0.2, 0.05], "tiny-llama"), folder / "profile.json")
     return str(folder / "model"), str(folder / "profile.json")
 
 
@@ -114,7 +107,7 @@ def run(model: str, requests, args, ripplekv=None) -> dict:
     from vllm import LLM, SamplingParams
     from vllm.distributed import cleanup_dist_env_and_memory
 
-    from ripplekv_ext.engines.vllm.settings import Settings, plan_for
+    from ripplekv_ext.engines.vllm.settings import Settings, kv_cache_bytes, plan_for
 
     config = json.loads(Path(model, "config.json").read_text())
     tiers = 1
@@ -123,7 +116,10 @@ def run(model: str, requests, args, ripplekv=None) -> dict:
     longest = max(len(p) + m for p, m in requests)
     kwargs = dict(model=model, skip_tokenizer_init=True, dtype=args.dtype, enforce_eager=True,
                   block_size=args.block_size, num_gpu_blocks_override=args.blocks * tiers,
-                  max_model_len=-(-longest // args.block_size) * args.block_size, gpu_memory_utilization=0.2,
+                  max_model_len=-(-longest // args.block_size) * args.block_size,
+                  # In bytes: a memory fraction is taken of the NUMA node's memory minus this process's.
+                  kv_cache_memory_bytes=kv_cache_bytes(config, args.blocks, args.block_size,
+                                                       getattr(torch, args.dtype).itemsize),
                   enable_prefix_caching=False, max_num_seqs=len(requests),
                   max_num_batched_tokens=args.max_batched_tokens)
     if ripplekv is not None:

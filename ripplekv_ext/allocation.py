@@ -264,6 +264,13 @@ class Allocator(abc.ABC):
         ``layers`` names those layers (ascending indices) for allocators that hold per-layer data; None means
         ``0 .. num_layers - 1``."""
 
+    def chunk_budget(self, final_budget: int, n_read: int) -> int:
+        """Tokens a layer keeps of the first ``n_read`` tokens of a prompt read in chunks whose whole length is
+        known, ``final_budget`` being its budget for the whole prompt (DESIGN.md §4, "Bounded (rolling) prefill"):
+        every token read up to that budget, so nothing is evicted before it has to be. An engine's wrapper may round
+        it (the vLLM plugin's frees whole blocks)."""
+        return min(int(final_budget), int(n_read))
+
 
 class UniformAllocator(Allocator):
     name = "uniform"

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import functools
 import time
+import warnings
 from dataclasses import dataclass
 from typing import Callable, Optional, Sequence
 
@@ -38,7 +39,7 @@ from torch import Tensor
 from ripplekv_ext.checks import check_int, is_integer
 from ripplekv_ext.model_info import compressible_layers, text_config
 from ripplekv_ext.ops import gather_kv
-from ripplekv_ext.policies import Policy
+from ripplekv_ext.policies import Policy, PromptTooShortWarning
 
 __all__ = ["KVCompressor", "CompressionStep"]
 
@@ -134,6 +135,23 @@ class KVCompressor:
         self._check_layer(layer_idx)
         slot = self._slot.get(layer_idx)
         return None if slot is None else self._plan(n_tokens)[slot]
+
+    def chunk_budgets(self, n_read: int, n_total: Optional[int] = None) -> list[Optional[int]]:
+        """Tokens each layer keeps after the first ``n_read`` tokens of a prompt read in chunks (DESIGN.md §4,
+        "Bounded (rolling) prefill"), indexed by layer like ``budgets``: with the whole prompt's length ``n_total``
+        known, its final budget ``budgets(n_total)``, as the allocator rounds it part-way (``chunk_budget``: all
+        tokens read up to the budget); else the budgets of a prompt of ``n_read`` tokens. After the last chunk
+        (``n_read == n_total``) both are ``budgets(n_total)``."""
+        n_read = check_int("n_read", n_read, 1)
+        if n_total is None:
+            with warnings.catch_warnings():  # a first chunk too short to compress is no mistake
+                warnings.simplefilter("ignore", PromptTooShortWarning)
+                return self.budgets(n_read)
+        n_total = check_int("n_total", n_total, n_read)
+        final = self.budgets(n_total)
+        allocator = self.policy.allocator
+        return [None if budget is None else
+                n_read if allocator is None else allocator.chunk_budget(budget, n_read) for budget in final]
 
     def decode_budgets(self, n_tokens: int, prompt_tokens: int) -> list[Optional[int]]:
         """Tokens each layer keeps when it re-selects during decoding (``policy.decode_every``), ``n_tokens``

@@ -42,6 +42,7 @@ from ripplekv_ext.hook import compress
 from ripplekv_ext.integrations import transformers_integration as _door
 from ripplekv_ext.masks import row_lengths
 from ripplekv_ext.policies import Policy
+from ripplekv_ext.rolling import prefill_in_chunks
 
 __all__ = ["ContextStamp", "DEFAULT_PROBE", "compress_context", "continue_context", "check_context",
            "default_probe_ids", "load_context"]
@@ -200,8 +201,12 @@ def compress_context(model, context_ids: Tensor, policy: Policy, *, tokenizer=No
         inputs["position_ids"] = (inputs["attention_mask"].long().cumsum(-1) - 1).clamp(min=0)
     if probe_tokens:
         inputs[_door().cache_argument()] = _door().probe_cache(model, probe_tokens)
-    with compress(model, prefill_policy, attention=attention), torch.no_grad():
-        output = model(**inputs)
+    with compress(model, prefill_policy, attention=attention) as session, torch.no_grad():
+        chunk = prefill_policy.prefill_chunk
+        if chunk is None or prefill_ids.shape[1] <= chunk:
+            output = model(**inputs)
+        else:  # bounded prefill: the context in chunks, each compressed to its final budgets
+            output = prefill_in_chunks(model, session, inputs, chunk, _door().cache_argument())
     cache = _door().output_cache(output)
     if probe_tokens:
         # Every row's window (its last probe_tokens slots) is the probe: drop it from every layer.

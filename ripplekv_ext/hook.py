@@ -45,6 +45,7 @@ from ripplekv_ext.integrations import transformers_integration as _door
 from ripplekv_ext.masks import check_batch, row_lengths
 from ripplekv_ext.model_info import text_config
 from ripplekv_ext.policies import Policy
+from ripplekv_ext.rolling import ChunkedPrompt, chunk_row_budgets, chunked_generate, prompt_in_chunks, row_read
 
 __all__ = ["compress", "CompressionSession", "compress_block_open"]
 
@@ -78,6 +79,21 @@ class CompressionSession:
     @cache.setter
     def cache(self, cache) -> None:
         self._calls.cache = cache
+
+    @property
+    def prompt(self) -> Optional[ChunkedPrompt]:
+        """The prompt this thread is reading in chunks (None: none is)."""
+        return getattr(self._calls, "prompt", None)
+
+    def chunked_prefill(self, prompt_tokens=None, padded_total: Optional[int] = None):
+        """Inside this context manager the forwards of this thread are chunks of one prompt, read into an empty
+        cache: after each, every layer keeps at most its budget (``KVCompressor.chunk_budgets``), scored by the
+        newest ``W`` queries. ``prompt_tokens``: the whole prompt's real tokens (an int, or one per row of a
+        left-padded batch) when known, so that each layer keeps its final budget from the first chunk on; None:
+        each chunk keeps the budgets of the tokens read so far. ``padded_total``: the prompt's padded length (when
+        given, forwards past it are decoding steps, not chunks; default: ``prompt_tokens`` of a single row).
+        Pass each chunk's attention mask from the prompt's start, as transformers expects."""
+        return prompt_in_chunks(self._calls, ChunkedPrompt.of(prompt_tokens, padded_total))
 
     @property
     def lengths(self) -> Optional[Tensor]:
@@ -145,11 +161,19 @@ class CompressionSession:
         cache = self.cache
         layer = door.layer_at(cache, layer_idx)
         scaling = kwargs.get("scaling")
+        prompt = self.prompt
         if isinstance(layer, door.CompressedLayer) and layer.keys is key:
             # The model-wide mask is sized for one layer; this layer's key length and padding slots are its own.
             output = self.base(module, query, key, value, layer.attention_mask(query.shape[2], query.dtype),
                                **kwargs)
-            if layer.prompt_lengths is not None:  # compression during decoding
+            if prompt is not None and prompt.reads(layer.seen_tokens - query.shape[2]):  # a chunk of the prompt
+                layer.remember_queries(query, self.policy.window)
+                read = row_read(self.lengths, key.shape[0], layer.seen_tokens)
+                door.reselect_layer(layer, layer_idx, self.compressor, scaling,
+                                    budgets=chunk_row_budgets(self.compressor, layer_idx, read, prompt))
+                layer.prompt_read(read)
+                self._record_row_kept(layer_idx, layer.held_per_row())
+            elif self.policy.decode_every is not None and layer.prompt_lengths is not None:  # during decoding
                 layer.remember_queries(query, self.policy.window)
                 if layer.since_selection >= self.policy.decode_every:
                     door.reselect_layer(layer, layer_idx, self.compressor, scaling)
@@ -158,8 +182,12 @@ class CompressionSession:
         output = self.base(module, query, key, value, attention_mask, **kwargs)
         if layer_idx in self._compressible and door.is_prefill(layer, query, key):
             queries = query if self.policy.selector.needs_all_queries else query[:, :, -self.policy.window:]
+            budgets = None
+            if prompt is not None:  # the first chunk of a prompt read in chunks
+                read = row_read(self.lengths, key.shape[0], key.shape[2])
+                budgets = chunk_row_budgets(self.compressor, layer_idx, read, prompt)
             row_kept = door.compress_layer(cache, layer_idx, queries.contiguous(), key, value, self.compressor,
-                                           self.lengths, scaling)
+                                           self.lengths, scaling, budgets=budgets, rolling=prompt is not None)
             self._record_row_kept(layer_idx, row_kept)
         return output
 
@@ -225,12 +253,27 @@ def compress(model, policy: Policy, attention: Optional[str] = None,
                 handles.append(module.register_forward_pre_hook(session.before_forward, with_kwargs=True))
                 handles.append(module.register_forward_hook(session.after_forward, with_kwargs=True,
                                                             always_call=True))
-            yield session
+            with _generate_in_chunks(model, session):
+                yield session
     finally:
         for handle in handles:
             handle.remove()
         session.close()
         door.close_block(model, session)
+
+
+@contextlib.contextmanager
+def _generate_in_chunks(model, session: CompressionSession):
+    """``model.generate`` reading a prompt in chunks under the block when asked (``rolling.chunked_generate``): an
+    attribute of the model object for the block's duration, removed on exit (the class's method shows again)."""
+    if not hasattr(model, "generate") or "generate" in vars(model):
+        yield
+        return
+    model.generate = chunked_generate(model, session, model.generate)
+    try:
+        yield
+    finally:
+        del model.generate
 
 
 def compress_block_open(model) -> bool:

@@ -56,6 +56,13 @@ class Policy:
             tokens at every step, and more retention never means less memory. ``None`` (default): the prompt's
             average budget ``round(retention * n_prompt)``, i.e. the memory the prefill left. Give it for short
             prompts with long generations (a prompt too short for its retention is otherwise never compressed).
+        prefill_chunk: ``C``, bounded prefill: inside ``compress(model, policy)``, ``model.generate`` reads a prompt
+            in chunks of ``C`` tokens (transformers' ``prefill_chunk_size``) and after every chunk each layer keeps
+            at most its budget for the whole prompt (``KVCompressor.chunk_budgets``), scored by the newest ``W``
+            queries; each chunk attends to the compressed cache of the chunks before it, so a prompt never holds
+            more than its budget plus one chunk (DESIGN.md §4, "Bounded (rolling) prefill"). ``C > window``; a
+            chunk at least as long as the prompt is one-shot compression. ``None`` (default): one-shot, unless
+            ``generate`` is given ``prefill_chunk_size`` itself (then it rolls the same way).
     """
 
     allocator: Optional[Allocator] = None
@@ -64,6 +71,7 @@ class Policy:
     window: int = DEFAULT_WINDOW
     decode_every: Optional[int] = None
     decode_budget: Optional[int] = None
+    prefill_chunk: Optional[int] = None
 
     def __post_init__(self):
         if (self.allocator is None) != (self.selector is None):
@@ -79,7 +87,9 @@ class Policy:
         # Stored as Python ints: NumPy integers are accepted, and the policy's name and equality stay the same.
         object.__setattr__(self, "window", check_int("window", self.window, 1))
         self._check_decode_options()
-        for name in ("decode_every", "decode_budget"):
+        if self.prefill_chunk is not None:
+            self.check_prefill_chunk("prefill_chunk", self.prefill_chunk)
+        for name in ("decode_every", "decode_budget", "prefill_chunk"):
             if getattr(self, name) is not None:
                 object.__setattr__(self, name, int(getattr(self, name)))
 
@@ -103,6 +113,19 @@ class Policy:
             raise ValueError(f"decode_budget must be an integer > window = {self.window} (the newest window tokens "
                              f"plus at least one more), got {shown(self.decode_budget)}")
 
+    def check_prefill_chunk(self, name: str, chunk) -> int:
+        """``chunk`` (named ``name`` in the error) as the chunk of a bounded prefill under this policy, or
+        ``ValueError``: an integer longer than the window (a shorter one would select after every few tokens, its
+        window mostly from earlier chunks), with a selector that needs only the newest queries."""
+        if not is_integer(chunk) or chunk <= self.window:
+            raise ValueError(f"{name} must be an integer > window = {self.window} (tokens of prompt read per "
+                             f"forward, e.g. 512), got {shown(chunk)}")
+        if not self.is_full and self.selector.needs_all_queries:
+            raise ValueError(f"{name}={chunk} is not supported with {self.selector!r}: it scores with every query of "
+                             "the prompt, and a prefill in chunks keeps only the newest; use SnapKV, PeakSpan or "
+                             "StreamingLLM, or read the prompt in one forward")
+        return int(chunk)
+
     @property
     def is_full(self) -> bool:
         return self.selector is None
@@ -116,6 +139,8 @@ class Policy:
             name += f",decode_every={self.decode_every}"
         if self.decode_budget is not None:
             name += f",decode_budget={self.decode_budget}"
+        if self.prefill_chunk is not None:
+            name += f",prefill_chunk={self.prefill_chunk}"
         return name
 
     def layer_budgets(self, num_layers: int, n_tokens: int, layers: Optional[Sequence[int]] = None) -> list[int]:
@@ -193,20 +218,24 @@ class Policy:
     # ``decode_every``/``decode_budget``: compression during decoding (see the class docstring).
     @classmethod
     def snapkv(cls, retention: float, window: int = DEFAULT_WINDOW, *, decode_every: Optional[int] = None,
-               decode_budget: Optional[int] = None, **selector_options) -> "Policy":
+               decode_budget: Optional[int] = None, prefill_chunk: Optional[int] = None,
+               **selector_options) -> "Policy":
         return cls(UniformAllocator(), SnapKVSelector(**selector_options), retention, window, decode_every,
-                   decode_budget)
+                   decode_budget, prefill_chunk)
 
     @classmethod
     def pyramidkv(cls, retention: float, window: int = DEFAULT_WINDOW, beta: int = 20, *,
-                  decode_every: Optional[int] = None, decode_budget: Optional[int] = None) -> "Policy":
-        return cls(PyramidKVAllocator(beta), SnapKVSelector(), retention, window, decode_every, decode_budget)
+                  decode_every: Optional[int] = None, decode_budget: Optional[int] = None,
+                  prefill_chunk: Optional[int] = None) -> "Policy":
+        return cls(PyramidKVAllocator(beta), SnapKVSelector(), retention, window, decode_every, decode_budget,
+                   prefill_chunk)
 
     @classmethod
     def ripplekv(cls, profile_or_sensitivity, retention: float, window: int = DEFAULT_WINDOW,
                  ratio: Optional[float] = None, normalize: Optional[str] = None, *,
                  exponent: Optional[float] = None, selector: Optional[Selector] = None,
-                 decode_every: Optional[int] = None, decode_budget: Optional[int] = None) -> "Policy":
+                 decode_every: Optional[int] = None, decode_budget: Optional[int] = None,
+                 prefill_chunk: Optional[int] = None) -> "Policy":
         """RippleKV's per-layer budgets with ``selector`` inside each layer: by default ``PeakSpanSelector``
         (sinks, a recent region each head sizes by its window's attention, then half the rest to SnapKV's
         max-pooled peaks and half to its average-pooled spans, each position's attention weighted by its value's
@@ -216,7 +245,7 @@ class Policy:
         ``R ** z`` when ``ratio`` or ``normalize`` is given (``RippleKVAllocator``)."""
         return cls(RippleKVAllocator(profile_or_sensitivity, ratio, normalize, exponent=exponent),
                    DEFAULT_RIPPLEKV_SELECTOR() if selector is None else selector, retention, window, decode_every,
-                   decode_budget)
+                   decode_budget, prefill_chunk)
 
     @classmethod
     def h2o(cls, retention: float, window: int = DEFAULT_WINDOW, chunk_size: int = 1024) -> "Policy":
@@ -224,5 +253,7 @@ class Policy:
 
     @classmethod
     def streamingllm(cls, retention: float, window: int = DEFAULT_WINDOW, sink: int = 4, *,
-                     decode_every: Optional[int] = None, decode_budget: Optional[int] = None) -> "Policy":
-        return cls(UniformAllocator(), StreamingLLMSelector(sink), retention, window, decode_every, decode_budget)
+                     decode_every: Optional[int] = None, decode_budget: Optional[int] = None,
+                     prefill_chunk: Optional[int] = None) -> "Policy":
+        return cls(UniformAllocator(), StreamingLLMSelector(sink), retention, window, decode_every, decode_budget,
+                   prefill_chunk)

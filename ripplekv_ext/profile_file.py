@@ -67,6 +67,26 @@ class Profile:
         d = copy.deepcopy(data)
         return cls(**{k: d[k] for k in _REQUIRED_TOP}, extra=d.get("extra", {}))
 
+    @classmethod
+    def from_sensitivity(cls, model, sensitivity, name: str | None = None) -> "Profile":
+        """A profile of ``model`` whose sensitivities are given, not measured (one value per compressible layer,
+        ascending): for budgets from a sensitivity list of one's own, and for tests of the mechanics. Its method and
+        calibration say so (``"source": "given"``)."""
+        from ripplekv_ext.model_info import compressible_layers
+
+        values = [float(x) for x in sensitivity]
+        layers = compressible_layers(model)
+        if len(values) != len(layers):
+            raise ProfileError(f"sensitivity must hold one value per compressible layer ({len(layers)}: {layers}), "
+                               f"got {len(values)}")
+        return cls.from_dict({
+            "format": FORMAT_NAME, "version": FORMAT_VERSION, "model": describe_model(model, name),
+            "method": {"target": "values", "sigma": 0.0, "seed": 0, "draws": 0, "metric": "given"},
+            "calibration": {"source": "given", "num_examples": 1, "prefix_len": 0, "cont_len": 0},
+            "layers": layers, "sensitivity": values, "stderr": [0.0] * len(values), "per_example": [values],
+            "compressible_layers": layers, "stability": {"split_half_spearman": None, "until_stable": False},
+            "cost": {"seconds": 0.0, "tokens_processed": 0, "device": "none"}})
+
     def sensitivity_by_layer(self) -> dict[int, float]:
         return dict(zip(self.layers, self.sensitivity))
 

@@ -16,7 +16,15 @@ import warnings
 
 import pytest
 
-pytest.importorskip("vllm.entrypoints.llm")  # not this folder, which imports as a namespace package "vllm"
+from ripplekv_ext.engines.vllm import offline_cpu_environment  # (imports no vLLM)
+
+# Read by vLLM when it is first imported. The engines run in this process (so the tests can read the scheduler's
+# block pool), unbound to CPU cores and on one thread, with no model hub.
+offline_cpu_environment()
+# Where vLLM is not installed (`make test-vllm` installs it in .venv-vllm), the module is reported as skipped. The
+# import names a module of vLLM's, not this folder, which imports as a namespace package "vllm".
+pytest.importorskip("vllm.entrypoints.llm", reason="vLLM is not installed here: `make test-vllm` runs these tests in "
+                    ".venv-vllm")
 
 import torch  # noqa: E402
 from vllm import LLM, SamplingParams  # noqa: E402
@@ -27,9 +35,9 @@ import ripplekv_ext  # noqa: E402
 from ripplekv_ext.engines import vllm as plugin  # noqa: E402
 from ripplekv_ext.engines.vllm import checks  # noqa: E402
 from ripplekv_ext.engines.vllm.attention import RippleKVCPUImpl  # noqa: E402
-from ripplekv_ext.engines.vllm.settings import (BlockAlignedAllocator, Settings, aligned_budget,  # noqa: E402
-                                                plan_for)
+from ripplekv_ext.engines.vllm.settings import Settings, kv_cache_bytes, plan_for  # noqa: E402
 from ripplekv_ext.policies import PromptTooShortWarning  # noqa: E402
+from ripplekv_ext.profile_file import Profile, save_profile  # noqa: E402
 
 torch.set_num_threads(1)
 
@@ -40,6 +48,11 @@ VOCAB = 512
 # long enough to drop several blocks at 20%.
 PROMPT_LENGTHS = [20, 100, 270, 300, 333]
 NEW_TOKENS = 24
+# initializer_range 0.1: peaked enough attention that dropping tokens changes greedy tokens.
+MODEL_CONFIG = dict(vocab_size=VOCAB, hidden_size=128, intermediate_size=256, num_hidden_layers=LAYERS,
+                    num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=4096,
+                    rms_norm_eps=1e-5, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2,
+                    initializer_range=0.1)
 
 
 @pytest.fixture(scope="module")
@@ -47,11 +60,7 @@ def model_dir(tmp_path_factory):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
-    # initializer_range 0.1: peaked enough attention that dropping tokens changes greedy tokens.
-    config = LlamaConfig(vocab_size=VOCAB, hidden_size=128, intermediate_size=256, num_hidden_layers=LAYERS,
-                         num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=2048,
-                         rms_norm_eps=1e-5, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2,
-                         initializer_range=0.1)
+    config = LlamaConfig(**MODEL_CONFIG)
     path = tmp_path_factory.mktemp("tiny_llama")
     LlamaForCausalLM(config).to(torch.float32).save_pretrained(path, safe_serialization=True)
     return str(path)
@@ -61,24 +70,17 @@ def model_dir(tmp_path_factory):
 def hf_model(model_dir):
     from transformers import AutoModelForCausalLM
 
-    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="sdpa").eval()
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="sdpa").eval()
+    # The engines run with ignore_eos: the reference generates every token too (random weights pick EOS now and then).
+    model.generation_config.eos_token_id = None
+    return model
 
 
 @pytest.fixture(scope="module")
 def profile_path(hf_model, tmp_path_factory):
     """A RippleKV profile of the tiny model with unequal sensitivities (made up: the mechanics are under test)."""
-    from ripplekv_ext.profile_file import Profile, describe_model, save_profile
-
-    sensitivity = [0.5, 0.05, 0.2, 0.01]
-    profile = Profile(model=describe_model(hf_model, "tiny-llama"),
-                      method={"target": "values", "sigma": 1.0, "seed": 0, "draws": 1, "metric": "kl"},
-                      calibration={"source": "synthetic", "num_examples": 1, "prefix_len": 64, "cont_len": 8},
-                      layers=list(range(LAYERS)), sensitivity=sensitivity, stderr=[0.0] * LAYERS,
-                      per_example=[sensitivity], compressible_layers=list(range(LAYERS)),
-                      stability={"split_half_spearman": None, "until_stable": False},
-                      cost={"seconds": 0.0, "tokens_processed": 0, "device": "cpu"})
     path = tmp_path_factory.mktemp("profile") / "tiny.json"
-    save_profile(profile, path)
+    save_profile(Profile.from_sensitivity(hf_model, [0.5, 0.05, 0.2, 0.01], "tiny-llama"), path)
     return str(path)
 
 
@@ -89,12 +91,15 @@ def prompts(lengths=PROMPT_LENGTHS, seed=0):
 
 def engine_kwargs(model_dir, ripplekv=None, blocks=64, **overrides):
     """Stock vLLM (``ripplekv=None``) or the plugin; ``blocks``: KV blocks of a stock engine, multiplied by the
-    number of tiers for the plugin (a tier's block holds ``1 / T`` of a stock block's layers): the same memory."""
+    number of tiers for the plugin (a tier's block holds ``1 / T`` of a stock block's layers): the same memory, given
+    in bytes so that nothing depends on the machine's memory (a memory fraction is taken of the NUMA node's)."""
     tiers = 1
+    block_size = overrides.get("block_size", BLOCK)
     if ripplekv is not None:
-        tiers = plan_for(Settings.from_config(ripplekv), LAYERS, overrides.get("block_size", BLOCK)).num_tiers
+        tiers = plan_for(Settings.from_config(ripplekv), LAYERS, block_size).num_tiers
     kwargs = dict(model=model_dir, skip_tokenizer_init=True, dtype="float32", enforce_eager=True, block_size=BLOCK,
-                  num_gpu_blocks_override=blocks * tiers, max_model_len=1024, gpu_memory_utilization=0.05,
+                  num_gpu_blocks_override=blocks * tiers, max_model_len=1024,
+                  kv_cache_memory_bytes=kv_cache_bytes(MODEL_CONFIG, blocks, block_size, 4),
                   enable_prefix_caching=False, max_num_seqs=8)
     if ripplekv is not None:
         kwargs["additional_config"] = {"ripplekv": ripplekv}
@@ -163,11 +168,24 @@ def test_plugin_is_loaded_by_vllm_and_stock_engines_stay_stock(model_dir, stock_
         assert greedy(llm, prompts()[:2]) == stock_tokens[:2]
 
 
-def test_import_ripplekv_ext_does_not_import_vllm(tmp_path):
-    code = "import sys, ripplekv_ext, ripplekv_ext.engines; print('vllm' in sys.modules)"
-    # Outside the checkout: its ripplekv_ext folder (no compiled library) would shadow the installed package.
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=tmp_path)
-    assert out.stdout.strip() == "False"
+def test_engines_start_on_a_machine_with_little_memory(model_dir, monkeypatch):
+    # vLLM's CPU worker reads the NUMA node's memory: reported as 2 GiB (1.5 free), an engine sized by a memory
+    # fraction gets a KV budget below the process's resident memory and refuses to start; one sized in bytes starts.
+    from vllm.platforms import cpu as cpu_platform
+    from vllm.utils.cpu_resource_utils import MemoryNodeInfo
+    from vllm.v1.worker import cpu_worker
+
+    small = MemoryNodeInfo(total_memory=2 * 2**30, available_memory=3 * 2**29)
+    for module in (cpu_worker, cpu_platform):
+        monkeypatch.setattr(module, "get_memory_node_info", lambda node=0: small)
+    kwargs = engine_kwargs(model_dir, {"method": "snapkv", "retention": 0.2})
+    with engine(model_dir, {"method": "snapkv", "retention": 0.2}) as llm:
+        assert len(greedy(llm, prompts()[:1], new_tokens=2)[0]) == 2
+    del kwargs["kv_cache_memory_bytes"]
+    with pytest.raises(Exception, match="less than requested memory for kv"):
+        LLM(**kwargs, gpu_memory_utilization=0.05)
+    gc.collect()
+    cleanup_dist_env_and_memory()
 
 
 # -- tokens ---------------------------------------------------------------------------------------------------------
@@ -205,8 +223,10 @@ def test_compressed_tokens_equal_compress_and_generate(model_dir, hf_model, prof
     assert tokens[0] == stock_tokens[0]  # shorter than the window: never compressed
 
 
-def test_preempted_requests_recompute_to_the_same_tokens(model_dir, hf_model, monkeypatch):
-    ripplekv = {"method": "snapkv", "retention": 0.2}
+@pytest.mark.parametrize("ripplekv", [{"method": "snapkv", "retention": 0.2},
+                                      {"method": "snapkv", "retention": 0.2, "prefill_chunk": 64}],
+                         ids=["one-shot", "bounded-prefill"])
+def test_preempted_requests_recompute_to_the_same_tokens(model_dir, hf_model, monkeypatch, ripplekv):
     plan = plan_for(Settings.from_config(ripplekv), LAYERS, BLOCK)
     split_steps = []
     attend_part = RippleKVCPUImpl._attend_part
@@ -228,6 +248,70 @@ def test_preempted_requests_recompute_to_the_same_tokens(model_dir, hf_model, mo
         tokens = greedy(llm, token_lists, new_tokens=100)
     assert preempted and split_steps
     assert tokens == reference(hf_model, plan.policy, token_lists, new_tokens=100)
+
+
+# -- bounded prefill --------------------------------------------------------------------------------------------------
+
+BOUNDED = [
+    ({"method": "snapkv", "retention": 0.2, "prefill_chunk": 64}, 64),
+    # Steps of 160 tokens cross the boundaries of 96-token chunks mid-step, and span several requests.
+    ({"method": "ripplekv", "retention": 0.2, "tiers": 2, "prefill_chunk": 96}, 160),
+]
+
+
+@pytest.mark.parametrize("ripplekv,step_tokens", BOUNDED, ids=["snapkv-chunk64", "ripplekv-2tiers-chunk96-steps160"])
+def test_bounded_prefill_tokens_equal_compress_and_generate(model_dir, hf_model, profile_path, stock_tokens,
+                                                            ripplekv, step_tokens):
+    if ripplekv["method"] == "ripplekv":
+        ripplekv = {**ripplekv, "profile": profile_path}
+    plan = plan_for(Settings.from_config(ripplekv), LAYERS, BLOCK)
+    assert plan.policy.prefill_chunk == ripplekv["prefill_chunk"]
+    with engine(model_dir, ripplekv, max_num_batched_tokens=step_tokens) as llm:
+        tokens = greedy(llm, prompts())
+    # The reference reads each prompt in chunks of prefill_chunk (the policy's), compressed after each.
+    assert tokens == reference(hf_model, plan.policy, prompts())
+    one_shot = plan_for(Settings.from_config({k: v for k, v in ripplekv.items() if k != "prefill_chunk"}), LAYERS,
+                        BLOCK)
+    assert tokens != reference(hf_model, one_shot.policy, prompts())  # compacting part-way changed some answer
+
+
+def held_blocks(llm, request_id):
+    """Blocks (every tier) a request holds in the scheduler's pool: its block tables' entries that are not the null
+    block."""
+    managers = scheduler(llm).kv_cache_manager.coordinator.single_type_managers
+    return sum(sum(1 for block in m.req_to_blocks.get(request_id, ()) if not block.is_null) for m in managers)
+
+
+def test_a_prompt_longer_than_the_pool_runs_within_its_budget_plus_a_chunk(model_dir, hf_model):
+    # 64 blocks of 32 tokens: 2,048 tokens of every layer. A 3,000-token prompt at 20% keeps 600 per layer.
+    n, chunk, blocks = 3000, 128, 64
+    ripplekv = {"method": "snapkv", "retention": 0.2, "prefill_chunk": chunk}
+    plan = plan_for(Settings.from_config(ripplekv), LAYERS, BLOCK)
+    token_list = prompts([n], seed=3)
+    with pytest.raises(ValueError, match="max seq len"):  # stock vLLM cannot serve it at all
+        with engine(model_dir, None, blocks=blocks, max_model_len=3072, max_num_batched_tokens=chunk):
+            pass
+    with engine(model_dir, ripplekv, blocks=blocks, max_model_len=3072, max_num_batched_tokens=chunk) as llm:
+        engine_ = llm.llm_engine
+        engine_.add_request("long", {"prompt_token_ids": token_list[0]},
+                            SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
+        peak, tokens = 0, None
+        while engine_.has_unfinished_requests():
+            for out in engine_.step():
+                if out.finished:
+                    tokens = list(out.outputs[0].token_ids)
+            peak = max(peak, held_blocks(llm, "long"))
+    budget = plan.tier_budget(0, n)
+    assert budget < n and peak <= -(-(budget + chunk + BLOCK) // BLOCK) + 1, (peak, budget)
+    assert peak * BLOCK < n  # less than the prompt's own KV: what stock vLLM would hold
+    assert tokens == reference(hf_model, plan.policy, token_list, new_tokens=8)[0]
+
+
+def test_bounded_prefill_settings_are_refused_by_name(model_dir):
+    with pytest.raises(ValueError, match=r"prefill_chunk.*must be a multiple of the block size \(32\), got 80"):
+        config(model_dir, {"method": "snapkv", "retention": 0.2, "prefill_chunk": 80})
+    with pytest.raises(ValueError, match=r"prefill_chunk.*must be an integer > window = 32 .*got 32"):
+        config(model_dir, {"method": "snapkv", "retention": 0.2, "prefill_chunk": 32})
 
 
 # -- blocks ---------------------------------------------------------------------------------------------------------
@@ -385,32 +469,3 @@ def test_sliding_window_models_and_other_platforms_are_refused(model_dir, monkey
     monkeypatch.setattr(type(current_platform), "is_cpu", lambda self: False)
     with pytest.raises(checks.UnsupportedConfigError, match="platform"):
         checks.validate(real)
-
-
-# -- the budget rule --------------------------------------------------------------------------------------------------
-
-def test_block_aligned_budgets_drop_whole_blocks():
-    for n in range(1, 700, 7):
-        for budget in (33, 40, 64, 65, 100, 300):
-            kept = aligned_budget(budget, n, BLOCK)
-            if budget >= n:
-                assert kept == n
-            else:
-                assert budget <= kept < budget + BLOCK and (n - kept) % BLOCK == 0 and kept <= n
-    base = ripplekv_ext.PyramidKVAllocator()
-    aligned = BlockAlignedAllocator(base, BLOCK)
-    assert aligned.budgets(LAYERS, 1000, 200, 32) == [aligned_budget(b, 1000, BLOCK)
-                                                      for b in base.budgets(LAYERS, 1000, 200, 32)]
-
-
-def test_plan_tiers_and_blocks(profile_path):
-    plan = plan_for(Settings.from_config({"method": "ripplekv", "retention": 0.2, "tiers": 2,
-                                          "profile": profile_path}), LAYERS, BLOCK)
-    assert plan.tiers == [[0, 2], [1, 3]]  # the most sensitive layers (0 and 2) share the larger budget
-    n = 1000
-    budgets = plan.compressor.budgets(n)
-    assert budgets[0] == budgets[2] > budgets[1] == budgets[3]
-    for t in range(2):
-        assert plan.dropped_blocks(t, n) == (n - plan.tier_budget(t, n)) // BLOCK
-        assert (n - plan.tier_budget(t, n)) % BLOCK == 0
-    assert plan.blocks_held(n) == sum(-(-plan.tier_budget(t, n) // BLOCK) for t in range(2))

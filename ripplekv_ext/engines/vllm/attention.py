@@ -1,4 +1,4 @@
-"""Worker side: vLLM's CPU attention backend with compaction after each prompt, and reads past the freed blocks.
+"""Worker side: vLLM's CPU attention backend with compactions of each prompt, and reads past the freed blocks.
 
 Layout of a compressed request in a tier whose layers keep ``C`` of ``n`` prompt tokens: ``d = n - C`` is a whole
 number ``k`` of blocks (``EnginePlan``); the kept tokens, ascending, fill logical slots ``[d, n)`` (the last blocks
@@ -7,13 +7,15 @@ first ``k`` blocks. Attention then reads logical slots ``[d, seq_len)``: the blo
 ``seq_len - d`` tokens, which the kernel's end-aligned causal rule gets right (every kept token precedes every new
 one). Query positions, hence RoPE, stay logical; kept keys keep the rotation of their original positions.
 
-In the step where a request's prompt ends (its last prefill chunk), each layer first attends as usual, then scores
-its ``n`` cached keys against the post-RoPE queries of the last ``W`` prompt positions (``KVCompressor``: SnapKV's
-``snapkv_scores`` / ``select_topk`` / ``gather_kv``), and writes the kept keys and values to slots ``[d, n)`` with
-vLLM's own cache-write op. Window queries from earlier chunks are kept per request until then. A row whose step
-runs past its prompt's end (a preempted request recomputing prompt and output) attends in two parts: up to the
-prompt's end on the full cache, then, after the compaction, the rest on the compressed one, as the uninterrupted
-request did.
+A request is compacted at each of its boundaries (``EnginePlan.boundaries``: the prompt's end, and every
+``prefill_chunk`` prompt tokens with bounded prefill). In the step that reaches a boundary ``b``, each layer first
+attends as usual, then scores the keys it holds, slots ``[d_prev, b)``, against the post-RoPE queries of the ``W``
+positions before ``b`` (``KVCompressor``: the plan's selector over ``snapkv_scores`` / ``select_topk`` /
+``gather_kv``), and writes the kept keys and values, ascending, to slots ``[d_b, b)`` with vLLM's own cache-write op;
+the scheduler frees the blocks before ``d_b``. The newest ``W`` queries of a prompt are kept per request between
+steps. A row whose step runs past a boundary (a prefill chunk longer than ``prefill_chunk``, or a preempted request
+recomputing prompt and output) attends in parts: up to the boundary on the cache as it was, then, after the
+compaction, the rest on the compacted one, as a request read chunk by chunk did.
 
 The model runner's batch (request ids, prompt lengths, tokens computed before the step) reaches the metadata
 builder through ``_STEP``, set around ``GPUModelRunner._build_attention_metadata``.
@@ -31,16 +33,13 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from vllm import _custom_ops as ops
 from vllm.v1.attention.backends.cpu_attn import (CPUAttentionBackend, CPUAttentionBackendImpl,
                                                   CPUAttentionMetadata, CPUAttentionMetadataBuilder, _get_attn_isa)
 
+from ripplekv_ext.engines.vllm.cache_layout import check_cache_layout, read_prompt, write_slots
 from ripplekv_ext.engines.vllm.kv_cache import RippleKVSpec, plan_of_spec
 
-__all__ = ["RippleKVCPUBackend", "RippleKVMetadata", "install_runner_hook", "SUPPORTED_ISAS"]
-
-# CPU kernel variants whose key-cache layout this module reads (checked against vLLM's write op at start-up).
-SUPPORTED_ISAS = ("vec",)
+__all__ = ["RippleKVCPUBackend", "RippleKVMetadata", "install_runner_hook"]
 
 
 class _Step:
@@ -50,7 +49,7 @@ class _Step:
 
 
 _STEP = _Step()
-# (request id, layer index) -> post-RoPE queries [positions, H_q, D] of a prompt's window seen in earlier chunks.
+# (request id, layer index) -> post-RoPE queries [<= W, H_q, D] of the newest prompt positions of earlier steps.
 _WINDOW_QUERIES: dict[tuple[str, int], Tensor] = {}
 
 
@@ -94,42 +93,54 @@ def install_runner_hook() -> None:
 # -- the metadata ---------------------------------------------------------------------------------------------------
 
 @dataclass
-class _Compress:
-    """A row whose prompt ends in this step: compact each layer's cache to its last ``n - dropped`` prompt slots."""
+class _Compaction:
+    """After a part of a row's prompt ending at a compaction boundary ``end`` (``EnginePlan.boundaries``): the row
+    holds logical slots ``[held_from, end)``; keep ``end - kept_from`` of them, in slots ``[kept_from, end)``."""
 
     req_id: str
     n: int  # prompt tokens
-    dropped: int  # tokens freed (whole blocks), d
-    block_ids: Tensor  # int64 [ceil(n / block_size)] the row's first blocks in this tier
-    saved: int  # window positions [n - W, n - W + saved) come from earlier chunks
-    tokens: Tensor  # int64: batch tokens holding window positions [n - W + saved, n)
+    end: int  # the boundary: prompt tokens read so far
+    held_from: int  # first slot held before the compaction (whole blocks freed before it)
+    kept_from: int  # first slot held after it
+    block_ids: Tensor  # int64 [ceil(end / block_size)] the row's first blocks in this tier
+    tokens: Tensor  # int64: batch tokens of this step's positions before ``end`` (the newest queries)
+
+
+@dataclass
+class _Phase:
+    """Part of a step's attention: ``meta`` over the batch tokens ``tokens`` (None: all, in order), then the
+    compactions of the rows whose part ends at a boundary."""
+
+    meta: CPUAttentionMetadata
+    tokens: Optional[Tensor]
+    compactions: list  # [_Compaction]
 
 
 @dataclass
 class _Save:
-    """A row whose prompt continues in a later chunk: keep the window queries this chunk computed."""
+    """A row whose prompt goes on in a later step: keep its newest queries (the window of a later compaction)."""
 
     req_id: str
-    start: int  # first window position in this chunk (n - W starts a new buffer)
-    window_start: int  # n - W
-    tokens: Tensor  # int64 batch tokens of the positions [start, end of chunk)
+    tokens: Tensor  # int64 batch tokens of this step's positions
 
 
 @dataclass
 class RippleKVMetadata(CPUAttentionMetadata):
-    """The CPU backend's metadata for the tokens attended first (all of them unless a row runs past its prompt's
-    end), plus what the plugin does in this step."""
+    """The CPU backend's metadata for the first phase of the step (every row's first part: all its tokens unless
+    a compaction falls inside the step), plus the later phases and what the plugin does in this step."""
 
     first_tokens: Optional[Tensor] = None  # int64 batch tokens attended first; None: all, in order
-    then: Optional[CPUAttentionMetadata] = None  # rows past their prompt's end, after the compaction
-    then_tokens: Optional[Tensor] = None
-    compress: list = field(default_factory=list)  # [_Compress]
+    first_compactions: list = field(default_factory=list)  # [_Compaction] after the first phase
+    later: list = field(default_factory=list)  # [_Phase]: rows cut by compactions, their next parts
     save: list = field(default_factory=list)  # [_Save]
+    fresh: list = field(default_factory=list)  # requests whose prompt starts in this step (again, after preemption)
+    done: list = field(default_factory=list)  # requests whose prompt ends in this step: their window is dropped
     plan: object = None  # the group's EnginePlan
 
 
 class RippleKVCPUBuilder(CPUAttentionMetadataBuilder):
-    """Stock metadata for stock specs; for a ``RippleKVSpec`` group, each row reads from its first kept slot."""
+    """Stock metadata for stock specs; for a ``RippleKVSpec`` group, each row reads from its first kept slot, and a
+    row whose prompt crosses a compaction boundary in this step attends in parts, compacted between them."""
 
     def __init__(self, kv_cache_spec, layer_names, vllm_config, device) -> None:
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
@@ -142,13 +153,36 @@ class RippleKVCPUBuilder(CPUAttentionMetadataBuilder):
             check_cache_layout(self.dtype, self.block_size, self.num_kv_heads, self.head_dim, self.isa)
             self.plan = plan_of_spec(kv_cache_spec)
             self.tier = kv_cache_spec.tier
-            self._dropped: dict[int, int] = {}
+            self._dropped: dict[tuple[int, Optional[int]], int] = {}
 
-    def _dropped_tokens(self, n: int) -> int:
-        dropped = self._dropped.get(n)
+    def _dropped_tokens(self, n: int, read: Optional[int]) -> int:
+        """Slots freed at the start of a row of an ``n``-token prompt compacted after ``read`` tokens (None: not
+        yet compacted)."""
+        if read is None or n <= self.plan.settings.window:
+            return 0
+        dropped = self._dropped.get((n, read))
         if dropped is None:
-            dropped = self._dropped[n] = self.plan.dropped_blocks(self.tier, n) * self.block_size
+            dropped = self._dropped[(n, read)] = self.plan.dropped_blocks(self.tier, n, read) * self.block_size
         return dropped
+
+    def _parts(self, r: int, n: int, s0: int, s1: int, token0: int, block_table: Tensor):
+        """Row ``r``'s parts in this step: ``[(begin, end, offset, compaction or None)]`` in prompt positions."""
+        if s0 >= n:  # decoding
+            return [(s0, s1, self._dropped_tokens(n, n), None)]
+        if not self._dropped_tokens(n, n):  # a prompt the plan keeps whole
+            return [(s0, s1, 0, None)]
+        parts, begin = [], s0
+        offset = self._dropped_tokens(n, self.plan.last_boundary(n, s0))
+        for end in (b for b in self.plan.boundaries(n) if s0 < b <= s1):
+            kept_from = self._dropped_tokens(n, end)
+            compaction = _Compaction(self._req_ids[r], n, end, offset, kept_from,
+                                     block_table[r, :-(-end // self.block_size)].to(torch.int64),
+                                     torch.arange(token0 + s0, token0 + end))
+            parts.append((begin, end, offset, compaction))
+            begin, offset = end, kept_from
+        if begin < s1:
+            parts.append((begin, s1, offset, None))
+        return parts
 
     def build(self, common_prefix_len: int, common_attn_metadata, fast_build: bool = False):
         batch = _STEP.batch
@@ -158,52 +192,44 @@ class RippleKVCPUBuilder(CPUAttentionMetadataBuilder):
         num_reqs = len(batch.req_ids)
         if cm.num_reqs < num_reqs:
             raise RuntimeError(f"ripplekv: attention metadata for {cm.num_reqs} rows, the batch has {num_reqs}")
-        bs, window = self.block_size, self.plan.settings.window
+        self._req_ids = batch.req_ids
         qsl = cm.query_start_loc_cpu.numpy().astype(np.int64)
         seq_lens = cm.seq_lens.cpu().numpy().astype(np.int64)
-        offsets = np.zeros(cm.num_reqs, dtype=np.int64)  # tokens skipped at the start of each row's table
-        compress, save, crossing = [], [], []
-        for r in range(num_reqs):
-            n, s0 = int(batch.prompt_tokens[r]), int(batch.computed_tokens[r])
-            s1 = s0 + int(qsl[r + 1] - qsl[r])
-            dropped = self._dropped_tokens(n) if n > window else 0
-            if s0 >= n:
-                offsets[r] = dropped
-                continue
-            token0 = int(qsl[r]) - s0  # batch token of position p: token0 + p
-            if s1 >= n and dropped:
-                saved = max(0, s0 - (n - window))
-                start = n - window + saved
-                compress.append(_Compress(batch.req_ids[r], n, dropped,
-                                          cm.block_table_tensor[r, :-(-n // bs)].to(torch.int64),
-                                          saved, torch.arange(token0 + start, token0 + n)))
-                if s1 > n:
-                    crossing.append(r)
-            elif n - window < s1 < n and dropped:
-                start = max(s0, n - window)
-                save.append(_Save(batch.req_ids[r], start, n - window, torch.arange(token0 + start, token0 + s1)))
-        if not crossing:
-            meta = super().build(common_prefix_len, self._shifted(cm, seq_lens, offsets), fast_build)
-            return RippleKVMetadata(**_fields(meta), compress=compress, save=save, plan=self.plan)
-        # Rows running past their prompt's end: their prompt tokens first (full cache), the rest after compaction.
-        first_tokens, first_rows, then_tokens, then_rows = [], [], [], []
+        # Each row's parts as (first batch token, end batch token, sequence length at the end, offset, compaction).
+        rows, save, fresh, done = [], [], [], []
         for r in range(cm.num_reqs):
             begin, end = int(qsl[r]), int(qsl[r + 1])
-            if r in crossing:
-                n, s0 = int(batch.prompt_tokens[r]), int(batch.computed_tokens[r])
-                split = begin + n - s0
-                first_tokens.append(np.arange(begin, split))
-                first_rows.append((r, split - begin, n, 0))
-                then_tokens.append(np.arange(split, end))
-                then_rows.append((r, end - split, int(seq_lens[r]), self._dropped_tokens(n)))
-            else:
-                first_tokens.append(np.arange(begin, end))
-                first_rows.append((r, end - begin, int(seq_lens[r]), int(offsets[r])))
-        first = super().build(common_prefix_len, self._subset(cm, first_rows), fast_build)
-        then = super().build(common_prefix_len, self._subset(cm, then_rows), fast_build)
-        return RippleKVMetadata(**_fields(first), first_tokens=torch.from_numpy(np.concatenate(first_tokens)),
-                                then=then, then_tokens=torch.from_numpy(np.concatenate(then_tokens)),
-                                compress=compress, save=save, plan=self.plan)
+            if r >= num_reqs:  # rows beyond the scheduled batch: attended as they are
+                rows.append([(begin, end, int(seq_lens[r]), 0, None)])
+                continue
+            n, s0 = int(batch.prompt_tokens[r]), int(batch.computed_tokens[r])
+            s1 = s0 + end - begin
+            token0 = begin - s0  # batch token of position p: token0 + p
+            rows.append([(token0 + b, token0 + e, e, offset, compaction)
+                         for b, e, offset, compaction in self._parts(r, n, s0, s1, token0, cm.block_table_tensor)])
+            if s0 == 0:
+                fresh.append(batch.req_ids[r])
+            if s0 < n <= s1:
+                done.append(batch.req_ids[r])
+            elif s1 < n and self._dropped_tokens(n, n):
+                save.append(_Save(batch.req_ids[r], torch.arange(begin, end)))
+        extra = dict(save=save, fresh=fresh, done=done, plan=self.plan)
+        if all(len(parts) == 1 for parts in rows):
+            offsets = np.array([parts[0][3] for parts in rows], dtype=np.int64)
+            meta = super().build(common_prefix_len, self._shifted(cm, seq_lens, offsets), fast_build)
+            return RippleKVMetadata(**_fields(meta), first_compactions=[parts[0][4] for parts in rows
+                                                                        if parts[0][4] is not None], **extra)
+        # Rows cut by compactions attend in phases: each row's k-th part in phase k.
+        phases = []
+        for k in range(max(len(parts) for parts in rows)):
+            members = [(r, parts[k]) for r, parts in enumerate(rows) if len(parts) > k]
+            tokens = np.concatenate([np.arange(p[0], p[1]) for _, p in members])
+            meta = super().build(common_prefix_len, self._subset(cm, [(r, p[1] - p[0], p[2], p[3])
+                                                                       for r, p in members]), fast_build)
+            phases.append(_Phase(meta, torch.from_numpy(tokens), [p[4] for _, p in members if p[4] is not None]))
+        first = phases[0]
+        return RippleKVMetadata(**_fields(first.meta), first_tokens=first.tokens,
+                                first_compactions=first.compactions, later=phases[1:], **extra)
 
     def _shifted(self, cm, seq_lens: np.ndarray, offsets: np.ndarray):
         """``cm`` with each row reading from slot ``offsets[r]`` (a whole number of blocks) on."""
@@ -239,59 +265,11 @@ def _shift_rows(table: Tensor, shifts: np.ndarray) -> Tensor:
     return table.gather(1, columns)
 
 
-# -- the cache layout -------------------------------------------------------------------------------------------------
-
-def _key_value_views(kv_cache: Tensor) -> tuple[Tensor, Tensor]:
-    """Views of one layer's cache ``[blocks, H_kv, block_size, 2 D]`` as keys ``[blocks, H_kv, D, block_size]``
-    (the "vec" kernel stores each block's keys transposed) and values ``[blocks, H_kv, block_size, D]``."""
-    num_blocks, heads, block_size, two_d = kv_cache.shape
-    halves = kv_cache.view(num_blocks, heads, 2, block_size * (two_d // 2))
-    return (halves[:, :, 0].view(num_blocks, heads, two_d // 2, block_size),
-            halves[:, :, 1].view(num_blocks, heads, block_size, two_d // 2))
-
-
-def read_prompt(kv_cache: Tensor, block_ids: Tensor, n: int) -> tuple[Tensor, Tensor]:
-    """Keys and values ``[1, H_kv, n, D]`` of logical slots ``[0, n)`` of a row (copies)."""
-    key_view, value_view = _key_value_views(kv_cache)
-    heads, dim = key_view.shape[1], key_view.shape[2]
-    keys = key_view.index_select(0, block_ids).permute(1, 0, 3, 2).reshape(heads, -1, dim)[:, :n]
-    values = value_view.index_select(0, block_ids).permute(1, 0, 2, 3).reshape(heads, -1, dim)[:, :n]
-    return keys.unsqueeze(0).contiguous(), values.unsqueeze(0).contiguous()
-
-
-def _cache_halves(kv_cache: Tensor) -> tuple[Tensor, Tensor]:
-    num_blocks, heads, block_size, _ = kv_cache.shape
-    return kv_cache.view(num_blocks, heads, block_size * 2, -1).chunk(2, dim=2)
-
-
-@functools.lru_cache(maxsize=None)
-def check_cache_layout(dtype: torch.dtype, block_size: int, heads: int, head_dim: int, isa: str) -> None:
-    """Raise unless ``read_prompt`` reads back what vLLM's cache-write op wrote (checked once per shape)."""
-    if isa not in SUPPORTED_ISAS:
-        raise RuntimeError(f"ripplekv: vLLM's CPU attention runs its {isa!r} kernel here (dtype {dtype}, block size "
-                           f"{block_size}, head size {head_dim}), whose key-cache layout the plugin does not read; "
-                           f"supported: {list(SUPPORTED_ISAS)}")
-    generator = torch.Generator().manual_seed(0)
-    tokens = 2 * block_size + 3
-    cache = torch.zeros(4, heads, block_size, 2 * head_dim, dtype=dtype)
-    keys = torch.randn(tokens, heads, head_dim, generator=generator).to(dtype)
-    values = torch.randn(tokens, heads, head_dim, generator=generator).to(dtype)
-    blocks = torch.tensor([2, 0, 3], dtype=torch.int64)
-    slots = blocks[torch.arange(tokens) // block_size] * block_size + torch.arange(tokens) % block_size
-    key_cache, value_cache = _cache_halves(cache)
-    ops.cpu_attn_reshape_and_cache(keys, values, key_cache, value_cache, slots, isa, k_scale=1.0, v_scale=1.0,
-                                   kv_cache_dtype="auto")
-    read_keys, read_values = read_prompt(cache, blocks, tokens)
-    if not (torch.equal(read_keys[0].transpose(0, 1), keys) and torch.equal(read_values[0].transpose(0, 1), values)):
-        raise RuntimeError(f"ripplekv: vLLM's {isa!r} CPU kernel stores the KV cache in a layout the plugin does not "
-                           "read (this vLLM build differs from the one the plugin was written for)")
-
-
 # -- the attention implementation -----------------------------------------------------------------------------------
 
 class RippleKVCPUImpl(CPUAttentionBackendImpl):
-    """Stock attention for stock metadata; with ``RippleKVMetadata``, attention on the compressed layout and the
-    compaction of the rows whose prompt ends in this step."""
+    """Stock attention for stock metadata; with ``RippleKVMetadata``, attention on the compressed layout, in phases
+    when compactions fall inside the step, and the compaction of each row at each boundary it reaches."""
 
     def forward(self, layer, query: Tensor, key: Tensor, value: Tensor, kv_cache: Tensor, attn_metadata,
                 output: Tensor, output_scale=None, output_block_scale=None) -> Tensor:
@@ -300,16 +278,22 @@ class RippleKVCPUImpl(CPUAttentionBackendImpl):
                                    output_block_scale)
         meta = attn_metadata
         layer_idx = _layer_index(layer)
-        for save in meta.save:
-            self._save_window(save, layer_idx, query)
+        for req_id in meta.fresh:  # queries kept from before a preemption belong to another pass over the prompt
+            _WINDOW_QUERIES.pop((req_id, layer_idx), None)
         if meta.first_tokens is None:
             super().forward(layer, query, key, value, kv_cache, meta, output, output_scale, output_block_scale)
         else:
             self._attend_part(layer, query, key, value, kv_cache, meta, output, meta.first_tokens)
-        for row in meta.compress:
-            self._compress(layer, layer_idx, meta.plan, row, query, kv_cache)
-        if meta.then is not None:
-            self._attend_part(layer, query, key, value, kv_cache, meta.then, output, meta.then_tokens)
+        for compaction in meta.first_compactions:
+            self._compact(layer, layer_idx, meta.plan, compaction, query, kv_cache)
+        for phase in meta.later:
+            self._attend_part(layer, query, key, value, kv_cache, phase.meta, output, phase.tokens)
+            for compaction in phase.compactions:
+                self._compact(layer, layer_idx, meta.plan, compaction, query, kv_cache)
+        for save in meta.save:
+            self._save_window(save, layer_idx, query, meta.plan.settings.window)
+        for req_id in meta.done:
+            _WINDOW_QUERIES.pop((req_id, layer_idx), None)
         return output
 
     def _attend_part(self, layer, query, key, value, kv_cache, meta, output, tokens: Tensor) -> None:
@@ -317,36 +301,35 @@ class RippleKVCPUImpl(CPUAttentionBackendImpl):
         super().forward(layer, query.index_select(0, tokens), key, value, kv_cache, meta, part)
         output.index_copy_(0, tokens, part)
 
-    def _save_window(self, save: _Save, layer_idx: int, query: Tensor) -> None:
-        key = (save.req_id, layer_idx)
-        chunk = query.index_select(0, save.tokens)
-        if save.start == save.window_start or key not in _WINDOW_QUERIES:
-            _WINDOW_QUERIES[key] = chunk
-        else:
-            _WINDOW_QUERIES[key] = torch.cat([_WINDOW_QUERIES[key], chunk])
+    @staticmethod
+    def _newest_queries(req_id: str, layer_idx: int, query: Tensor, tokens: Tensor, window: int) -> Tensor:
+        """The newest ``window`` queries ``[<= W, H_q, D]``: earlier steps' (kept) then ``tokens`` of this one."""
+        current = query.index_select(0, tokens[-window:])
+        earlier = _WINDOW_QUERIES.get((req_id, layer_idx))
+        if earlier is None or current.shape[0] >= window:
+            return current
+        return torch.cat([earlier, current])[-window:]
 
-    def _compress(self, layer, layer_idx: int, plan, row: _Compress, query: Tensor, kv_cache: Tensor) -> None:
-        current = query.index_select(0, row.tokens)
-        if row.saved:
-            earlier = _WINDOW_QUERIES.pop((row.req_id, layer_idx), None)
-            if earlier is None or earlier.shape[0] != row.saved:
-                raise RuntimeError(f"ripplekv: request {row.req_id} reached the end of its prompt without the "
-                                   f"queries of its window's first {row.saved} positions from earlier chunks")
-            current = torch.cat([earlier, current])
-        else:
-            _WINDOW_QUERIES.pop((row.req_id, layer_idx), None)
+    def _save_window(self, save: _Save, layer_idx: int, query: Tensor, window: int) -> None:
+        _WINDOW_QUERIES[(save.req_id, layer_idx)] = self._newest_queries(save.req_id, layer_idx, query, save.tokens,
+                                                                       window)
+
+    def _compact(self, layer, layer_idx: int, plan, row: _Compaction, query: Tensor, kv_cache: Tensor) -> None:
+        block_size = kv_cache.shape[2]
+        held = row.end - row.held_from
+        kept = row.end - row.kept_from
+        if kept >= held:  # the tokens read so far are within the budget: nothing to drop yet
+            return
+        window = plan.settings.window
+        current = self._newest_queries(row.req_id, layer_idx, query, row.tokens, window)
+        if current.shape[0] < min(window, row.end):
+            raise RuntimeError(f"ripplekv: request {row.req_id} reached a compaction after {row.end} prompt tokens "
+                               f"with the queries of only {current.shape[0]} of its newest {window} positions")
         queries = current.permute(1, 0, 2).unsqueeze(0)  # [1, H_q, W, D]
-        keys, values = read_prompt(kv_cache, row.block_ids, row.n)
-        kept = row.n - row.dropped
+        keys, values = read_prompt(kv_cache, row.block_ids[row.held_from // block_size:], held)
         keys_c, values_c = plan.compressor.compress(layer_idx, queries, keys, values, scale=self.scale,
                                                     budget=kept)
-        block_size = kv_cache.shape[2]
-        positions = torch.arange(row.dropped, row.n)
-        slots = row.block_ids[positions // block_size] * block_size + positions % block_size
-        key_cache, value_cache = _cache_halves(kv_cache)
-        ops.cpu_attn_reshape_and_cache(keys_c[0].transpose(0, 1).contiguous(), values_c[0].transpose(0, 1).contiguous(),
-                                       key_cache, value_cache, slots, layer.isa, k_scale=layer._k_scale_float,
-                                       v_scale=layer._v_scale_float, kv_cache_dtype=self.kv_cache_dtype)
+        write_slots(kv_cache, row.block_ids, row.kept_from, keys_c, values_c, layer, self.kv_cache_dtype)
 
 
 @functools.lru_cache(maxsize=None)

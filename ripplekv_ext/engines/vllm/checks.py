@@ -84,7 +84,8 @@ def validate(vllm_config) -> None:
     if len(full) != num_layers:
         _refuse(f"models with sliding-window layers ({num_layers - len(full)} of {num_layers} here)",
                 "use a model whose layers are all full attention")
-    from ripplekv_ext.engines.vllm.attention import SUPPORTED_ISAS, cpu_isa
+    from ripplekv_ext.engines.vllm.attention import cpu_isa
+    from ripplekv_ext.engines.vllm.cache_layout import SUPPORTED_ISAS
 
     isa = cpu_isa(model.dtype, cache.block_size, model.get_head_size(), cache.cache_dtype)
     if isa not in SUPPORTED_ISAS:

@@ -34,7 +34,8 @@ def install_spec_hook() -> None:
                                "compresses full-attention layers only")
         num_layers = vllm_config.model_config.hf_text_config.num_hidden_layers
         plan = plan_for(settings, num_layers, spec.block_size)
-        return tier_spec(spec, plan.tier_of[_index_of(self.layer_name)], settings, num_layers)
+        return tier_spec(spec, plan.tier_of[_index_of(self.layer_name)], settings, num_layers,
+                         vllm_config.model_config.max_model_len, vllm_config.max_in_flight_tokens)
 
     get_kv_cache_spec.ripplekv_original = original
     Attention.get_kv_cache_spec = get_kv_cache_spec

@@ -14,7 +14,9 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from typing import Optional
 
+from vllm.utils.math_utils import cdiv
 from vllm.v1.core.single_type_kv_cache_manager import FullAttentionManager
 from vllm.v1.kv_cache_interface import FullAttentionSpec
 from vllm.v1.kv_cache_spec_registry import KVCacheSpecRegistry
@@ -32,21 +34,31 @@ class RippleKVSpec(FullAttentionSpec):
     tier: int
     settings: str
     num_layers: int
+    # Bounded prefill (settings.prefill_chunk): the most tokens a request of the engine's max_model_len holds in this
+    # tier at once (EnginePlan.held_tokens_bound); None: as stock vLLM, its whole sequence.
+    held_tokens: Optional[int] = None
+
+    def max_memory_usage_bytes(self, vllm_config) -> int:
+        # What vLLM checks one request of max_model_len against at start-up: a prompt longer than the pool runs.
+        if self.held_tokens is None:
+            return super().max_memory_usage_bytes(vllm_config)
+        return cdiv(self.held_tokens, self.block_size) * self.page_size_bytes
 
     @classmethod
     def merge(cls, specs: list["RippleKVSpec"]) -> "RippleKVSpec":
-        keys = {(s.tier, s.settings, s.num_layers) if isinstance(s, RippleKVSpec) else None for s in specs}
+        keys = {(s.tier, s.settings, s.num_layers, s.held_tokens) if isinstance(s, RippleKVSpec) else None
+                for s in specs}
         # vLLM tries merging specs to decide groups: an AssertionError means "not one group".
         if len(keys) != 1 or None in keys:
             raise AssertionError("layers of different RippleKV tiers belong to different KV cache groups")
         base = FullAttentionSpec.merge([FullAttentionSpec(**_attention_fields(s)) for s in specs])
         return cls(**_attention_fields(base), tier=specs[0].tier, settings=specs[0].settings,
-                   num_layers=specs[0].num_layers)
+                   num_layers=specs[0].num_layers, held_tokens=specs[0].held_tokens)
 
     def is_uniform_with_collection(self, kv_cache_specs) -> bool:
         # vLLM puts layers whose specs share a base type into one group; tiers must stay apart.
-        return all(isinstance(s, RippleKVSpec) and (s.tier, s.settings, s.num_layers) ==
-                   (self.tier, self.settings, self.num_layers) for s in kv_cache_specs.values())
+        return all(isinstance(s, RippleKVSpec) and (s.tier, s.settings, s.num_layers, s.held_tokens) ==
+                   (self.tier, self.settings, self.num_layers, self.held_tokens) for s in kv_cache_specs.values())
 
 
 def _attention_fields(spec: FullAttentionSpec) -> dict:
@@ -54,8 +66,14 @@ def _attention_fields(spec: FullAttentionSpec) -> dict:
     return {name: getattr(spec, name) for name in names}
 
 
-def tier_spec(spec: FullAttentionSpec, tier: int, settings: Settings, num_layers: int) -> RippleKVSpec:
-    return RippleKVSpec(**_attention_fields(spec), tier=tier, settings=settings.to_json(), num_layers=num_layers)
+def tier_spec(spec: FullAttentionSpec, tier: int, settings: Settings, num_layers: int, max_model_len: int,
+              max_in_flight_tokens: int) -> RippleKVSpec:
+    held = None
+    if settings.prefill_chunk is not None:
+        plan = plan_for(settings, num_layers, spec.block_size)
+        held = plan.held_tokens_bound(tier, max_model_len, max_in_flight_tokens)
+    return RippleKVSpec(**_attention_fields(spec), tier=tier, settings=settings.to_json(), num_layers=num_layers,
+                        held_tokens=held)
 
 
 def plan_of_spec(spec: RippleKVSpec) -> EnginePlan:
@@ -63,13 +81,17 @@ def plan_of_spec(spec: RippleKVSpec) -> EnginePlan:
 
 
 class RippleKVManager(FullAttentionManager):
-    """Frees the first ``EnginePlan.dropped_blocks(tier, n)`` blocks of a request once its ``n``-token prompt is
-    computed (the worker compacted the tier's kept tokens into the prompt's last blocks in that step)."""
+    """Frees the first ``EnginePlan.dropped_blocks(tier, n, b)`` blocks of a request once its ``n``-token prompt is
+    computed up to a compaction boundary ``b`` (``EnginePlan.boundaries``: its end, and every ``prefill_chunk``
+    tokens when set; the worker compacted the tier's kept tokens into the last blocks before ``b`` in that step)."""
 
     def __init__(self, kv_cache_spec: RippleKVSpec, **kwargs) -> None:
         super().__init__(kv_cache_spec, **kwargs)
         self.plan = plan_of_spec(kv_cache_spec)
         self.tier = kv_cache_spec.tier
+        if kv_cache_spec.held_tokens is not None:
+            # vLLM's admission check of a whole prompt, capped as for its block-recycling specs (sliding windows).
+            self.max_admission_blocks_per_request = cdiv(kv_cache_spec.held_tokens, kv_cache_spec.block_size)
         self._compressed: dict[str, int] = {}  # request -> the prompt length its blocks were freed for
 
     def remove_skipped_blocks(self, request_id: str, processed_computed_tokens: int,
@@ -82,11 +104,13 @@ class RippleKVManager(FullAttentionManager):
             raise RuntimeError(f"ripplekv: request {request_id}'s prompt grew from {done} to {num_prompt_tokens} "
                                "tokens after its cache was compressed; streaming-input (resumable) requests are not "
                                "supported by the plugin")
-        if processed_computed_tokens < num_prompt_tokens:
+        boundary = self.plan.last_boundary(num_prompt_tokens, processed_computed_tokens)
+        if boundary is None:
             return
-        dropped = self.plan.dropped_blocks(self.tier, num_prompt_tokens)
+        dropped = self.plan.dropped_blocks(self.tier, num_prompt_tokens, boundary)
         if dropped:
-            # Walks back from the last dropped block and stops at the first null one: a second call frees nothing.
+            # Walks back from the last dropped block and stops at the first null one: a second call frees only
+            # what the compaction at a later boundary emptied.
             self._remove_blocks_in_range(request_id, 0, dropped)
             self._compressed[request_id] = num_prompt_tokens
 

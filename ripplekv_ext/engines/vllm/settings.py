@@ -24,13 +24,13 @@ from ripplekv_ext.engines.tiers import TieredAllocator, tier_counts
 from ripplekv_ext.policies import DEFAULT_RIPPLEKV_SELECTOR, DEFAULT_WINDOW, Policy
 from ripplekv_ext.selectors import SnapKVSelector, StreamingLLMSelector
 
-__all__ = ["CONFIG_KEY", "METHODS", "Settings", "BlockAlignedAllocator", "EnginePlan", "plan_for"]
+__all__ = ["CONFIG_KEY", "METHODS", "Settings", "BlockAlignedAllocator", "EnginePlan", "plan_for", "kv_cache_bytes"]
 
 # additional_config[CONFIG_KEY] holds the settings (``--additional-config '{"ripplekv": {...}}'``).
 CONFIG_KEY = "ripplekv"
 # Every method selects with the last ``window`` prompt queries at most: all a chunked prefill keeps (not H2O).
 METHODS = ("snapkv", "pyramidkv", "ripplekv", "streamingllm")
-_KEYS = ("method", "retention", "window", "profile", "tiers")
+_KEYS = ("method", "retention", "window", "profile", "tiers", "prefill_chunk")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -38,13 +38,16 @@ class Settings:
     """What a user asks for: ``method`` (one of ``METHODS``), ``retention`` in (0, 1], ``window`` (``W``, default
     32), ``profile`` (the RippleKV profile JSON, for ``ripplekv`` only) and ``tiers`` (``T``: budgets rounded to
     ``T`` groups of layers, one vLLM KV cache group each; default one tier for uniform methods, one tier per layer
-    otherwise)."""
+    otherwise) and ``prefill_chunk`` (``R``: bounded prefill, each request compacted every ``R`` prompt tokens and
+    its emptied blocks freed, so a prompt holds at most its budget plus about one chunk; a multiple of the block
+    size, more than the window; default None: compacted once, after its last prompt chunk)."""
 
     method: str
     retention: float
     window: int = DEFAULT_WINDOW
     profile: Optional[str] = None
     tiers: Optional[int] = None
+    prefill_chunk: Optional[int] = None
 
     @classmethod
     def from_config(cls, config) -> "Settings":
@@ -79,7 +82,12 @@ class Settings:
         if tiers is not None and (not is_integer(tiers) or tiers < 1):
             raise ValueError(f"{where}[\"tiers\"] must be an integer >= 1 (it must divide the number of layers), "
                              f"got {tiers!r}")
-        return cls(method, float(retention), window, profile, None if tiers is None else int(tiers))
+        chunk = config.get("prefill_chunk")
+        if chunk is not None and (not is_integer(chunk) or chunk <= window):
+            raise ValueError(f"{where}[\"prefill_chunk\"] must be an integer > window = {window} (prompt tokens between "
+                             f"compactions, a multiple of the block size, e.g. 512), got {chunk!r}")
+        return cls(method, float(retention), window, profile, None if tiers is None else int(tiers),
+                   None if chunk is None else int(chunk))
 
     def to_json(self) -> str:
         """Canonical JSON: it travels inside vLLM's KV cache specs to the scheduler process."""
@@ -111,6 +119,10 @@ class BlockAlignedAllocator(Allocator):
                 layers: Optional[Sequence[int]] = None) -> list[int]:
         base = self.base.budgets(num_layers, n_tokens, avg_budget, window, layers=layers)
         return [aligned_budget(int(b), n_tokens, self.block_size) for b in base]
+
+    def chunk_budget(self, final_budget: int, n_read: int) -> int:
+        # The same rule part-way through a prompt: the tokens read so far less whole blocks, at least the budget.
+        return aligned_budget(int(final_budget), int(n_read), self.block_size)
 
     def __repr__(self):
         return f"BlockAlignedAllocator({self.base!r}, block_size={self.block_size})"
@@ -149,12 +161,17 @@ class EnginePlan:
             raise ValueError(f'additional_config["{CONFIG_KEY}"]["tiers"] must divide the model\'s {num_layers} '
                              f"layers into equal tiers (vLLM's KV cache groups share one page size), got {num_tiers}; "
                              f"choose one of {tier_counts(num_layers)}")
+        chunk = settings.prefill_chunk
+        if chunk is not None and chunk % block_size:
+            # Refused, not rounded: compactions at whole blocks keep "budget + one chunk" a whole number of blocks.
+            raise ValueError(f'additional_config["{CONFIG_KEY}"]["prefill_chunk"] must be a multiple of the block size '
+                             f"({block_size}), got {chunk}; e.g. {max(1, chunk // block_size) * block_size}")
         tiered = TieredAllocator(base, num_tiers)
         # Each method's own selector, as its Policy constructor pairs them.
         selector = {"streamingllm": StreamingLLMSelector(), "ripplekv": DEFAULT_RIPPLEKV_SELECTOR()}.get(
             settings.method, SnapKVSelector())
         self.policy = Policy(BlockAlignedAllocator(tiered, block_size), selector, settings.retention,
-                             settings.window)
+                             settings.window, prefill_chunk=chunk)
         self.tiers = tiered.tiers(layers, settings.window)
         self.tier_of = {layer: t for t, tier in enumerate(self.tiers) for layer in tier}
         self.compressor = KVCompressor(self.policy, num_layers)
@@ -169,9 +186,42 @@ class EnginePlan:
         """Tokens each layer of ``tier`` keeps of an ``n_tokens`` prompt (``n_tokens``: nothing dropped)."""
         return self.compressor.layer_budget(self.tiers[tier][0], n_tokens)
 
-    def dropped_blocks(self, tier: int, n_tokens: int) -> int:
-        """Whole blocks ``tier`` frees once an ``n_tokens`` prompt is compressed: its first ones."""
-        return (n_tokens - self.tier_budget(tier, n_tokens)) // self.block_size
+    def dropped_blocks(self, tier: int, n_tokens: int, read: Optional[int] = None) -> int:
+        """Whole blocks ``tier`` frees once an ``n_tokens`` prompt is compressed (its first ones), or, with
+        ``read``, once it is compacted after its first ``read`` tokens (a boundary of ``boundaries``)."""
+        if read is None or read >= n_tokens:
+            return (n_tokens - self.tier_budget(tier, n_tokens)) // self.block_size
+        kept = self.compressor.chunk_budgets(read, n_tokens)[self.tiers[tier][0]]
+        return (read - kept) // self.block_size
+
+    def boundaries(self, n_tokens: int) -> list[int]:
+        """The prompt positions after which a request of ``n_tokens`` prompt tokens is compacted: every
+        ``prefill_chunk`` tokens, then at its end (only at its end without ``prefill_chunk``)."""
+        chunk = self.settings.prefill_chunk
+        if chunk is None:
+            return [n_tokens]
+        return list(range(chunk, n_tokens, chunk)) + [n_tokens]
+
+    def last_boundary(self, n_tokens: int, computed: int) -> Optional[int]:
+        """The last compaction a request with ``computed`` of its ``n_tokens`` prompt tokens computed has passed
+        (None: none yet)."""
+        if computed >= n_tokens:
+            return n_tokens
+        chunk = self.settings.prefill_chunk
+        if chunk is None or computed < chunk:
+            return None
+        return computed - computed % chunk
+
+    def held_tokens_bound(self, tier: int, max_model_len: int, max_in_flight_tokens: int) -> int:
+        """With ``prefill_chunk``: the most tokens a request whose prompt is at most ``max_model_len`` holds in
+        ``tier`` while its prompt is read (the engine's scheduler frees up to the last boundary a request has
+        processed, then allocates its next step of at most ``max_in_flight_tokens``): what it keeps at a boundary
+        (under its final budget plus a block), the tokens since (under a chunk), the step, and a block of rounding."""
+        chunk = self.settings.prefill_chunk
+        if chunk is None:
+            return max_model_len
+        kept = self.tier_budget(tier, max_model_len) + self.block_size
+        return min(max_model_len, kept + chunk + max_in_flight_tokens + self.block_size)
 
     def blocks_held(self, n_tokens: int, generated: int = 0) -> int:
         """Blocks (summed over tiers) a request holds after an ``n_tokens`` prompt and ``generated`` new tokens."""
@@ -187,3 +237,30 @@ def _plan(settings_json: str, num_layers: int, block_size: int) -> EnginePlan:
 def plan_for(settings: Settings, num_layers: int, block_size: int) -> EnginePlan:
     """The (cached) plan of an engine: every process of one engine builds the same one."""
     return _plan(settings.to_json(), num_layers, block_size)
+
+
+def kv_cache_bytes(model_config, blocks: int, block_size: int, dtype_bytes: int) -> int:
+    """The bytes of ``blocks`` stock vLLM KV blocks of ``block_size`` tokens (keys and values of every layer) for a
+    model whose Hugging Face config (a dict or a config object) is ``model_config``: what to pass as
+    ``kv_cache_memory_bytes`` so that vLLM's CPU worker sizes nothing from the machine's memory.
+
+    A ``T``-tier engine given these bytes holds ``T * blocks`` of its blocks (each ``1 / T`` of a stock block); a
+    memory fraction (``gpu_memory_utilization``) instead becomes that fraction of the NUMA node's memory minus the
+    process's resident memory, which is negative on a small node."""
+
+    def read(name, default=None):
+        value = model_config.get(name) if isinstance(model_config, dict) else getattr(model_config, name, None)
+        if value is None:
+            value = default
+        if value is None:
+            raise ValueError(f"kv_cache_bytes: the model config has no {name!r}")
+        return check_int(f"model_config[{name!r}]", value, 1)
+
+    layers = read("num_hidden_layers")
+    heads = read("num_attention_heads")
+    kv_heads = read("num_key_value_heads", heads)
+    head_dim = read("head_dim", read("hidden_size") // heads)
+    blocks = check_int("blocks", blocks, 1)
+    block_size = check_int("block_size", block_size, 1)
+    dtype_bytes = check_int("dtype_bytes", dtype_bytes, 1)
+    return blocks * block_size * layers * 2 * kv_heads * head_dim * dtype_bytes

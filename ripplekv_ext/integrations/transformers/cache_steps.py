@@ -87,28 +87,33 @@ def is_prefill(layer, query: Tensor, key: Tensor) -> bool:
 
 def compress_layer(cache, layer_idx: int, queries: Tensor, keys: Tensor, values: Tensor,
                    compressor: KVCompressor, lengths: Optional[Tensor] = None,
-                   scale: Optional[float] = None) -> list[int]:
+                   scale: Optional[float] = None, budgets: Optional[list[int]] = None,
+                   rolling: bool = False) -> list[int]:
     """Compress layer ``layer_idx`` of ``cache`` at the end of its prefill and replace it by a ``CompressedLayer``.
 
     ``queries`` are what the policy's selector reads (the last ``W`` post-RoPE queries, or all of them); ``lengths``
-    (int64 ``[B]``) the real tokens of each row of a left-padded batch (None: no padding). The full tensors are
-    released (memory is really freed, not masked). With ``decode_every`` the layer keeps the newest ``W`` queries
-    and each row's prompt length for later selections. Returns the tokens each row kept.
+    (int64 ``[B]``) the real tokens of each row of a left-padded batch (None: no padding); ``budgets`` one per row
+    (default: the policy's for each row's length). The full tensors are released (memory is really freed, not
+    masked). With ``decode_every``, or for the first chunk of a prompt read in chunks (``rolling``), the layer keeps
+    the newest ``W`` queries and each row's prompt length for later selections. Returns the tokens each row kept.
     """
     n = keys.shape[2]
     policy = compressor.policy
-    if lengths is None:
-        kept_keys, kept_values = compressor.compress(layer_idx, queries, keys, values, scale=scale)
+    if lengths is None and (budgets is None or len(set(budgets)) == 1):
+        kept_keys, kept_values = compressor.compress(layer_idx, queries, keys, values, scale=scale,
+                                                     budget=None if budgets is None else budgets[0])
         key_mask, row_kept = None, [kept_keys.shape[2]] * keys.shape[0]
     else:
         # A prefill's mask covers exactly its n tokens (the layer was empty before it).
+        lengths = [n] * keys.shape[0] if lengths is None else lengths
         kept_keys, kept_values, key_mask = compressor.compress_rows(layer_idx, queries, keys, values, lengths,
-                                                                    scale=scale)
+                                                                    scale=scale, budgets=budgets)
         row_kept = key_mask.sum(dim=1).tolist()
         if bool(key_mask.all()):  # no padding slot left: the plain causal path
             key_mask = None
+        lengths = torch.as_tensor(lengths, dtype=torch.int64)
     compressed = CompressedLayer(kept_keys, kept_values, seen_tokens=n, key_mask=key_mask)
-    if policy.decode_every is not None:
+    if policy.decode_every is not None or rolling:
         compressed.remember_queries(queries, policy.window)
         compressed.prompt_lengths = (torch.full((keys.shape[0],), n, dtype=torch.int64) if lengths is None
                                      else lengths.cpu())
@@ -117,10 +122,12 @@ def compress_layer(cache, layer_idx: int, queries: Tensor, keys: Tensor, values:
 
 
 def reselect_layer(layer: CompressedLayer, layer_idx: int, compressor: KVCompressor,
-                   scale: Optional[float] = None) -> None:
-    """Select a compressed layer down to its decode budget again (each row its own), its newest window kept."""
-    budgets = [compressor.decode_budgets(seen, prompt)[layer_idx]
-               for seen, prompt in zip(layer.seen_per_row(), layer.prompt_lengths.tolist())]
+                   scale: Optional[float] = None, budgets: Optional[list[int]] = None) -> None:
+    """Select a compressed layer down to ``budgets`` (one per row; default: its decode budgets) again, its newest
+    window kept, with its remembered newest queries as the window."""
+    if budgets is None:
+        budgets = [compressor.decode_budgets(seen, prompt)[layer_idx]
+                   for seen, prompt in zip(layer.seen_per_row(), layer.prompt_lengths.tolist())]
     queries, keys, values = layer.recent_queries, layer.keys, layer.values
     if layer.key_mask is None and len(set(budgets)) == 1:
         kept_keys, kept_values = compressor.compress(layer_idx, queries, keys, values, scale=scale,

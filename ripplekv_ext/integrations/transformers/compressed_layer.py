@@ -139,6 +139,12 @@ class CompressedLayer(DynamicLayer):
         # A copy, so the buffer never holds a whole prefill's queries alive.
         self.recent_queries = recent[:, :, -window:].clone()
 
+    def prompt_read(self, read) -> None:
+        """A prompt read in chunks has reached this layer's newest tokens: ``read`` real tokens per row so far (what
+        later selections during decoding count as the prompt)."""
+        self.prompt_tokens = self.seen_tokens
+        self.prompt_lengths = torch.tensor([int(x) for x in read], dtype=torch.int64)
+
     def seen_per_row(self) -> list[int]:
         """Real tokens each row has seen (its prompt plus every token added since)."""
         generated = self.seen_tokens - self.prompt_tokens

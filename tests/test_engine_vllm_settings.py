@@ -1,0 +1,75 @@
+"""The vLLM plugin's settings and budget rule (``ripplekv_ext.engines.vllm.settings``, which imports nothing from
+vLLM): run in every environment, with or without vLLM. The engines themselves are tested in ``tests/vllm``."""
+
+import subprocess
+import sys
+
+import pytest
+
+import ripplekv_ext
+from ripplekv_ext.engines.vllm.settings import (BlockAlignedAllocator, Settings, aligned_budget, kv_cache_bytes,
+                                                plan_for)
+from ripplekv_ext.eval.models import tiny_model
+from ripplekv_ext.profile_file import Profile, save_profile
+
+BLOCK = 32
+LAYERS = 4
+MODEL_CONFIG = dict(num_hidden_layers=LAYERS, hidden_size=128, num_attention_heads=4, num_key_value_heads=2,
+                    head_dim=32)
+
+
+@pytest.fixture(scope="module")
+def profile_path(tmp_path_factory):
+    """A profile of a tiny 4-layer model with unequal sensitivities (made up: the mechanics are under test)."""
+    profile = Profile.from_sensitivity(tiny_model("llama", num_layers=LAYERS), [0.5, 0.05, 0.2, 0.01], "tiny-llama")
+    path = tmp_path_factory.mktemp("profile") / "tiny.json"
+    save_profile(profile, path)
+    return str(path)
+
+
+def test_import_ripplekv_ext_does_not_import_vllm(tmp_path):
+    code = "import sys, ripplekv_ext, ripplekv_ext.engines; print('vllm' in sys.modules)"
+    # Outside the checkout: its ripplekv_ext folder (no compiled library) would shadow the installed package.
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=tmp_path)
+    assert out.stdout.strip() == "False"
+
+
+def test_kv_cache_bytes_are_the_blocks_of_every_layer():
+    # 64 blocks of 32 tokens, 4 layers, keys and values, 2 KV heads of 32 floats of 4 bytes.
+    assert kv_cache_bytes(MODEL_CONFIG, 64, 32, 4) == 64 * 32 * 4 * 2 * 2 * 32 * 4
+    # head_dim from hidden_size / heads, KV heads from the attention heads, from a config object.
+    config = tiny_model("llama", num_layers=2).config
+    config.head_dim, config.num_key_value_heads = None, None
+    heads = config.num_attention_heads
+    assert kv_cache_bytes(config, 1, 1, 2) == 2 * 2 * heads * (config.hidden_size // heads) * 2
+    with pytest.raises(ValueError, match="no 'num_hidden_layers'"):
+        kv_cache_bytes({}, 1, 1, 2)
+    with pytest.raises(ValueError, match="blocks must be an integer >= 1, got 0"):
+        kv_cache_bytes(MODEL_CONFIG, 0, 32, 4)
+
+
+def test_block_aligned_budgets_drop_whole_blocks():
+    for n in range(1, 700, 7):
+        for budget in (33, 40, 64, 65, 100, 300):
+            kept = aligned_budget(budget, n, BLOCK)
+            if budget >= n:
+                assert kept == n
+            else:
+                assert budget <= kept < budget + BLOCK and (n - kept) % BLOCK == 0 and kept <= n
+    base = ripplekv_ext.PyramidKVAllocator()
+    aligned = BlockAlignedAllocator(base, BLOCK)
+    assert aligned.budgets(LAYERS, 1000, 200, 32) == [aligned_budget(b, 1000, BLOCK)
+                                                      for b in base.budgets(LAYERS, 1000, 200, 32)]
+
+
+def test_plan_tiers_and_blocks(profile_path):
+    plan = plan_for(Settings.from_config({"method": "ripplekv", "retention": 0.2, "tiers": 2,
+                                          "profile": profile_path}), LAYERS, BLOCK)
+    assert plan.tiers == [[0, 2], [1, 3]]  # the most sensitive layers (0 and 2) share the larger budget
+    n = 1000
+    budgets = plan.compressor.budgets(n)
+    assert budgets[0] == budgets[2] > budgets[1] == budgets[3]
+    for t in range(2):
+        assert plan.dropped_blocks(t, n) == (n - plan.tier_budget(t, n)) // BLOCK
+        assert (n - plan.tier_budget(t, n)) % BLOCK == 0
+    assert plan.blocks_held(n) == sum(-(-plan.tier_budget(t, n) // BLOCK) for t in range(2))

@@ -1,0 +1,335 @@
+"""Bounded (rolling) prefill: a prompt read in chunks is compressed after every chunk (DESIGN.md §4).
+
+Checked against an independent computation (``RollingMaskedReference``: stock attention over the full stock cache,
+the dropped tokens masked out, each chunk's selection made by the reference selectors over the tokens still
+visible); every layer's held tokens read after every chunk; one chunk as long as the prompt equal to one-shot
+compression; transformers' ``prefill_chunk_size``, the policy's ``prefill_chunk`` and a loop of one's own; padded
+batches, decode-time compression, compressed contexts; and every refusal.
+"""
+
+import warnings
+
+import pytest
+import torch
+from transformers import AttentionInterface
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+import ripplekv_ext
+from ripplekv_ext import Policy, compress, compress_context, continue_context, load_context
+from ripplekv_ext.eval.models import tiny_model
+from ripplekv_ext.integrations.transformers import cache_argument, output_cache
+from ripplekv_ext.model_info import compressible_layers
+from ripplekv_ext.policies import PromptTooShortWarning
+from test_hook import GREEDY, _reference_indices, _sensitivity
+
+CACHE = cache_argument()
+WINDOW = 8
+
+
+def _no_eos(model):
+    # Random weights pick the EOS id now and then: the comparisons below want every step generated.
+    model.generation_config.eos_token_id = None
+    return model
+
+
+def _ids(n, batch=1, seed=0):
+    return torch.randint(3, 500, (batch, n), generator=torch.Generator().manual_seed(seed))
+
+
+class RollingMaskedReference:
+    """Stock attention over the full cache, each layer's dropped tokens masked out; after every chunk of the prompt
+    (the forwards while a layer has seen fewer than ``n_total`` tokens), each layer selects among the tokens still
+    visible, with the reference selectors, down to ``final budget`` capped at the tokens read, the newest ``W``
+    queries scoring them. What a rolling prefill must compute, written without the hook's code."""
+
+    def __init__(self, model, policy, n_total):
+        self.model, self.policy, self.n_total = model, policy, n_total
+        self.layers = compressible_layers(model)
+        self.final = dict(zip(self.layers, policy.layer_budgets(len(self.layers), n_total, self.layers)))
+        self.visible, self.recent = {}, {}
+        self.name = f"test_rolling_reference_{id(self)}"
+
+    def attention(self, module, query, key, value, attention_mask, scaling=None, **kwargs):
+        layer = module.layer_idx
+        if layer not in self.layers:
+            from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+            return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, **kwargs)
+        b, h_kv, seen, dim = key.shape
+        q_len = query.shape[2]
+        before = self.visible.get(layer, torch.ones(b, h_kv, 0, dtype=torch.bool))
+        visible = torch.cat([before, torch.ones(b, h_kv, q_len, dtype=torch.bool)], dim=2)
+        groups = query.shape[1] // h_kv
+        causal = torch.arange(seen)[None, :] <= torch.arange(seen - q_len, seen)[:, None]
+        mask = visible.repeat_interleave(groups, dim=1)[:, :, None, :] & causal
+        out = torch.nn.functional.scaled_dot_product_attention(
+            query, key.repeat_interleave(groups, 1), value.repeat_interleave(groups, 1), attn_mask=mask, scale=scaling)
+        if seen - q_len < self.n_total:  # a chunk of the prompt: select among the visible tokens
+            recent = torch.cat([self.recent.get(layer, query[:, :, :0]), query], dim=2)[:, :, -self.policy.window:]
+            self.recent[layer] = recent
+            budget = min(self.final[layer], seen)
+            held = visible[0, 0].sum().item()
+            if budget < held:
+                positions = torch.stack([torch.stack([row.nonzero().flatten() for row in heads]) for heads in visible])
+                take = positions[..., None].expand(-1, -1, -1, dim)
+                kept = _reference_indices(self.policy, recent, key.gather(2, take), value.gather(2, take), budget,
+                                          scaling)
+                visible = torch.zeros_like(visible).scatter_(2, positions.gather(2, kept), True)
+        self.visible[layer] = visible
+        return out.transpose(1, 2).contiguous(), None
+
+    def __enter__(self):
+        AttentionInterface.register(self.name, self.attention)
+        AttentionMaskInterface.register(self.name, sdpa_mask)
+        self.saved = self.model.config._attn_implementation_internal
+        self.model.config._attn_implementation_internal = self.name
+        return self
+
+    def __exit__(self, *exc):
+        self.model.config._attn_implementation_internal = self.saved
+        AttentionInterface._global_mapping.pop(self.name)
+        AttentionMaskInterface._global_mapping.pop(self.name)
+
+
+@torch.no_grad()
+def _read_in_chunks(model, ids, chunk, steps=4, on_chunk=None):
+    """Logits of each chunk of ``ids`` read over one cache (``chunk``: a size, or the list of chunk sizes), then of
+    ``steps`` greedy tokens; the cache."""
+    sizes = chunk if isinstance(chunk, list) else [chunk] * -(-ids.shape[1] // chunk)
+    cache, logits, start = None, [], 0
+    for size in sizes:
+        kwargs = {} if cache is None else {CACHE: cache}
+        end = min(start + size, ids.shape[1])
+        out = model(ids[:, start:end], use_cache=True, **kwargs)
+        cache = output_cache(out)
+        logits.append(out.logits)
+        if on_chunk is not None:
+            on_chunk(end, cache)
+        start = end
+    token = logits[-1][:, -1:].argmax(-1)
+    for _ in range(steps):
+        out = model(token, use_cache=True, **{CACHE: cache})
+        logits.append(out.logits)
+        token = out.logits[:, -1:].argmax(-1)
+    return logits, cache
+
+
+def _max_diff(a, b):
+    return max((x - y).abs().max().item() for x, y in zip(a, b))
+
+
+POLICIES = {
+    "snapkv": Policy.snapkv(0.2, window=WINDOW),
+    "ripplekv": Policy.ripplekv(_sensitivity(4), 0.2, window=WINDOW),
+    "pyramidkv": Policy.pyramidkv(0.25, window=WINDOW),
+    "streamingllm": Policy.streamingllm(0.2, window=WINDOW),
+}
+
+
+@pytest.mark.parametrize("name", list(POLICIES))
+@pytest.mark.parametrize("chunk", [64, 100])
+def test_chunks_equal_the_independent_reference_and_hold_their_budget(name, chunk):
+    model = tiny_model("llama")
+    policy = POLICIES[name]
+    ids, n = _ids(300), 300
+    layers = compressible_layers(model)
+    final = policy.layer_budgets(len(layers), n, layers)
+    held_after = []
+
+    def check(read, cache):
+        held = [cache.layers[layer].keys.shape[2] for layer in layers]
+        held_after.append((read, held))
+        # After every chunk: at most the final budget, and never more than read.
+        assert held == [min(budget, read) for budget in final], (read, held)
+
+    with compress(model, policy) as session, session.chunked_prefill(n):
+        ours, cache = _read_in_chunks(model, ids, chunk, on_chunk=check)
+    with RollingMaskedReference(model, policy, n):
+        reference, _ = _read_in_chunks(model, ids, chunk)
+    assert len(held_after) == -(-n // chunk)
+    assert _max_diff(ours, reference) <= 1e-4
+    # Decoding after the prompt keeps every new token (no decode_every): budget + 4.
+    assert [cache.layers[layer].keys.shape[2] for layer in layers] == [b + 4 for b in final]
+
+
+def test_one_chunk_as_long_as_the_prompt_is_one_shot_compression():
+    model = tiny_model("llama")
+    policy = POLICIES["ripplekv"]
+    ids = _ids(200)
+    with compress(model, policy):
+        one_shot, one_cache = _read_in_chunks(model, ids, 200)
+    for chunk in (200, 512):
+        with compress(model, policy) as session, session.chunked_prefill(200):
+            rolled, rolled_cache = _read_in_chunks(model, ids, chunk)
+        assert all(torch.equal(a, b) for a, b in zip(one_shot, rolled))
+        assert all(torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values)
+                   for a, b in zip(one_cache.layers, rolled_cache.layers))
+
+
+def test_generate_reads_in_chunks_and_holds_the_budget():
+    # transformers' own prefill_chunk_size inside compress(): the issue's table, 600 tokens at 20% (120 per layer).
+    model = tiny_model("llama")
+    ids = _ids(600)
+    policy = Policy.snapkv(0.2)
+    chunks = []
+
+    def record(module, args, kwargs, output):
+        cache = output_cache(output)
+        chunks.append((kwargs["input_ids"].shape[1], [layer.keys.shape[2] for layer in cache.layers]))
+
+    outputs = {}
+    for how, kwargs, block_policy in (("one-shot", {}, policy),
+                                      ("prefill_chunk_size=256", {"prefill_chunk_size": 256}, policy),
+                                      ("prefill_chunk_size=100", {"prefill_chunk_size": 100}, policy),
+                                      ("policy prefill_chunk=100", {}, Policy.snapkv(0.2, prefill_chunk=100))):
+        chunks.clear()
+        with compress(model, block_policy), torch.no_grad():
+            handle = model.register_forward_hook(record, with_kwargs=True)
+            try:
+                out = model.generate(ids, max_new_tokens=8, **GREEDY, **kwargs, return_dict_in_generate=True)
+            finally:
+                handle.remove()
+        outputs[how] = out.sequences[0, 600:].tolist()
+        cache = output_cache(out)
+        assert [layer.keys.shape[2] for layer in cache.layers] == [127] * 4, how  # 120 kept + 7 decoded
+        prompt_chunks = [c for c in chunks if c[0] > 1]
+        chunk = kwargs.get("prefill_chunk_size", block_policy.prefill_chunk)
+        assert len(prompt_chunks) == (1 if chunk is None else -(-600 // chunk)), how
+        for _, held in prompt_chunks:  # after every chunk: at most the budget for the whole prompt
+            assert all(h <= 120 for h in held), (how, held)
+    assert outputs["prefill_chunk_size=100"] == outputs["policy prefill_chunk=100"]
+    assert outputs["prefill_chunk_size=256"] != outputs["one-shot"]  # rolling selects otherwise: not one-shot
+
+
+def test_generate_in_chunks_equals_the_loop_with_the_prompt_length():
+    model = _no_eos(tiny_model("llama"))
+    ids = _ids(260)
+    policy = Policy.ripplekv(_sensitivity(4), 0.25, window=WINDOW, prefill_chunk=96)
+    with compress(model, policy), torch.no_grad():
+        generated = model.generate(ids, max_new_tokens=5, **GREEDY)[0, 260:].tolist()
+    with compress(model, policy) as session, session.chunked_prefill(260):
+        logits, _ = _read_in_chunks(model, ids, 96, steps=4)
+    assert generated == [x[0, -1].argmax().item() for x in logits[-5:]]
+
+
+def test_unknown_prompt_length_keeps_the_budgets_of_what_was_read():
+    model = tiny_model("llama")
+    policy = Policy.snapkv(0.25, window=WINDOW)
+    seen = []
+
+    def check(read, cache):
+        seen.append(read)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", PromptTooShortWarning)
+            budgets = policy.layer_budgets(4, read)
+        assert [layer.keys.shape[2] for layer in cache.layers] == budgets, read
+
+    with compress(model, policy) as session, session.chunked_prefill():
+        _read_in_chunks(model, _ids(250), 40, steps=0, on_chunk=check)
+    assert seen == [40, 80, 120, 160, 200, 240, 250]
+    # The last chunk leaves the budgets of a one-shot prefill of the whole prompt.
+    assert policy.layer_budgets(4, 250) == [62] * 4
+
+
+def test_padded_batch_rows_equal_each_row_alone_read_at_the_batch_chunks():
+    # A batch is read at the padded layout's chunk boundaries: a row with p pads reads p fewer real tokens in its
+    # first chunk. Each row then computes what it computes alone, read in those chunks, with its own budgets.
+    model = _no_eos(tiny_model("llama"))
+    policy = Policy.snapkv(0.25, window=WINDOW, prefill_chunk=64)
+    rows = [_ids(230, seed=1)[0], _ids(190, seed=2)[0]]
+    n = max(len(r) for r in rows)
+    ids = torch.stack([torch.cat([torch.zeros(n - len(r), dtype=torch.long), r]) for r in rows])
+    mask = (torch.arange(n)[None, :] >= torch.tensor([n - len(r) for r in rows])[:, None]).long()
+    with compress(model, policy), torch.no_grad():
+        batch = model.generate(ids, attention_mask=mask, max_new_tokens=6, **GREEDY)[:, n:]
+    for b, row in enumerate(rows):
+        pad = n - len(row)
+        with compress(model, policy) as session, session.chunked_prefill(len(row)):
+            logits, _ = _read_in_chunks(model, row[None], [64 - pad] + [64] * 3, steps=5)
+        assert batch[b].tolist() == [x[0, -1].argmax().item() for x in logits[-6:]], b
+    with pytest.raises(ValueError, match=r"rows \[1\] .* more padding than one prefill chunk \(32 tokens"):
+        with compress(model, Policy.snapkv(0.25, window=WINDOW, prefill_chunk=32)), torch.no_grad():
+            model.generate(ids, attention_mask=mask, max_new_tokens=2, **GREEDY)
+
+
+def test_decoding_compression_after_a_rolling_prefill_holds_its_budget():
+    model = tiny_model("llama")
+    policy = Policy.snapkv(0.25, window=WINDOW, decode_every=16, prefill_chunk=64)
+    held = []
+
+    def record(module, args, kwargs, output):
+        held.append([layer.keys.shape[2] for layer in output_cache(output).layers])
+
+    with compress(model, policy), torch.no_grad():
+        handle = model.register_forward_hook(record, with_kwargs=True)
+        try:
+            model.generate(_ids(256), max_new_tokens=48, **GREEDY)
+        finally:
+            handle.remove()
+    budget = policy.layer_budgets(4, 256)[0]
+    assert budget == 64
+    assert all(max(h) <= budget + 16 for h in held)
+    assert held[-1] == [budget + 47 % 16] * 4  # re-selected at 16 and 32 generated tokens, then 15 more
+
+
+def test_compressed_context_read_in_chunks(tmp_path):
+    model = tiny_model("llama")
+    context, question = _ids(400), _ids(12, seed=3)
+    whole = Policy.snapkv(0.25, window=WINDOW)
+    rolled = Policy.snapkv(0.25, window=WINDOW, prefill_chunk=128)
+    once = compress_context(model, context, whole)
+    chunked = compress_context(model, context, rolled)
+    assert [layer.keys.shape[2] for layer in chunked.layers] == [layer.keys.shape[2] for layer in once.layers] == \
+        [100] * 4
+    assert not all(torch.equal(a.keys, b.keys) for a, b in zip(once.layers, chunked.layers))  # selected otherwise
+    answer = continue_context(model, chunked, question, max_new_tokens=6, **GREEDY)
+    torch.save(chunked, tmp_path / "context.pt")
+    again = continue_context(model, load_context(tmp_path / "context.pt"), question, max_new_tokens=6, **GREEDY)
+    assert torch.equal(answer, again)
+    # A chunk at least as long as the context is the one-shot compression.
+    long_chunk = compress_context(model, context, Policy.snapkv(0.25, window=WINDOW, prefill_chunk=400))
+    assert all(torch.equal(a.keys, b.keys) for a, b in zip(once.layers, long_chunk.layers))
+
+
+def test_bad_chunks_are_refused_by_name():
+    model = tiny_model("llama")
+    ids = _ids(100)
+    for chunk in (8, 1, 0, 2.5):
+        with pytest.raises(ValueError, match=rf"prefill_chunk must be an integer > window = 8 .* got {chunk}"):
+            Policy.snapkv(0.2, window=WINDOW, prefill_chunk=chunk)
+        if chunk == 2.5:
+            continue
+        with pytest.raises(ValueError, match=rf"prefill_chunk_size must be an integer > window = 8 .* got {chunk}"):
+            with compress(model, Policy.snapkv(0.2, window=WINDOW)), torch.no_grad():
+                model.generate(ids, max_new_tokens=2, prefill_chunk_size=chunk, **GREEDY)
+    with pytest.raises(ValueError, match=r"prefill_chunk=64 is not supported with H2OSelector"):
+        Policy(Policy.h2o(0.2).allocator, Policy.h2o(0.2).selector, 0.2, WINDOW, prefill_chunk=64)
+    with pytest.raises(ValueError, match=r"prefill_chunk_size=64 is not supported with H2OSelector"):
+        with compress(model, Policy.h2o(0.2, window=WINDOW)), torch.no_grad():
+            model.generate(ids, max_new_tokens=2, prefill_chunk_size=64, **GREEDY)
+    with pytest.raises(ValueError, match=r"prompt_tokens must be the prompt's real tokens"):
+        with compress(model, Policy.snapkv(0.2, window=WINDOW)) as session, session.chunked_prefill(0):
+            pass
+    with pytest.raises(RuntimeError, match="already being read in chunks"):
+        with compress(model, Policy.snapkv(0.2, window=WINDOW)) as session, session.chunked_prefill(100):
+            with session.chunked_prefill(100):
+                pass
+
+
+def test_a_prompt_shorter_than_one_chunk_is_read_in_one_forward():
+    model = tiny_model("llama")
+    ids = _ids(90)
+    with compress(model, Policy.snapkv(0.3, window=WINDOW)), torch.no_grad():
+        one_shot = model.generate(ids, max_new_tokens=6, **GREEDY)
+    with compress(model, Policy.snapkv(0.3, window=WINDOW, prefill_chunk=128)), torch.no_grad():
+        rolled = model.generate(ids, max_new_tokens=6, **GREEDY)
+    assert torch.equal(one_shot, rolled)
+
+
+def test_the_block_leaves_generate_as_it_was():
+    model = tiny_model("llama")
+    before = model.generate
+    with compress(model, Policy.snapkv(0.2, prefill_chunk=64)):
+        assert model.generate != before
+    assert "generate" not in vars(model) and model.generate == before
+    assert ripplekv_ext.Policy.snapkv(0.2, prefill_chunk=64).name == "uniform+snapkv@0.2,prefill_chunk=64"
