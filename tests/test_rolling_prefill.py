@@ -11,16 +11,13 @@ import warnings
 
 import pytest
 import torch
-from transformers import AttentionInterface
-from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
-
 import ripplekv_ext
 from ripplekv_ext import Policy, compress, compress_context, continue_context, load_context
 from ripplekv_ext.eval.models import tiny_model
 from ripplekv_ext.integrations.transformers import cache_argument, output_cache
 from ripplekv_ext.model_info import compressible_layers
 from ripplekv_ext.policies import PromptTooShortWarning
-from test_hook import GREEDY, _reference_indices, _sensitivity
+from test_hook import GREEDY, MaskedReference, _reference_indices, _sensitivity
 
 CACHE = cache_argument()
 WINDOW = 8
@@ -36,18 +33,17 @@ def _ids(n, batch=1, seed=0):
     return torch.randint(3, 500, (batch, n), generator=torch.Generator().manual_seed(seed))
 
 
-class RollingMaskedReference:
+class RollingMaskedReference(MaskedReference):
     """Stock attention over the full cache, each layer's dropped tokens masked out; after every chunk of the prompt
     (the forwards while a layer has seen fewer than ``n_total`` tokens), each layer selects among the tokens still
     visible, with the reference selectors, down to ``final budget`` capped at the tokens read, the newest ``W``
     queries scoring them. What a rolling prefill must compute, written without the hook's code."""
 
     def __init__(self, model, policy, n_total):
-        self.model, self.policy, self.n_total = model, policy, n_total
-        self.layers = compressible_layers(model)
+        super().__init__(model, policy)
+        self.n_total = n_total
         self.final = dict(zip(self.layers, policy.layer_budgets(len(self.layers), n_total, self.layers)))
         self.visible, self.recent = {}, {}
-        self.name = f"test_rolling_reference_{id(self)}"
 
     def attention(self, module, query, key, value, attention_mask, scaling=None, **kwargs):
         layer = module.layer_idx
@@ -78,17 +74,6 @@ class RollingMaskedReference:
         self.visible[layer] = visible
         return out.transpose(1, 2).contiguous(), None
 
-    def __enter__(self):
-        AttentionInterface.register(self.name, self.attention)
-        AttentionMaskInterface.register(self.name, sdpa_mask)
-        self.saved = self.model.config._attn_implementation_internal
-        self.model.config._attn_implementation_internal = self.name
-        return self
-
-    def __exit__(self, *exc):
-        self.model.config._attn_implementation_internal = self.saved
-        AttentionInterface._global_mapping.pop(self.name)
-        AttentionMaskInterface._global_mapping.pop(self.name)
 
 
 @torch.no_grad()
