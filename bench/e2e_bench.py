@@ -32,6 +32,7 @@ import torch
 from e2e_measure import (COMPRESSED_METHODS, measure_decode, measure_memory, measure_overhead,
                          measure_profile_cost)
 from e2e_batch import measure_batch, print_batch_table
+from e2e_paths import portable_path
 from e2e_peer import measure_peer
 from ripplekv_ext._jsonio import write_json_atomic
 from ripplekv_ext.cli.common import CliError, check_model_arg, check_output_file
@@ -50,13 +51,13 @@ def find_profile(model, explicit: Optional[str] = None):
     from ripplekv_ext.profile_file import load_profile
 
     if explicit:
-        return load_profile(explicit, model=model), explicit
+        return load_profile(explicit, model=model), portable_path(explicit)
     candidates = [default_profile_path(DEFAULT_MODEL), shipped_profile_path(DEFAULT_MODEL)]
     candidates += sorted(p for p in RESULTS_DIR.glob("smollm2_profile*.json") if not p.name.endswith(".partial.json"))
     for path in candidates:
         if path is not None and Path(path).is_file():
             try:
-                return load_profile(path, model=model), str(path)
+                return load_profile(path, model=model), portable_path(path)
             except ValueError:
                 continue  # made for another model or unreadable: try the next one
     return None, None

@@ -37,6 +37,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from e2e_bench import machine_description  # noqa: E402
 from e2e_measure import cache_bytes, kv_bytes_per_token  # noqa: E402
+from e2e_paths import portable_path  # noqa: E402
 from ripplekv_ext import compress  # noqa: E402
 from ripplekv_ext.integrations.transformers import cache_argument, output_cache  # noqa: E402
 from ripplekv_ext._jsonio import write_json_atomic  # noqa: E402
@@ -166,7 +167,8 @@ def main(argv=None) -> int:
                                               "chunk", "methods", "gen_tokens", "threads")}
     out = Path(args.out)
     results = {"figure": "decode-time compression", "model": model_name, "settings": settings,
-               "profile": str(profile_path), "policies": {k: (v.name if v else "full") for k, v in runs.items()},
+               "profile": portable_path(profile_path),
+               "policies": {k: (v.name if v else "full") for k, v in runs.items()},
                "policy_reprs": {k: repr(v) for k, v in runs.items()},
                "teacher_forcing": f"continuation fed in chunks of {args.chunk} tokens (chunk divides K: the same "
                                   "logits and selections as token by token)",

@@ -19,6 +19,7 @@ import math
 from typing import Optional, Sequence
 
 from ripplekv_ext.checks import check_int
+from ripplekv_ext.equality import SettingsEquality
 
 __all__ = [
     "average_budget", "integer_budgets", "uniform_budgets", "pyramidkv_schedule", "pyramidkv_budgets",
@@ -247,7 +248,7 @@ def power_budgets(sensitivity: Sequence[float], n_tokens: int, avg_budget: int, 
     return integer_budgets(power_weights(sensitivity, exponent), n_tokens, avg_budget, window, priority=sensitivity)
 
 
-class Allocator(abc.ABC):
+class Allocator(SettingsEquality, abc.ABC):
     """How many tokens each compressible layer keeps, at a given average: the type every allocator is.
 
     ``name`` names it in method names (``ALLOCATOR+SELECTOR``).

@@ -304,7 +304,7 @@ class KVCompressor:
             return self.layer_row_budgets(layer_idx, lengths)
         if not self._is_compressible(layer_idx):
             return None
-        budgets = list(_as_lengths(budgets))
+        budgets = list(_as_lengths(budgets, "budgets"))
         if len(budgets) != len(lengths):
             raise ValueError(f"budgets must hold one budget per row ({len(lengths)}), got {len(budgets)}")
         for row, (budget, length) in enumerate(zip(budgets, lengths)):
@@ -324,15 +324,15 @@ class KVCompressor:
                 f"compressible_layers={self.compressible_layers})")
 
 
-def _as_lengths(lengths) -> tuple[int, ...]:
+def _as_lengths(lengths, name: str = "lengths") -> tuple[int, ...]:
     if isinstance(lengths, Tensor):
         if lengths.dim() != 1 or lengths.dtype.is_floating_point or lengths.dtype == torch.bool:
-            raise ValueError(f"lengths must be an integer tensor [B], got {lengths.dtype} of shape "
+            raise ValueError(f"{name} must be an integer tensor [B], got {lengths.dtype} of shape "
                              f"{list(lengths.shape)}")
         return tuple(int(x) for x in lengths.tolist())
     values = tuple(lengths)
     if not all(is_integer(x) for x in values):
-        raise ValueError(f"lengths must be integers, got {list(values)}")
+        raise ValueError(f"{name} must be integers (one per row), got {list(values)}")
     return tuple(int(x) for x in values)
 
 

@@ -31,6 +31,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
+import pickle
 from dataclasses import dataclass
 from typing import Optional
 
@@ -38,7 +39,8 @@ import torch
 from torch import Tensor
 
 from ripplekv_ext.allocation import average_budget
-from ripplekv_ext.hook import compress
+from ripplekv_ext.digests import cache_digest, weights_digest
+from ripplekv_ext.hook import compress, compress_block_open
 from ripplekv_ext.integrations import transformers_integration as _door
 from ripplekv_ext.masks import row_lengths
 from ripplekv_ext.policies import Policy
@@ -53,17 +55,19 @@ DEFAULT_PROBE = "\n\nRepeat the text above."
 
 STAMP_ATTRIBUTE = "ripplekv_context"
 # What identifies a model for a cache: another model of this shape would take the cache silently and answer
-# from keys it never computed, so the config hash and a sample of weights are compared too.
-_IDENTITY_FIELDS = ("architecture", "num_layers", "num_kv_heads", "head_dim", "config_sha256", "weight_sample")
-
-
+# from keys it never computed, so the config hash and a digest of every weight are compared too (a fine-tuning step
+# or a merged LoRA on one projection changes the keys and values the cache would need).
+_IDENTITY_FIELDS = ("architecture", "num_layers", "num_kv_heads", "head_dim", "config_sha256", "weight_sample",
+                    "weights_digest")
 def model_identity(model) -> dict:
-    """The fields of ``profile_file.describe_model`` that tell one model from another (the name may differ)."""
+    """The fields of ``profile_file.describe_model`` that tell one model from another (the name may differ), and the
+    digest of all its weights (``weights_digest``)."""
     from ripplekv_ext.profile_file import describe_model
 
     info = describe_model(model)
     fingerprint = info.pop("fingerprint")
     info.update(fingerprint)
+    info["weights_digest"] = weights_digest(model)
     return {key: info[key] for key in _IDENTITY_FIELDS}
 
 
@@ -81,6 +85,7 @@ class ContextStamp:
     context_ids: Tensor
     attention_mask: Optional[Tensor]
     probe_tokens: int
+    cache_digest: Optional[str] = None  # cache_digest of the cache compress_context returned (None: saved before it)
 
     def __deepcopy__(self, memo):
         # Immutable and shared: a copied cache answers for the same context, model and policy.
@@ -131,8 +136,21 @@ def _check_model(model) -> None:
 
 def default_probe_ids(tokenizer) -> Tensor:
     """``DEFAULT_PROBE`` as int64 token ids ``[1, p]`` of ``tokenizer`` (no special tokens)."""
+    if isinstance(tokenizer, (str, torch.nn.Module)) or not callable(tokenizer):
+        shown = f"{type(tokenizer).__name__} {tokenizer!r}" if isinstance(tokenizer, str) else type(tokenizer).__name__
+        raise TypeError(f"tokenizer must be the model's tokenizer object (e.g. AutoTokenizer.from_pretrained(...), "
+                        f"or load_model's second value), got {shown}")
     ids = tokenizer(DEFAULT_PROBE, add_special_tokens=False)["input_ids"]
     return torch.tensor([ids], dtype=torch.int64)
+
+
+def _check_vocab(name: str, ids: Tensor, model) -> None:
+    """Token ids the model's embedding has (an id beyond it means another model's tokenizer or ids)."""
+    vocab = model.get_input_embeddings().num_embeddings
+    bad = (ids < 0) | (ids >= vocab)
+    if bool(bad.any()):
+        raise ValueError(f"{name} holds token ids outside the model's vocabulary [0, {vocab}), e.g. "
+                         f"{int(ids[bad][0])}: ids (or a tokenizer) of another model?")
 
 
 def compress_context(model, context_ids: Tensor, policy: Policy, *, tokenizer=None,
@@ -171,6 +189,7 @@ def compress_context(model, context_ids: Tensor, policy: Policy, *, tokenizer=No
         if tuple(attention_mask.shape) != (batch, n):
             raise ValueError(f"attention_mask must be [batch, tokens] = {[batch, n]} like context_ids, got "
                              f"{list(attention_mask.shape)}")
+    _check_vocab("context_ids", context_ids, model)
     lengths = row_lengths(attention_mask)  # checks the left padding
     lengths = [n] * batch if lengths is None else lengths.tolist()
 
@@ -182,6 +201,7 @@ def compress_context(model, context_ids: Tensor, policy: Policy, *, tokenizer=No
         probe_ids = _check_ids("probe_ids", probe_ids)
         if probe_ids.shape[0] not in (1, batch):
             raise ValueError(f"probe_ids must have 1 row or one per context row ({batch}), got {probe_ids.shape[0]}")
+        _check_vocab("probe_ids (or the tokenizer's probe)", probe_ids, model)
         probe_tokens = probe_ids.shape[1]
         probe_ids = probe_ids.to(context_ids.device).expand(batch, -1)
         prefill_ids = torch.cat([context_ids, probe_ids], dim=1)
@@ -215,7 +235,7 @@ def compress_context(model, context_ids: Tensor, policy: Policy, *, tokenizer=No
                                                  context_ids=context_ids.detach().cpu(),
                                                  attention_mask=None if attention_mask is None
                                                  else attention_mask.detach().cpu(),
-                                                 probe_tokens=probe_tokens))
+                                                 probe_tokens=probe_tokens, cache_digest=cache_digest(cache)))
     return cache
 
 
@@ -228,9 +248,11 @@ def check_context(model, cache) -> ContextStamp:
                         "without a context stamp")
     _check_model(model)
     mine = model_identity(model)
-    differ = [key for key in _IDENTITY_FIELDS if mine[key] != stamp.model[key]]
+    # A context saved before a field existed is checked on the fields it has.
+    differ = [key for key in _IDENTITY_FIELDS if key in stamp.model and mine[key] != stamp.model[key]]
     if differ:
-        shown = ", ".join(f"{key}: {stamp.model[key]} vs {mine[key]}" for key in differ if key != "weight_sample")
+        shown = ", ".join(f"{key}: {stamp.model[key]} vs {mine[key]}" for key in differ
+                          if key not in ("weight_sample", "weights_digest"))
         raise ValueError(f"this compressed context belongs to another model ({shown or 'same config, other weights'}"
                          "); compress the context again with this model")
     return stamp
@@ -267,6 +289,16 @@ def continue_context(model, cache, question_ids: Tensor, *, copy_cache: bool = T
     question_ids = _check_ids("question_ids", question_ids, batch=batch)
     if not isinstance(copy_cache, bool):
         raise TypeError(f"copy_cache must be True or False, got {copy_cache!r}")
+    for option in ("num_beams", "num_return_sequences"):
+        if generate_kwargs.get(option, 1) not in (1, None):
+            raise ValueError(f"continue_context({option}={generate_kwargs[option]}): a compressed context holds one "
+                             f"cache per context row, and {option} > 1 would need a copy of it per sequence; answer "
+                             "with one sequence per row (greedy or sampled), or call it once per sample")
+    if not stamp.policy.is_full and compress_block_open(model):
+        raise RuntimeError("continue_context answers inside its own ripplekv_ext.compress block on the model, and a "
+                           "block is already open on this model (another thread's continue_context, or a block of "
+                           "your own): one question at a time per model object. Wait for it, or give each thread "
+                           "its own model object (a copy of the weights)")
     built = {"input_ids", "inputs", "attention_mask", "cache", "past_key_values"} & set(generate_kwargs)
     if built:
         raise TypeError(f"continue_context builds {sorted(built)} itself (context + question, the compressed "
@@ -313,9 +345,21 @@ def load_context(path, *, map_location=None):
     file you trust, ``torch.load(path, weights_only=False)``). ``map_location`` is ``torch.load``'s (the model's
     device: ``continue_context`` wants the cache where the model is).
     """
-    with torch.serialization.safe_globals(_saved_classes()):
-        cache = torch.load(path, map_location=map_location, weights_only=True)
-    if not isinstance(getattr(cache, STAMP_ATTRIBUTE, None), ContextStamp):
+    try:
+        with torch.serialization.safe_globals(_saved_classes()):
+            cache = torch.load(path, map_location=map_location, weights_only=True)
+    except (EOFError, pickle.UnpicklingError, OSError, RuntimeError) as err:
+        if isinstance(err, FileNotFoundError) or "weights_only" in str(err):
+            raise  # a missing file, or a class a policy of one's own needs allowed: torch's message says it
+        raise ValueError(f"{path} is not a readable saved context (truncated, empty or damaged: "
+                         f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else 'no data'}); save it "
+                         "again with torch.save(cache, path)") from err
+    stamp = getattr(cache, STAMP_ATTRIBUTE, None)
+    if not isinstance(stamp, ContextStamp):
         raise TypeError(f"{path} holds a {type(cache).__name__}, not a context saved from "
                         "ripplekv_ext.compress_context")
+    if stamp.cache_digest is not None and cache_digest(cache) != stamp.cache_digest:
+        raise ValueError(f"{path}: the cache's tensors differ from what compress_context made (their digest does "
+                         "not match the stamp's): the file is damaged, or the context was continued with "
+                         "copy_cache=False before it was saved. Compress the context again")
     return cache

@@ -302,8 +302,8 @@ def load_profile(path, model=None, force: bool = False) -> Profile:
     except OSError as e:
         raise ProfileError(f"profile file {path} cannot be read: {e.strerror or e}") from None
     try:
-        # NaN / Infinity are not JSON; Python would accept them, so reject them here explicitly.
-        data = json.loads(text, parse_constant=lambda c: _fail("<number>", "a finite number", c))
+        # NaN / Infinity are not JSON; Python reads them, and the validation below refuses them by field.
+        data = json.loads(text)
     except json.JSONDecodeError as e:
         raise ProfileError(f"profile file {path} is not valid JSON: {e.msg} at line {e.lineno}") from None
     try:

@@ -91,12 +91,28 @@ def _chunk_asked(model, kwargs, policy) -> Optional[int]:
     return policy.prefill_chunk
 
 
+# generate options that run candidate tokens through the model as one multi-token forward before checking them: under
+# compression that forward would be read as part of the prompt (or its continuation) and selected with.
+_ASSISTED = ("prompt_lookup_num_tokens", "assistant_model", "assistant_early_exit", "draft_model")
+
+
+def _refuse_assisted_decoding(kwargs, policy) -> None:
+    config = kwargs.get("generation_config")
+    asked = [name for name in _ASSISTED if kwargs.get(name) is not None or getattr(config, name, None) is not None]
+    if asked and not policy.is_full:
+        raise ValueError(f"generate({asked[0]}=...) inside ripplekv_ext.compress: assisted / speculative decoding "
+                         "is not supported under compression (its candidate tokens run through the model as a "
+                         "multi-token forward, which the block would compress with the prompt, so the tokens would "
+                         "differ from greedy decoding's); generate without it, or outside the block")
+
+
 def chunked_generate(model, session, original):
     """``original`` (the model's ``generate``) for a block: a prompt read into an empty cache in chunks (asked of
     generate or by the policy) is compressed after every chunk, to its final budgets."""
 
     @functools.wraps(original)
     def generate(*args, **kwargs):
+        _refuse_assisted_decoding(kwargs, session.policy)
         chunk = _chunk_asked(model, kwargs, session.policy)
         inputs = _inputs(args, kwargs)
         cache = _cache_given(kwargs)

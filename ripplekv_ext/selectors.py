@@ -4,8 +4,7 @@
 always among them; ``select_rows`` does the same for each row of a left-padded batch, as if each were alone (the
 base runs each row through ``select``). ``ScoredSelector`` is the common kind: it ``score``s the positions before
 the window and keeps the top ones plus the window, with the fused per-row ops (kvpress's ``ScorerPress`` is the
-model). Any ``Selector`` combines with any allocator in a ``Policy``.
-"""
+model). Any ``Selector`` combines with any allocator in a ``Policy``; selectors compare by their settings."""
 
 from __future__ import annotations
 
@@ -18,6 +17,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from ripplekv_ext.checks import check_bool, check_choice, check_fraction, check_int
+from ripplekv_ext.equality import SettingsEquality
 from ripplekv_ext.ops import h2o_scores, select_topk, select_topk_rows, snapkv_scores, streaming_indices
 
 __all__ = ["Selector", "ScoredSelector", "SnapKVSelector", "RecentSnapKVSelector", "AdaptiveRecentSelector",
@@ -41,7 +41,7 @@ def _check_queries(queries: Tensor, keys: Tensor) -> None:
                          f"{queries.dim()}-D and {keys.dim()}-D")
 
 
-class Selector(abc.ABC):
+class Selector(SettingsEquality, abc.ABC):
     """Which ``budget`` of a layer's ``N`` positions each KV head keeps; the last ``window`` always among them.
 
     ``name`` names the selector in method names (``ALLOCATOR+SELECTOR``); ``needs_all_queries`` says whether it

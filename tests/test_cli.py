@@ -400,3 +400,11 @@ def test_profile_prefixes_slide_on_a_sliding_window_model(tmp_path, tokenizer, c
     code, out, _ = run(common + ["--prefix-len", "48", "--out", str(tmp_path / "given.json")], capsys)
     assert code == 0 and "sliding-window" not in out
     assert json.loads((tmp_path / "given.json").read_text())["calibration"]["prefix_len"] == 48
+
+
+def test_model_folder_without_tokenizer_files_says_what_is_missing(tmp_path, capsys):
+    folder = tmp_path / "no-tokenizer"
+    tiny_model("llama").save_pretrained(folder)  # weights and config, no tokenizer
+    _one_line_error(["eval", "--model", str(folder), "--methods", "full", "--out-dir", str(tmp_path / "out")], capsys,
+                    f"--model {folder} cannot be loaded: transformers found no tokenizer it can load in {folder}",
+                    "tokenizer.json")

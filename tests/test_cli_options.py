@@ -50,6 +50,8 @@ def cli_env(tmp_path, monkeypatch):
     (tmp_path / "broken").mkdir()
     (tmp_path / "broken" / "config.json").write_text('{"model_type": ')
     (tmp_path / "afile").write_text("not a folder")
+    (tmp_path / "binary.txt").write_bytes(b"text, then \xec\x80 bytes no UTF-8 text has")
+    (tmp_path / "profiles").mkdir()
     (tmp_path / "p.json").write_text("{}")  # a profile file that exists but is malformed
     # A valid profile of SmolLM2 (30 layers), another model than "model" (32 layers) and gemma3-270m (18).
     shutil.copy(shipped_profile_path("smollm2"), tmp_path / "smollm2.json")
@@ -71,6 +73,8 @@ CLI = [
     CliCase("profile --model broken config", ["profile", "--model", "broken"], "config.json is not valid JSON"),
     CliCase("profile --text missing", ["profile", *M, "--text", "none.txt"], "--text 'none.txt' is not a file"),
     CliCase("profile --text bad split", ["profile", *M, "--text", "kjv:train"], "kjv:calibration and kjv:evaluation"),
+    CliCase("profile --text binary", ["profile", *M, "--text", "binary.txt"],
+            "--text binary.txt: not a UTF-8 text file (byte 11 is 0xec); pass a .txt or .jsonl file of text"),
     CliCase("profile --prefix-len 0", ["profile", "--prefix-len", "0"], "argument --prefix-len: expected a positive"),
     CliCase("profile --cont-len -1", ["profile", "--cont-len", "-1"], "argument --cont-len: expected a positive"),
     CliCase("profile --examples abc", ["profile", "--examples", "abc"], "argument --examples: expected a positive"),
@@ -118,6 +122,9 @@ CLI = [
     CliCase("allocate prompt shorter than the window", ["allocate", *M, "--prompt-len", "20", "--retention", "0.2"],
             "--prompt-len 20 is too short to compress"),
     CliCase("allocate missing --profile", [*ALLOC, "--profile", "none.json"], "no profile at none.json"),
+    CliCase("allocate --profile a folder", [*ALLOC, "--profile", "profiles"],
+            "--profile profiles is a folder: pass the profile's JSON file (`ripplekv profile --model model --out "
+            "profiles/profile.json` writes one there)"),
     CliCase("allocate no cached profile", ALLOC, "run `ripplekv profile --model model` first"),
     CliCase("allocate --profile malformed", [*ALLOC, "--profile", "p.json"],
             "p.json: profile field format: expected 'ripplekv-profile', got None; run `ripplekv profile --model model "
@@ -161,6 +168,8 @@ CLI = [
     CliCase("eval --window 0", ["eval", "--window", "0"], "argument --window"),
     CliCase("eval --seed -1", ["eval", "--seed", "-1"], "argument --seed: expected an integer >= 0"),
     CliCase("eval --text missing", ["eval", *M, "--methods", "full", "--text", "none.txt"], "is not a file"),
+    CliCase("eval --text binary", ["eval", *M, "--methods", "full", "--text", "binary.txt"], "not a UTF-8 text file"),
+    CliCase("report --text binary", ["report", *M, "--text", "kjv,binary.txt"], "--text binary.txt: not a UTF-8"),
     CliCase("eval --longbench-dir missing", ["eval", *M, "--methods", "full", "--tasks", "longbench"],
             "--longbench-dir must be a folder"),
     CliCase("eval --user-jsonl missing", ["eval", *M, "--methods", "full", "--tasks", "user", "--user-jsonl", "x.jsonl"],

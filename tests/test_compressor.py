@@ -399,3 +399,12 @@ BAD_INPUTS = [
 
 
 test_bad_input_table, test_bad_input_table_has_distinct_ids = table_tests(BAD_INPUTS)
+
+
+def test_budgets_that_are_not_integers_are_blamed_by_name():
+    compressor = KVCompressor(Policy.snapkv(0.5, window=4), num_layers=2)
+    keys = torch.randn(3, 2, 40, 8)
+    with pytest.raises(ValueError, match=r"budgets must be integers \(one per row\), got \[16, 16.5, 16\]"):
+        compressor.compress_rows(0, torch.randn(3, 2, 4, 8), keys, keys.clone(), [40, 40, 40], budgets=[16, 16.5, 16])
+    with pytest.raises(ValueError, match=r"lengths must be integers \(one per row\)"):
+        compressor.compress_rows(0, torch.randn(3, 2, 4, 8), keys, keys.clone(), [40, 39.5, 40])

@@ -609,3 +609,21 @@ def test_smollm2_ripplekv_generation(smollm2):
     text = tokenizer.decode(compressed[0, n:], skip_special_tokens=True)
     assert compressed.shape[1] > n and any(c.isalpha() for c in text), text
     assert torch.equal(at_prompt_length, full)  # budget >= prompt: token for token the Full output
+
+
+@pytest.mark.parametrize("option", [{"prompt_lookup_num_tokens": 3}, "assistant_model"])
+def test_assisted_decoding_is_refused_under_compression(option):
+    # Its candidates run through the model as one multi-token forward, which the block would compress with the
+    # prompt: measured on this tiny model, prompt lookup left compressed greedy decoding at the second new token.
+    model = tiny_model("llama")
+    g = lambda n, s: torch.randint(3, 512, (1, n), generator=torch.Generator().manual_seed(s))  # noqa: E731
+    x = torch.cat([g(40, 4)] * 3 + [g(40, 4)[:, :6]], 1)
+    kwargs = dict(attention_mask=torch.ones_like(x), max_new_tokens=12, do_sample=False, pad_token_id=0)
+    extra = {"assistant_model": tiny_model("llama", seed=1)} if option == "assistant_model" else option
+    name = next(iter(extra))
+    with compress(model, Policy.snapkv(0.25, window=8)), torch.no_grad():
+        with pytest.raises(ValueError, match=rf"generate\({name}=...\) inside ripplekv_ext.compress: assisted"):
+            model.generate(x, **kwargs, **extra)
+        plain = model.generate(x, **kwargs)
+    with torch.no_grad():  # outside a block it runs, as stock transformers
+        assert model.generate(x, **kwargs, prompt_lookup_num_tokens=3).shape == plain.shape

@@ -148,3 +148,21 @@ def test_no_issue_numbers_in_code_tests_or_benchmarks():
     found = [f"{_relative(path)}:{number}" for path in PACKAGE_FILES + BENCH_FILES + TEST_FILES
              for number, line in enumerate(path.read_text().splitlines(), 1) if pattern.search(line)]
     assert found == []
+
+
+def _absolute_paths(data) -> list[str]:
+    if isinstance(data, dict):
+        return [p for value in data.values() for p in _absolute_paths(value)]
+    if isinstance(data, list):
+        return [p for value in data for p in _absolute_paths(value)]
+    return [data] if isinstance(data, str) and re.match(r"^/(work|root|home|tmp|Users|opt|usr|mnt|data)/", data) else []
+
+
+def test_committed_results_record_no_machine_paths():
+    # Results name files relative to the checkout (bench/e2e_paths.portable_path), not as on the machine they ran on.
+    import json
+
+    found = {_relative(path): paths for path in sorted((ROOT / "bench" / "results").rglob("*.json"))
+             if (paths := _absolute_paths(json.loads(path.read_text())))}
+    assert found == {}
+    assert _absolute_paths({"a": ["/root/.cache/x"], "b": "bench/results/y.json"}) == ["/root/.cache/x"]

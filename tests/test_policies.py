@@ -274,3 +274,28 @@ BAD_INPUTS = [
 
 
 test_bad_input_table, test_bad_input_table_has_distinct_ids = table_tests(BAD_INPUTS, uses_context=False)
+
+
+def test_policies_compare_and_hash_by_value():
+    import pickle
+
+    from ripplekv_ext import PeakSpanSelector
+    from ripplekv_ext.engines import TieredAllocator
+
+    made = [Policy.snapkv(0.2), Policy.ripplekv([1.0, 2.0, 3.0], 0.2), Policy.streamingllm(0.3, sink=2),
+            Policy.pyramidkv(0.1, decode_every=64), Policy.snapkv(0.2, prefill_chunk=512),
+            Policy(TieredAllocator(Policy.pyramidkv(0.2).allocator, 2), PeakSpanSelector(0.4), 0.2)]
+    again = [Policy.snapkv(0.2), Policy.ripplekv([1.0, 2.0, 3.0], 0.2), Policy.streamingllm(0.3, sink=2),
+             Policy.pyramidkv(0.1, decode_every=64), Policy.snapkv(0.2, prefill_chunk=512),
+             Policy(TieredAllocator(Policy.pyramidkv(0.2).allocator, 2), PeakSpanSelector(0.4), 0.2)]
+    for a, b in zip(made, again):
+        assert a == b and hash(a) == hash(b), a
+        restored = pickle.loads(pickle.dumps(a))
+        assert restored == a and hash(restored) == hash(a)
+    assert len(set(made + again)) == len(made)
+    # Any setting apart makes them differ.
+    assert Policy.snapkv(0.2) != Policy.snapkv(0.3) != Policy.snapkv(0.3, window=16)
+    assert Policy.ripplekv([1.0, 2.0, 3.0], 0.2) != Policy.ripplekv([1.0, 2.0, 4.0], 0.2)
+    assert Policy(TieredAllocator(Policy.pyramidkv(0.2).allocator, 2), PeakSpanSelector(0.4), 0.2) != \
+        Policy(TieredAllocator(Policy.pyramidkv(0.2).allocator, 2), PeakSpanSelector(0.5), 0.2)
+    assert Policy.snapkv(0.2).selector != Policy.streamingllm(0.2).selector

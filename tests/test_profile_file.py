@@ -86,7 +86,10 @@ def test_non_finite_numbers_rejected(profile, tmp_path, token):
     text = json.dumps(profile.to_dict())
     first = repr(profile.sensitivity[0])
     path.write_text(text.replace(first, token, 1))
-    with pytest.raises(ProfileError, match=f"expected a finite number, got '{token}'"):
+    shown = {"NaN": "nan", "Infinity": "inf", "-Infinity": "-inf"}[token]
+    # Named with the file and the field, as every other problem with a profile.
+    with pytest.raises(ProfileError, match=rf"nan.json: profile field sensitivity\[0\]: expected a finite number, "
+                                           rf"got {shown}"):
         load_profile(path)
 
 

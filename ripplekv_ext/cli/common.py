@@ -58,9 +58,16 @@ def check_text_source(option: str, source) -> None:
         if source.startswith(corpus + ":"):
             raise CliError(f"{option} {source!r}: the bundled text's splits are {corpus}:calibration and "
                            f"{corpus}:evaluation")
-    if not Path(source).expanduser().is_file():
+    path = Path(source).expanduser()
+    if not path.is_file():
         raise CliError(f"{option} {source!r} is not a file: pass kjv, kjv:evaluation, essays:evaluation or a "
                        ".txt / .jsonl file")
+    try:
+        with path.open(encoding="utf-8") as f:
+            f.read(1 << 20)  # the start: a binary file shows here, before any model loads
+    except UnicodeDecodeError as err:
+        raise CliError(f"{option} {source}: not a UTF-8 text file (byte {err.start} is {err.object[err.start]:#04x}); "
+                       "pass a .txt or .jsonl file of text") from None
 
 
 def check_model_arg(model_arg: str) -> None:
@@ -114,6 +121,9 @@ def check_profile(args):
     from ripplekv_ext.profile_file import ProfileError, load_profile
 
     path = profile_path(args)
+    if path.is_dir():
+        raise CliError(f"--profile {path} is a folder: pass the profile's JSON file (`ripplekv profile --model "
+                       f"{args.model} --out {path / 'profile.json'}` writes one there)")
     measure = f"ripplekv profile --model {args.model}{f' --out {path}' if args.profile else ''}"
     if not path.is_file():
         raise CliError(f"no profile at {path}: run `{measure}` first, or pass --profile FILE")

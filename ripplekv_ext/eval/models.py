@@ -13,6 +13,7 @@ minutes, so the first load converts it once to a safetensors cache (`$RIPPLEKV_C
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import hashlib
 import importlib.resources
@@ -172,11 +173,39 @@ def write_reference_logits(gguf_model, tokenizer, folder: Path) -> None:
     torch.save({"prompt": REFERENCE_PROMPT, "input_ids": ids[0], "logits": logits}, folder / REFERENCE_LOGITS)
 
 
+@contextlib.contextmanager
+def _gguf_parsed_once():
+    """transformers parses a GGUF's metadata afresh for the tokenizer, the config and the weights: three parses of
+    gemma-3-270m's 262K-token vocabulary at about 35 s each on this CPU. During a conversion each file is parsed
+    once (the readers only read)."""
+    import gguf as gguf_package
+
+    original = gguf_package.GGUFReader
+    readers = {}
+
+    def reader(path, mode="r"):
+        key = (os.fspath(path), mode)
+        if key not in readers:
+            readers[key] = original(path, mode)
+        return readers[key]
+
+    gguf_package.GGUFReader = reader
+    try:
+        yield
+    finally:
+        gguf_package.GGUFReader = original
+
+
 def _convert_to_cache(name: str, target: Path) -> None:
+    with _gguf_parsed_once():
+        _convert(name, target)
+
+
+def _convert(name: str, target: Path) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     gguf = gguf_path(name)
-    print(f"converting {gguf} to {target} once (minutes)", flush=True)
+    print(f"converting {gguf} to {target} once (about a minute)", flush=True)
     tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
     gguf_model = load_gguf_reference(name)
     # transformers refuses save_pretrained on a GGUF-loaded model: rebuild a plain model from its config.
@@ -302,7 +331,12 @@ def load_model(model_arg: str):
         raise ValueError(f"{model_arg_usage()}, got {model_arg!r}")
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(path)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path)
+    except (OSError, ValueError, TypeError) as err:
+        raise ValueError(f"transformers found no tokenizer it can load in {model_arg} (it needs "
+                         "tokenizer.json, or tokenizer_config.json with the tokenizer's own files, as "
+                         f"tokenizer.save_pretrained writes them): {str(err).splitlines()[0][:200]}") from None
     model = AutoModelForCausalLM.from_pretrained(path, attn_implementation="sdpa").eval()
     return model, tokenizer, str(path)
 

@@ -420,6 +420,33 @@ def test_bad_settings_are_refused(model_dir, ripplekv, message):
         config(model_dir, ripplekv)
 
 
+def test_a_profile_with_a_nan_names_the_file_and_the_field(model_dir, profile_path, tmp_path):
+    data = json.loads(open(profile_path).read())
+    data["sensitivity"][2] = float("nan")
+    bad = tmp_path / "nan.json"
+    bad.write_text(json.dumps(data))  # written as NaN, which JSON does not have
+    with pytest.raises(ValueError, match=r"nan.json: profile field sensitivity\[2\]: expected a finite number"):
+        config(model_dir, {"method": "ripplekv", "retention": 0.2, "profile": str(bad)})
+
+
+def test_bfloat16_on_a_cpu_with_amx_names_the_dtype(model_dir, monkeypatch):
+    from ripplekv_ext.engines.vllm import attention
+
+    monkeypatch.setattr(attention, "cpu_isa", lambda *args: "amx")  # what vLLM picks for bf16 on AMX CPUs
+    with pytest.raises(ValueError, match=r"dtype torch.bfloat16 on this CPU: vLLM runs its AMX attention kernel .*"
+                                         r"use dtype='float16' or 'float32'"):
+        config(model_dir, dtype="bfloat16")
+
+
+def test_tiers_without_their_blocks_are_refused_by_name(model_dir):
+    ripplekv = {"method": "pyramidkv", "retention": 0.2, "tiers": 2}
+    kwargs = engine_kwargs(model_dir, ripplekv)
+    kwargs["num_gpu_blocks_override"] = 40  # a stock engine's 64 blocks would hold max_model_len (1024) once
+    with pytest.raises(ValueError, match=r"num_gpu_blocks_override=40 cannot hold one sequence of max_model_len=1024 "
+                                         r"in each of the engine's 2 tiers \(needs 64.*multiply the blocks"):
+        EngineArgs(**kwargs).create_engine_config()
+
+
 def test_profile_of_another_model_is_refused(model_dir, profile_path, tmp_path):
     data = json.loads(open(profile_path).read())
     data["model"]["head_dim"] = 64

@@ -37,6 +37,28 @@ def _refuse(what: str, way_out: str) -> None:
                                  f'additional_config["{CONFIG_KEY}"] to run stock vLLM)')
 
 
+def _check_blocks(vllm_config, settings: Settings, num_layers: int) -> None:
+    """A block count given by hand (``num_gpu_blocks_override``) must hold one sequence of ``max_model_len`` in every
+    tier: a ``T``-tier engine's block holds ``1 / T`` of a stock block's layers, so it needs ``T`` times the blocks."""
+    blocks = getattr(vllm_config.cache_config, "num_gpu_blocks_override", None)
+    if blocks is None:
+        return
+    block_size = vllm_config.cache_config.block_size
+    plan = plan_for(settings, num_layers, block_size)
+    max_len = vllm_config.model_config.max_model_len
+    per_tier = -(-max_len // block_size)
+    if settings.prefill_chunk is not None:
+        per_tier = max(-(-plan.held_tokens_bound(t, max_len, vllm_config.max_in_flight_tokens) // block_size)
+                       for t in range(plan.num_tiers))
+    needed = per_tier * plan.num_tiers
+    if blocks < needed:
+        raise UnsupportedConfigError(
+            f"ripplekv vLLM plugin: num_gpu_blocks_override={blocks} cannot hold one sequence of max_model_len="
+            f"{max_len} in each of the engine's {plan.num_tiers} tiers (needs {needed}: a tier's block holds 1/"
+            f"{plan.num_tiers} of a stock block's layers); multiply the blocks of a stock engine by the tiers "
+            f"({plan.num_tiers}), or size the cache in bytes (kv_cache_memory_bytes)")
+
+
 def validate(vllm_config) -> None:
     """Raise ``UnsupportedConfigError`` (or ``ValueError`` for bad settings) unless the plugin can run this engine
     exactly as configured. No-op for engines that do not ask for the plugin."""
@@ -88,6 +110,9 @@ def validate(vllm_config) -> None:
     from ripplekv_ext.engines.vllm.cache_layout import SUPPORTED_ISAS
 
     isa = cpu_isa(model.dtype, cache.block_size, model.get_head_size(), cache.cache_dtype)
+    if isa == "amx":
+        _refuse(f"dtype {model.dtype} on this CPU: vLLM runs its AMX attention kernel for bfloat16 here, whose "
+                "key-cache layout the plugin does not read", "use dtype='float16' or 'float32'")
     if isa not in SUPPORTED_ISAS:
         _refuse(f"the CPU attention kernel {isa!r} (dtype {model.dtype}, block_size {cache.block_size}, head size "
                 f"{model.get_head_size()})", "use a block_size that is a multiple of 32 and a head size that is a "
@@ -97,5 +122,6 @@ def validate(vllm_config) -> None:
 
         # Weights are not loaded yet: the profile's fingerprint cannot be checked, its shape can.
         load_profile(settings.profile).check_shape(model_shape(text), way_out=f"measure a profile of {model.model}")
+    _check_blocks(vllm_config, settings, num_layers)
     # Builds the plan: bad tiers or an unreadable profile fail here, not in a worker.
     plan_for(settings, num_layers, cache.block_size)

@@ -63,6 +63,10 @@ def drop_probe(cache, probe_tokens: int) -> None:
             cache.layers[layer_idx] = restored
         else:
             layer.crop(-probe_tokens)
+            if isinstance(layer, CompressedLayer) and layer.prompt_lengths is not None:
+                # Selections during decoding count the context as the prompt: the probe is gone from it.
+                layer.prompt_tokens -= probe_tokens
+                layer.prompt_lengths = layer.prompt_lengths - probe_tokens
 
 
 def layer_at(cache, layer_idx: Optional[int]):
