@@ -45,6 +45,7 @@ offline_cpu_environment()  # read when vLLM is imported
 
 import torch  # noqa: E402
 
+from e2e_paths import portable_path  # noqa: E402
 from ripplekv_ext.eval.models import shipped_profile_path  # noqa: E402
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
@@ -80,7 +81,7 @@ def parse_args(argv=None):
     return args
 
 
-def tiny_model(folder: Path) -> tuple[str, str]:
+def tiny_model(folder: Path, max_position_embeddings: int = 4096) -> tuple[str, str]:
     """A 4-layer random Llama (head size 64) and a made-up profile for it, for --quick."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -88,7 +89,8 @@ def tiny_model(folder: Path) -> tuple[str, str]:
 
     torch.manual_seed(0)
     config = LlamaConfig(vocab_size=2048, hidden_size=256, intermediate_size=512, num_hidden_layers=4,
-                         num_attention_heads=4, num_key_value_heads=2, head_dim=64, max_position_embeddings=4096,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=64,
+                         max_position_embeddings=max_position_embeddings,
                          tie_word_embeddings=False)
     model = LlamaForCausalLM(config).float()
     model.save_pretrained(folder / "model", safe_serialization=True)
@@ -212,8 +214,10 @@ def main(argv=None) -> int:
         row["requests_with_full_tokens"] = sum(a == b for a, b in zip(row["tokens"], full["tokens"]))
     for row in rows.values():
         del row["tokens"]
+        if row["settings"] and "profile" in row["settings"]:
+            row["settings"] = {**row["settings"], "profile": portable_path(row["settings"]["profile"])}
     result = {"benchmark": "e2e_serving_vllm", "command": " ".join([Path(sys.executable).name] + sys.argv),
-              "model": "tiny random Llama (--quick)" if args.quick else model, "requests": args.requests,
+              "model": "tiny random Llama (--quick)" if args.quick else portable_path(model), "requests": args.requests,
               "prompt_range": [args.prompt_min, args.prompt_max], "new_tokens_range": [args.new_min, args.new_max],
               "stock_kv_blocks": args.blocks, "block_size": args.block_size,
               "max_batched_tokens": args.max_batched_tokens, "retention": args.retention, "tiers": args.tiers,

@@ -155,7 +155,7 @@ def _check_vocab(name: str, ids: Tensor, model) -> None:
 
 def compress_context(model, context_ids: Tensor, policy: Policy, *, tokenizer=None,
                      attention_mask: Optional[Tensor] = None, probe_ids: Optional[Tensor] = None,
-                     attention: Optional[str] = None):
+                     attention: Optional[str] = None, scoring: Optional[str] = None):
     """Prefill ``context_ids`` under ``compress(model, policy)`` and return the compressed cache.
 
     Args:
@@ -170,6 +170,11 @@ def compress_context(model, context_ids: Tensor, policy: Policy, *, tokenizer=No
         probe_ids: int ``[B or 1, p]``: a text of one's own scoring the context (e.g. one resembling the expected
             questions), in place of the default probe; its tokens are dropped afterwards.
         attention: ``"sdpa"`` or ``"eager"`` (default: the model's).
+        scoring: what scores the context: ``"probe"`` (the probe above as the window, 7 tokens of extra prefill),
+            ``"reconstruction"`` (KVzip's: the model re-reads the context after an instruction to repeat it, each
+            token scored by the attention the reconstruction gives it; a second prefill of the context; needs the
+            tokenizer, one unpadded context, no ``decode_every``), or ``"tail"`` (the context's last ``W`` tokens).
+            Default: ``"probe"`` with a tokenizer or ``probe_ids``, else ``"tail"``.
 
     Returns the transformers cache, stamped (``cache.ripplekv_context``, a ``ContextStamp``). Its compressed
     layers report the context's length as their sequence length. Continue it with ``continue_context``.
@@ -193,8 +198,15 @@ def compress_context(model, context_ids: Tensor, policy: Policy, *, tokenizer=No
     lengths = row_lengths(attention_mask)  # checks the left padding
     lengths = [n] * batch if lengths is None else lengths.tolist()
 
+    if scoring not in (None, "probe", "reconstruction", "tail"):
+        raise ValueError(f"scoring must be 'probe', 'reconstruction' or 'tail' (or None: the default), got {scoring!r}")
+    if scoring == "reconstruction" and not policy.is_full:
+        return _stamped(_reconstruct(model, context_ids, attention_mask, policy, tokenizer, probe_ids), model,
+                        policy, context_ids, attention_mask, 0)
     probe_tokens = 0
     prefill_ids, prefill_mask, prefill_policy = context_ids, attention_mask, policy
+    if scoring == "tail":
+        tokenizer = None
     if probe_ids is None and tokenizer is not None and not policy.is_full:
         probe_ids = default_probe_ids(tokenizer)
     if probe_ids is not None:
@@ -231,12 +243,29 @@ def compress_context(model, context_ids: Tensor, policy: Policy, *, tokenizer=No
     if probe_tokens:
         # Every row's window (its last probe_tokens slots) is the probe: drop it from every layer.
         _door().drop_probe(cache, probe_tokens)
+    return _stamped(cache, model, policy, context_ids, attention_mask, probe_tokens)
+
+
+def _stamped(cache, model, policy, context_ids, attention_mask, probe_tokens: int):
     setattr(cache, STAMP_ATTRIBUTE, ContextStamp(model=model_identity(model), policy=policy,
                                                  context_ids=context_ids.detach().cpu(),
                                                  attention_mask=None if attention_mask is None
                                                  else attention_mask.detach().cpu(),
                                                  probe_tokens=probe_tokens, cache_digest=cache_digest(cache)))
     return cache
+
+
+def _reconstruct(model, context_ids, attention_mask, policy, tokenizer, probe_ids):
+    why = ("it needs the model's tokenizer (tokenizer=...) for its instruction" if tokenizer is None else
+           "it takes one context, unpadded" if attention_mask is not None and not bool(attention_mask.bool().all())
+           else "it scores with its own instruction, not probe_ids" if probe_ids is not None else
+           "decode-time compression needs the window's queries, which it has none of" if policy.decode_every
+           else "it reads the context whole (no prefill_chunk yet)" if policy.prefill_chunk else None)
+    if why is not None:
+        raise ValueError(f"scoring='reconstruction': {why}")
+    _check_budget(policy, [context_ids.shape[1]] * context_ids.shape[0], 0)
+    with torch.no_grad():
+        return _door().reconstructed_cache(model, context_ids.to(next(model.parameters()).device), policy, tokenizer)
 
 
 def check_context(model, cache) -> ContextStamp:

@@ -2,7 +2,9 @@
 
 Tasks (all scored by exact match, metric ``contains_all``):
 
-- ``passkey``: one number hidden in filler text; recall it.
+- ``passkey``: one number hidden in filler text; recall it. ``passkey_text``: the same needle in real prose (held-out
+  running text of the KJV or of Paul Graham's essays, by the seed), where the needle does not stand out as the only
+  non-filler sentence: the harder case for a context compressed before its question.
 - ``multikey``: several "special magic number for <key>" needles; recall the number of one key.
 - ``kv_retrieval``: a JSON object of random hex-id -> hex-id pairs (the whole context); recall the value of one
   key. Ids are 8 hex digits rather than LongChat's UUIDs: a UUID is ~35 tokens, which would leave a 512-token
@@ -17,6 +19,7 @@ is drawn from ``random.Random(f"{task}/{s}/{i}")``, so the same needles come bac
 
 from __future__ import annotations
 
+import functools
 import random
 from dataclasses import dataclass
 from typing import Callable, Sequence
@@ -24,7 +27,7 @@ from typing import Callable, Sequence
 from ripplekv_ext.eval.example import (Example, context_token_count, has_chat_template, prompt_ids,
                                        render_prompt)
 
-SYNTHETIC_TASKS = ("passkey", "multikey", "kv_retrieval", "variable_tracking")
+SYNTHETIC_TASKS = ("passkey", "passkey_text", "multikey", "kv_retrieval", "variable_tracking")
 
 # Longest tested length (tokens, chat template included) at which SmolLM2-135M-Instruct with the full cache, greedy,
 # solves >= 80% of 10 seeded examples (seed 0), measured with bench/measure_synthetic_lengths.py, e.g.
@@ -39,6 +42,7 @@ SYNTHETIC_TASKS = ("passkey", "multikey", "kv_retrieval", "variable_tracking")
 # compression; they are meant for larger models (re-run the script for yours and pass ``length``).
 DEFAULT_LENGTHS = {
     "passkey": 2048,
+    "passkey_text": 1792,
     "multikey": 256,
     "kv_retrieval": 256,
     "variable_tracking": 256,
@@ -103,6 +107,31 @@ def _passkey(rng: random.Random) -> _Layout:
         depths=[rng.random()], filler=_noise)
 
 
+@functools.lru_cache(maxsize=2)
+def _sentences(source: str) -> tuple[str, ...]:
+    import re
+
+    from ripplekv_ext.eval.corpus import essay_texts, kjv_text
+
+    text = kjv_text("evaluation") if source == "kjv" else "\n\n".join(essay_texts("evaluation"))
+    return tuple(s + " " for s in re.split(r"(?<=[.!?])\s+", text) if s.strip())
+
+
+def _prose(rng: random.Random):
+    """n -> the first n sentences of held-out running text from a seeded place (KJV or essays, by the seed)."""
+    sentences = _sentences("kjv" if rng.random() < 0.5 else "essays")
+    start = rng.randrange(len(sentences) // 2)
+    return lambda n: sentences[start:start + n]
+
+
+def _passkey_text(rng: random.Random) -> _Layout:
+    layout = _passkey(rng)
+    layout.filler = _prose(rng)
+    layout.instruction = ("There is an important piece of information hidden inside a long text. Find it and "
+                          "memorize it. I will quiz you about it.\n\n")
+    return layout
+
+
 def _multikey(rng: random.Random, num_keys: int = 4) -> _Layout:
     keys = rng.sample(_KEY_WORDS, num_keys)
     values = [_number(rng, 7) for _ in keys]
@@ -164,6 +193,7 @@ def _variable_tracking(rng: random.Random, num_hops: int = 1) -> _Layout:
 
 _BUILDERS = {
     "passkey": _passkey,
+    "passkey_text": _passkey_text,
     "multikey": _multikey,
     "kv_retrieval": _kv_retrieval,
     "variable_tracking": _variable_tracking,
@@ -198,7 +228,7 @@ def _fit(layout: _Layout, tokenizer, length: int, chat: bool, task: str) -> tupl
 
 
 # Tasks with one needle, which ``depths`` can place (the others hide several needles at random depths).
-SINGLE_NEEDLE_TASKS = ("passkey", "kv_retrieval")
+SINGLE_NEEDLE_TASKS = ("passkey", "passkey_text", "kv_retrieval")
 
 
 def even_depths(count: int) -> list[float]:

@@ -18,11 +18,13 @@ Settings (``additional_config["ripplekv"]``):
 - ``profile``: the RippleKV profile JSON (``ripplekv profile`` writes one), for ``ripplekv`` only.
 - ``tiers``: ``T``, per-layer budgets rounded to ``T`` groups of layers of equal size (it must divide the number of
   layers), one vLLM KV cache group each (default: 1 for uniform methods, one per layer otherwise).
+- ``prefill_chunk``: ``R``, bounded prefill: a request is compacted every ``R`` prompt tokens and its emptied blocks
+  freed, so it never holds more than its budget plus about one chunk and one step (a multiple of the block size).
 
-What happens: after a request's last prefill chunk, each layer keeps its tier's budget of the prompt (chosen with
-the post-RoPE queries of the last ``W`` prompt positions), budgets raised so that each layer drops whole blocks;
-the kept tokens move, in order, into the prompt's last blocks and the first blocks go back to vLLM's block pool,
-so the scheduler admits other requests with them. ``settings.EnginePlan.policy`` is the policy the engine runs:
+What happens: after a request's last prefill chunk (and with ``prefill_chunk`` every ``R`` prompt tokens before it),
+each layer keeps its tier's budget of the prompt (chosen with the post-RoPE queries of the newest ``W`` prompt
+positions), budgets raised so that each layer drops whole blocks; the kept tokens move, in order, into the last
+blocks read and the first blocks go back to vLLM's block pool, so the scheduler admits other requests with them. ``settings.EnginePlan.policy`` is the policy the engine runs:
 ``ripplekv_ext.compress(model, plan.policy)`` with transformers' ``generate`` gives the same tokens for one request.
 A vLLM "block" holds one page of ``L / T`` layers (``T`` tiers of ``L`` layers), ``1 / T`` of a stock block: give
 the engine ``T`` times as many blocks (``num_gpu_blocks_override``) for the same memory, or size it in bytes.

@@ -1,0 +1,99 @@
+"""Compress once, ask anything: which question-agnostic scoring keeps what a later question needs, on real text.
+
+The question is asked after the context was compressed alone (``compress_context`` then ``continue_context``), at
+``--retention`` (20%) with ``Policy.ripplekv``'s default budgets and selection: passkeys hidden in real prose
+(``passkey_text``: held-out KJV or essays running text, 5 depths) and the needle-in-a-haystack grid, for each
+``compress_context`` scoring (``probe``: "Repeat the text above." as the window; ``reconstruction``: KVzip's
+context reconstruction; ``tail``: the context's own last tokens) beside Full; Wilson intervals. Also each scoring's
+cost: the seconds of ``compress_context`` and the tokens it prefills. ``--seed 0`` is the calibration set,
+``--seed 1`` the held-out one. Results after every cell to ``--out``; a rerun resumes. One thread.
+
+    .venv/bin/python bench/select_question_agnostic.py --model smollm2 --seed 0
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+RESULTS = Path(__file__).resolve().parent / "results"
+SCORINGS = ("probe", "reconstruction", "tail")
+
+
+def build_parser():
+    p = argparse.ArgumentParser(prog="bench/select_question_agnostic.py", description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default="smollm2")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--retention", type=float, default=0.2)
+    p.add_argument("--examples", type=int, default=20, help="passkey_text prompts (4 per depth)")
+    p.add_argument("--length", type=int, default=None, help="passkey_text tokens (default: the task's)")
+    p.add_argument("--scorings", default=",".join(SCORINGS))
+    p.add_argument("--tasks", default="passkey_text,needle")
+    p.add_argument("--out", default=None)
+    return p
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    torch.set_num_threads(1)
+    from ripplekv_ext import Policy, compress_context, continue_context
+    from ripplekv_ext._jsonio import write_json_atomic
+    from ripplekv_ext.eval.models import load_model, shipped_profile_path
+    from ripplekv_ext.eval.needle import make_needle
+    from ripplekv_ext.eval.runner import evaluate, greedy_options
+    from ripplekv_ext.eval.synthetic import even_depths, make_synthetic
+    from ripplekv_ext.profile_file import load_profile
+    from ripplekv_ext.stats import wilson_interval
+
+    model, tokenizer, name = load_model(args.model)
+    policy = Policy.ripplekv(load_profile(shipped_profile_path(args.model), model=model), args.retention)
+    options = greedy_options(model, tokenizer)
+    tasks = {}
+    if "passkey_text" in args.tasks:
+        tasks["passkey_text"] = make_synthetic("passkey_text", tokenizer, length=args.length,
+                                               num_examples=args.examples, seed=args.seed, depths=even_depths(5))
+    if "needle" in args.tasks:
+        tasks["needle"] = make_needle(tokenizer)  # one grid (lengths x depths): the same for every seed
+    out = Path(args.out or RESULTS / f"select_question_agnostic_{args.model}_s{args.seed}.json")
+    results = json.loads(out.read_text()) if out.is_file() else {}
+    results.update({"figure": "question-agnostic scoring on real text", "model": name, "seed": args.seed,
+                    "retention": args.retention, "policy": repr(policy), "threads": 1})
+    cells = results.setdefault("cells", {})
+    for task, examples in tasks.items():
+        for scoring in ["full"] + args.scorings.split(","):
+            key = f"{task}/{scoring}"
+            if key in cells:
+                continue
+            seconds, tokens = [], []
+
+            def generate(input_ids, max_new_tokens, context_tokens):
+                context = input_ids[:, :context_tokens]
+                start = time.perf_counter()
+                chosen = Policy.full() if scoring == "full" else policy
+                with torch.inference_mode():
+                    cache = compress_context(model, context, chosen, tokenizer=tokenizer,
+                                             scoring=None if scoring == "full" else scoring)
+                    seconds.append(time.perf_counter() - start)
+                    output = continue_context(model, cache, input_ids[:, context_tokens:], copy_cache=False,
+                                              max_new_tokens=max_new_tokens, **options)
+                return tokenizer.decode(output[0, input_ids.shape[1]:], skip_special_tokens=True)
+
+            report = evaluate(examples, generate, progress=False, protocol="after")
+            scores = [r.score for r in report.results]
+            found = sum(scores)
+            low, high = wilson_interval(int(round(found)), len(scores), 0.95) if task != "needle" else (None, None)
+            cells[key] = {"score_sum": found, "examples": len(scores), "wilson_low": low, "wilson_high": high,
+                          "scores": scores, "compress_seconds_median": sorted(seconds)[len(seconds) // 2]}
+            write_json_atomic(out, results)
+            print(f"{task} {scoring}: {found:.1f}/{len(scores)}  compress_context {cells[key]['compress_seconds_median']:.1f}s",
+                  flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
