@@ -161,7 +161,7 @@ def compress_context(model, context_ids: Tensor, policy: Policy, *, tokenizer=No
     Args:
         model: a transformers causal LM (as for ``ripplekv_ext.compress``).
         context_ids: int ``[B, n]``: the context, without the question (chat templates: the tokens up to where
-            the question starts, see README "Compress once, ask many").
+            the question starts, see docs/compress_once.md).
         policy: the compression policy; ``Policy.full()`` returns the uncompressed cache.
         tokenizer: the model's tokenizer: with it the context is scored by ``DEFAULT_PROBE`` (question-agnostic:
             on passkey at 20% the context's tail keeps the needle 0 times in 5, the probe 5 in 5; docs/defaults.md).

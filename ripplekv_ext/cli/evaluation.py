@@ -183,7 +183,7 @@ def cmd_eval(args) -> int:
 
 # ---- demo --------------------------------------------------------------------------------------------
 
-# Sized to finish in about 10 minutes on a 2-core CPU (see README): a short profile when none is cached, then the
+# Sized to finish in about 10 minutes on a 2-core CPU (see docs/results.md): a short profile when none is cached, then the
 # results report (``ripplekv report``) at its prompt lengths on fewer examples: ``eval.report.DEMO_SIZES``.
 DEMO_PROFILE = dict(prefix_len=512, cont_len=32, num_examples=4)
 

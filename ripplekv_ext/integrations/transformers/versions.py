@@ -1,7 +1,7 @@
 """The supported torch and transformers ranges, and the adapters for transformers' differences within them.
 
 Imports only torch at its top (transformers lazily), so the package can name the supported range when
-transformers is missing. Supported: the ranges below (also declared in pyproject.toml and the README).
+transformers is missing. Supported: the ranges below (also declared in pyproject.toml and docs/install.md).
 ``check_versions()`` runs when a ``compress(...)`` block opens and raises one ``RuntimeError`` naming the installed and the supported versions,
 instead of a traceback from deep inside transformers. ``RIPPLEKV_ALLOW_UNSUPPORTED=1`` turns that error into a
 warning, for trying a stack outside the ranges (a GPU image with an older torch, say) at one's own risk.
@@ -26,7 +26,7 @@ import warnings
 
 import torch
 
-# Keep in step with pyproject.toml (`dependencies`, the `eval` extra) and README's Installation section.
+# Keep in step with pyproject.toml (`dependencies`, the `eval` extra) and docs/install.md.
 SUPPORTED_TORCH = ((2, 13), None)  # >= 2.13
 SUPPORTED_TRANSFORMERS = ((5, 2), (6, 0))  # >= 5.2, < 6
 SUPPORTED_TORCH_TEXT = "torch>=2.13"
