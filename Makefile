@@ -7,7 +7,7 @@ DEPS_STAMP := $(VENV)/.ripplekv-deps
 EDITABLE_STAMP := $(VENV)/.ripplekv-editable
 export MAX_JOBS ?= 2
 
-.PHONY: build test cpu-wheel test-min test-kvpress test-vllm soak demo bench cpp-test gpu-check peer-env clean
+.PHONY: build test dist test-dist cpu-wheel test-min test-kvpress test-vllm soak demo bench cpp-test gpu-check peer-env clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -23,7 +23,10 @@ $(EDITABLE_STAMP): $(DEPS_STAMP) pyproject.toml setup.py
 
 # --force: setuptools only compares .cpp/.cu timestamps; ninja (with its header dependency files)
 # decides what really needs recompiling.
+# The module is built for Python's stable ABI (_C.abi3.so); a _C.cpython-*.so left from an older build would be
+# imported before it.
 build: $(EDITABLE_STAMP)
+	rm -f ripplekv_ext/_C.cpython-*.so
 	$(PY) setup.py build_ext --inplace --force
 	$(PY) -c "import ripplekv_ext; print(ripplekv_ext.build_report())"
 
@@ -111,6 +114,26 @@ test-vllm: cpu-wheel $(VLLM_DEPS_STAMP)
 	cd $(VLLM_VENV) && bin/python -c "import ripplekv_ext, torch, vllm; \
 		print('testing', ripplekv_ext.__file__, 'with torch', torch.__version__, 'vllm', vllm.__version__)"
 	cd $(MIN_SRC) && OMP_NUM_THREADS=1 ../../$(VLLM_VENV)/bin/pytest -q -p no:cacheprovider tests/vllm tests/test_engine_vllm_settings.py
+
+# Wheels: `make dist` writes the sdist, a CPU wheel and a CUDA wheel (torch 2.15, every GPU architecture nvcc 13.0
+# has for users) to dist/ and checks them (tools/make_dist.sh, tools/dist_report.py); `make test-dist` installs
+# them into fresh environments of each Python with no compiler on the PATH and runs the library tests against
+# them (tools/test_dist.sh; a wheel not built yet is built first). DIST_PYTHONS / DIST_KINDS narrow either;
+# .ci/run tests the CPU wheel on the oldest and newest Python with DIST_QUICK=1 (the four slowest tests left out).
+DIST_TOOLS_STAMP := $(VENV)/.ripplekv-dist-tools
+DIST_PYTHONS ?= 3.10 3.11 3.12 3.13
+DIST_KINDS ?= cpu cuda
+DIST_QUICK ?= 0
+
+$(DIST_TOOLS_STAMP): requirements/dist.txt $(DEPS_STAMP)
+	$(PY) -m pip install -q -r requirements/dist.txt
+	touch $@
+
+dist: $(DIST_TOOLS_STAMP)
+	DIST_KINDS="$(DIST_KINDS)" tools/make_dist.sh
+
+test-dist: $(DIST_TOOLS_STAMP)
+	DIST_PYTHONS="$(DIST_PYTHONS)" DIST_KINDS="$(DIST_KINDS)" DIST_QUICK="$(DIST_QUICK)" tools/test_dist.sh
 
 # Long reliability runs, outside `make test`'s time budget: 1,000 compressed generations with flat
 # memory, and a SmolLM2 profile interrupted by SIGINT/SIGKILL resuming bit-identically. -s shows their numbers.

@@ -11,9 +11,18 @@ Environment variables:
   RIPPLEKV_DEBUG_INFO=1    keep the C++ debug info (-g) that Python's build flags ask for; without it the host code
                            is compiled with -g0, as torch's own wheels ship, in about two thirds of the time.
 The decision never depends on a GPU being present, so CI machines without one compile the CUDA code.
+
+What a build says about itself, so that pip cannot pair it with another torch silently:
+  version       0.1.0+cpu.torch2.15 or 0.1.0+cu13.torch2.15: the local label names the kernels (CPU only, or CPU
+                and CUDA 13) and the torch release (major.minor) the library was compiled against;
+  dependencies  torch>=2.15,<2.16: that release only (the C++ ABI changes between torch releases);
+  wheel tag     cp310-abi3: the module uses only Python's stable ABI (the ops register through torch's dispatcher,
+                no pybind11), so one wheel serves every CPython from 3.10.
+ripplekv_ext._library still refuses, at import, a library built against another torch.
 """
 
 import os
+import re
 import sys
 from pathlib import Path
 
@@ -24,6 +33,9 @@ sys.path.insert(0, str(ROOT / "tools"))
 from cuda_env import (find_cuda_toolkit, nvidia_wheel_dirs, toolkit_gap_headers,  # noqa: E402  (shared with
                       version_pairing)                                            # tools/cmake_build.py)
 DEFAULT_ARCH_LIST = "8.0;9.0+PTX"
+BASE_VERSION = re.search(r'__version__ = "([^"]+)"', (ROOT / "ripplekv_ext" / "__init__.py").read_text()).group(1)
+# The oldest torch the Python side supports (ripplekv_ext/_compat.py); a build pins its own torch release instead.
+SOURCE_REQUIREMENTS = ["torch>=2.13", "numpy"]
 
 
 def _env_flag(name):
@@ -61,9 +73,27 @@ def build_config():
     return config
 
 
+def torch_release(config):
+    """torch's major.minor, e.g. (2, 15): the unit within which its C++ ABI holds."""
+    major, minor = config["torch"].split("+")[0].split(".")[:2]
+    return int(major), int(minor)
+
+
+def build_version(config):
+    major, minor = torch_release(config)
+    kernels = f"cu{config['nvcc'][0]}" if config["with_cuda"] else "cpu"
+    return f"{BASE_VERSION}+{kernels}.torch{major}.{minor}"
+
+
+def build_requirements(config):
+    major, minor = torch_release(config)
+    return [f"torch>={major}.{minor},<{major}.{minor + 1}", "numpy"]
+
+
 def print_build_config(config):
     lines = [
         "ripplekv_ext build configuration:",
+        f"  version          {build_version(config)} (requires {build_requirements(config)[0]})",
         f"  torch            {config['torch']} (CUDA {config['torch_cuda'] or 'none'})",
         f"  nvcc             {'.'.join(map(str, config['nvcc'])) if config['nvcc'] else 'not found'}"
         + (f" at {config['cuda_home']}" if config["cuda_home"] else ""),
@@ -87,13 +117,13 @@ def extension_modules(config):
         cxx_flags.append("-g0")  # after Python's -g: debug info is a third of each C++ file's compile time
     if not config["with_cuda"]:
         return [cpp_extension.CppExtension(
-            "ripplekv_ext._C", cpp_sources, include_dirs=include_dirs,
+            "ripplekv_ext._C", cpp_sources, include_dirs=include_dirs, py_limited_api=True,
             extra_compile_args={"cxx": cxx_flags}, extra_link_args=["-fopenmp"])]
     major, minor = config["nvcc"]
     include_dirs += toolkit_gap_headers(config["cuda_home"], nvidia_wheel_dirs(major)[0],
                                         ROOT / "build" / "cuda-toolkit-gaps")
     return [cpp_extension.CUDAExtension(
-        "ripplekv_ext._C", cpp_sources + cuda_sources, include_dirs=include_dirs,
+        "ripplekv_ext._C", cpp_sources + cuda_sources, include_dirs=include_dirs, py_limited_api=True,
         define_macros=[("RIPPLEKV_WITH_CUDA", "1"), ("RIPPLEKV_CUDA_VERSION", str(major * 1000 + minor * 10))],
         extra_compile_args={"cxx": cxx_flags,
                             "nvcc": ["-O3", "-std=c++20", "--expt-relaxed-constexpr", "-lineinfo"]},
@@ -105,7 +135,7 @@ def main():
         # `make build` installs the Python packages editable with this set, then compiles the
         # extension in place with `setup.py build_ext --inplace`, whose ninja build dir persists
         # between runs (pip's editable build would recompile everything in a fresh temp dir).
-        setup()
+        setup(version=BASE_VERSION, install_requires=SOURCE_REQUIREMENTS)
         return
     config = build_config()
     if config["with_cuda"]:
@@ -115,9 +145,13 @@ def main():
     from torch.utils.cpp_extension import BuildExtension
 
     setup(
+        version=build_version(config),
+        install_requires=build_requirements(config),
         ext_modules=extension_modules(config),
         cmdclass={"build_ext": BuildExtension.with_options(use_ninja=True)},
+        options={"bdist_wheel": {"py_limited_api": "cp310"}},
     )
 
 
-main()
+if __name__ == "__main__":  # setuptools runs this file as __main__; tests import it for its functions
+    main()

@@ -1,6 +1,8 @@
 """What every test file shares: the devices each op test runs on (the CUDA half skipped, not absent, without a GPU)
 and the float dtypes."""
 
+import shutil
+
 import pytest
 import torch
 
@@ -21,6 +23,11 @@ requires_cuda = pytest.mark.skipif(CUDA_SKIP_REASON is not None, reason=CUDA_SKI
 # Every op test runs on both backends; the CUDA half is reported as skipped, never silently absent.
 DEVICES = ["cpu", pytest.param("cuda", marks=requires_cuda)]
 FLOAT_DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+
+# What the torch.compile tests check of an op is that it traces whole (fullgraph=True) through its fake kernel, which
+# both backends do. Inductor then writes C++ for the CPU and needs a compiler; an installed wheel's tests run with none
+# on the PATH (tools/test_dist.sh), where aot_eager runs the traced graph instead.
+COMPILE_BACKEND = "inductor" if shutil.which("c++") or shutil.which("g++") else "aot_eager"
 
 
 @pytest.fixture(params=DEVICES)

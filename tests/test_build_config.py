@@ -2,6 +2,7 @@
 from torch's nvidia wheels only where the toolkit lacks them; the source distribution carries every source the
 build compiles."""
 
+import importlib.util
 import os
 import shutil
 import subprocess
@@ -11,6 +12,8 @@ from pathlib import Path
 
 import pytest
 import torch
+
+import ripplekv_ext
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tools"))
@@ -27,6 +30,35 @@ def test_version_pairing(torch_cuda, nvcc, works):
     assert torch_cuda in sentence and f"{nvcc[0]}.{nvcc[1]}" in sentence
     # The report says "both" only for an exact pairing, never for one that merely shares a major version.
     assert ("both CUDA" in sentence) == (torch_cuda == f"{nvcc[0]}.{nvcc[1]}")
+
+
+def _setup_module():
+    spec = importlib.util.spec_from_file_location("ripplekv_setup", ROOT / "setup.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)  # defines the functions; main() runs only as __main__
+    return module
+
+
+@pytest.mark.parametrize("config, version, torch_pin", [
+    ({"torch": "2.15.0+cu132", "with_cuda": True, "nvcc": (13, 0)}, "+cu13.torch2.15", "torch>=2.15,<2.16"),
+    ({"torch": "2.15.0+cu132", "with_cuda": False, "nvcc": (13, 0)}, "+cpu.torch2.15", "torch>=2.15,<2.16"),
+    ({"torch": "2.13.0+cpu", "with_cuda": False, "nvcc": None}, "+cpu.torch2.13", "torch>=2.13,<2.14"),
+    ({"torch": "2.9.1", "with_cuda": True, "nvcc": (12, 8)}, "+cu12.torch2.9", "torch>=2.9,<2.10"),
+])
+def test_a_build_names_and_pins_its_torch(config, version, torch_pin):
+    from packaging.requirements import Requirement
+    from packaging.version import Version
+
+    setup_py = _setup_module()
+    built = Version(setup_py.build_version(config))
+    assert str(built) == setup_py.BASE_VERSION + version == ripplekv_ext.__version__ + version
+    assert built.public == ripplekv_ext.__version__
+    (pin,) = [Requirement(r) for r in setup_py.build_requirements(config) if r.startswith("torch")]
+    assert pin == Requirement(torch_pin)
+    # Only that torch release satisfies it: the next minor and the previous one do not.
+    major, minor = map(int, config["torch"].split(".")[:2])
+    assert pin.specifier.contains(f"{major}.{minor}.7") and not pin.specifier.contains(f"{major}.{minor + 1}.0")
+    assert not pin.specifier.contains(f"{major}.{minor - 1}.9")
 
 
 def _tree(root, names):

@@ -9,7 +9,7 @@ from hypothesis import given, settings, strategies as st
 
 import ripplekv_ext
 import ripplekv_ref
-from conftest import DEVICES, requires_cuda
+from conftest import COMPILE_BACKEND, DEVICES, requires_cuda
 from op_samples import FLOAT_DTYPES, bnhd, idx, rand
 from op_tables import Case, op_tests, other_device
 
@@ -109,7 +109,7 @@ def test_torch_compile_fullgraph(device):
         k_c, v_c = ripplekv_ext.gather_kv(k * 2, v, idx)
         return k_c + 1, v_c
 
-    compiled = torch.compile(compress, fullgraph=True)
+    compiled = torch.compile(compress, fullgraph=True, backend=COMPILE_BACKEND)
     k_c, v_c = compiled(keys, values, indices)
     k_ref, v_ref = ripplekv_ref.gather_kv(keys * 2, values, indices)
     assert torch.equal(k_c, k_ref + 1) and torch.equal(v_c, v_ref)

@@ -7,7 +7,7 @@ from hypothesis import given, settings, strategies as st
 
 import ripplekv_ext
 import ripplekv_ref
-from conftest import DEVICES
+from conftest import COMPILE_BACKEND, DEVICES
 from op_samples import FLOAT_DTYPES, bnhd, nan_at, rand
 from op_tables import Case, assert_same_nan_scores, op_tests, other_device, scores_nan_like_reference
 
@@ -89,7 +89,7 @@ def test_opcheck(device):
 
 def test_torch_compile_fullgraph(device):
     q, k = make(1, 2, 1, 30, 8, torch.float32, device)
-    fn = torch.compile(lambda q, k: ripplekv_ext.h2o_scores(q, k, 8)[..., :-4] + 0, fullgraph=True)
+    fn = torch.compile(lambda q, k: ripplekv_ext.h2o_scores(q, k, 8)[..., :-4] + 0, fullgraph=True, backend=COMPILE_BACKEND)
     torch.testing.assert_close(fn(q, k), ripplekv_ref.h2o_scores(q, k)[..., :-4], **TOL)
 
 

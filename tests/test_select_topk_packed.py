@@ -6,7 +6,7 @@ import torch
 
 import ripplekv_ext
 import ripplekv_ref
-from conftest import DEVICES
+from conftest import COMPILE_BACKEND, DEVICES
 from op_samples import nan_at, rand
 from op_tables import Case, I64_MAX, op_tests
 
@@ -54,7 +54,7 @@ def test_torch_compile_fullgraph(device):
         flat, offsets = ripplekv_ext.select_topk_packed(scores, [6, 11], 4)
         return ripplekv_ext.gather_kv_packed(keys, values, flat, offsets)
 
-    k_flat, _ = torch.compile(compress_all, fullgraph=True)(scores, keys, values)
+    k_flat, _ = torch.compile(compress_all, fullgraph=True, backend=COMPILE_BACKEND)(scores, keys, values)
     flat, offsets = ripplekv_ref.select_topk_packed(scores, [6, 11], 4)
     assert torch.equal(k_flat, ripplekv_ref.gather_kv_packed(keys, values, flat, offsets)[0])
 

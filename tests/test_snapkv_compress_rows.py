@@ -6,7 +6,7 @@ import torch
 
 import ripplekv_ext
 import ripplekv_ref
-from conftest import DEVICES, requires_cuda
+from conftest import COMPILE_BACKEND, DEVICES, requires_cuda
 from op_samples import FLOAT_DTYPES, bnhd, nan_at, rand
 from op_tables import Case, op_tests
 from ripplekv_ref.comparison import assert_same_selection
@@ -148,7 +148,7 @@ def test_torch_compile_fullgraph(device):
         return k_c + 0, idx, ripplekv_ext.select_topk_rows(ripplekv_ext.snapkv_scores(q, k, lengths=lengths), budgets,
                                                             W, lengths)
 
-    k_c, idx, idx_from_scores = torch.compile(compress, fullgraph=True)(q, k, v, budgets, lengths)
+    k_c, idx, idx_from_scores = torch.compile(compress, fullgraph=True, backend=COMPILE_BACKEND)(q, k, v, budgets, lengths)
     expected = ripplekv_ref.snapkv_compress_rows(q, k, v, budgets, lengths)
     assert torch.equal(idx, idx_from_scores) and torch.equal(k_c, ripplekv_ref.gather_kv(k, v, idx)[0])
     assert_same_selection(idx, expected[2], ripplekv_ref.snapkv_scores(q, k, lengths=lengths), W)

@@ -12,7 +12,7 @@ from hypothesis import given, settings, strategies as st
 import ripplekv_ext
 import ripplekv_ref
 from ripplekv_ref.comparison import SCORE_TOL, assert_same_selection
-from conftest import DEVICES, requires_cuda
+from conftest import COMPILE_BACKEND, DEVICES, requires_cuda
 from op_samples import FLOAT_DTYPES, bnhd, nan_at, rand
 from op_tables import Case, assert_same_nan_scores, op_tests, other_device, scores_nan_like_reference
 
@@ -152,7 +152,7 @@ def test_torch_compile_fullgraph(device):
         k_c, v_c, idx = ripplekv_ext.snapkv_compress(q, k * 1, v, 12)
         return k_c + 0, v_c, idx, ripplekv_ext.snapkv_scores(q, k) * 2
 
-    k_c, v_c, idx, scores = torch.compile(compress, fullgraph=True)(q, k, v)
+    k_c, v_c, idx, scores = torch.compile(compress, fullgraph=True, backend=COMPILE_BACKEND)(q, k, v)
     assert torch.equal(idx, ripplekv_ext.snapkv_compress(q, k, v, 12)[2])
     torch.testing.assert_close(scores, 2 * ripplekv_ref.snapkv_scores(q, k), **SCORE_TOL)
 

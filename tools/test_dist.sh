@@ -1,0 +1,80 @@
+#!/usr/bin/env bash
+# `make test-dist`: each wheel in dist/ (`make dist`) installed into a fresh environment beside the torch it names,
+# with no compiler on the PATH, and the library tests (ops, hook, policies, selectors, compressor, context, rolling
+# prefill, the CLI's options) run against the installed package from a folder outside the checkout. The CPU wheel
+# on every Python in DIST_PYTHONS; the CUDA wheel on the first of them that is 3.11 (its kernels load here; with no
+# GPU its CUDA tests report themselves skipped).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+ROOT=$PWD
+UV="$ROOT/.venv/bin/uv"
+PYTHONS=${DIST_PYTHONS:-3.10 3.11 3.12 3.13}
+KINDS=${DIST_KINDS:-cpu cuda}
+WORK=${DIST_TEST_DIR:-$(mktemp -d /tmp/ripplekv-test-dist.XXXXXX)}
+TESTS=(test_ops.py test_allocation.py test_library.py test_gather_kv.py test_gather_kv_packed.py test_select_topk.py
+       test_select_topk_packed.py test_select_topk_rows.py test_snapkv_scores.py test_snapkv_compress.py
+       test_snapkv_compress_rows.py test_h2o_scores.py test_streaming_indices.py test_hook.py test_hook_batches.py
+       test_hook_decode.py test_hook_threads.py test_masks.py test_policies.py test_selectors.py test_compressor.py
+       test_context.py test_context_checks.py test_rolling_prefill.py test_cli_options.py)
+# The benchmark harness (bench/e2e_bench.py) is the checkout's, not the wheel's: its rows of the CLI table stay out.
+DESELECT="not e2e_bench"
+# DIST_QUICK=1 (.ci/run) also leaves out the four slowest tests (minutes of generation on SmolLM2 and memory soaks,
+# which depend on torch and transformers, not on the Python version; `make test` runs them).
+if [ "${DIST_QUICK:-0}" = 1 ]; then
+    DESELECT="$DESELECT and not memory_is_flat and not batch_of_four and not fresh_process and not store_budget_groups"
+fi
+
+find_python() {  # pyenv's build of that version, else one on the PATH
+    local found
+    found=$(ls -d "${PYENV_ROOT:-$HOME/.pyenv}"/versions/"$1".*/bin/python"$1" 2>/dev/null | sort -V | tail -1)
+    [ -n "$found" ] || found=$(command -v "python$1") || { echo "no Python $1 here (pyenv install $1)" >&2; return 1; }
+    echo "$found"
+}
+
+# A PATH with no compiler on it: the environment's bin/ and a folder of the few tools a test may start (readelf
+# reads which libraries the module links).
+NO_CC="$WORK/no-compiler-bin"
+mkdir -p "$NO_CC"
+for tool in sh bash env uname cat ls rm mkdir readelf; do ln -sf "$(command -v $tool)" "$NO_CC/$tool"; done
+
+run_one() {  # kind python-version
+    local kind=$1 version=$2 wheel env tests
+    local pattern="$ROOT/dist/ripplekv_ext-*+$([ "$kind" = cpu ] && echo cpu || echo cu)*.whl"
+    # shellcheck disable=SC2086  # the pattern is a glob
+    ls $pattern >/dev/null 2>&1 || DIST_KINDS=$kind "$ROOT/tools/make_dist.sh"  # no wheel yet: `make dist` it
+    wheel=$(ls $pattern)
+    env="$WORK/$kind-py$version"
+    tests="$WORK/$kind-py$version-tests"
+    echo "== $kind wheel on Python $version: $(basename "$wheel")"
+    rm -rf "$env" "$tests"
+    "$UV" venv -q --python "$(find_python "$version")" "$env"
+    "$UV" pip install -q --python "$env/bin/python" -r "$ROOT/requirements/dist-test.txt"
+    "$UV" pip install -q --python "$env/bin/python" --no-deps -r "$ROOT/requirements/no-deps.txt"
+    "$UV" pip install -q --python "$env/bin/python" "$wheel[eval]"  # the CLI's dependencies come with [eval]
+    mkdir -p "$tests"
+    cp "$ROOT"/tests/*.py "$tests/"  # the selected tests import helpers and each other's samples
+    local bare_path="$env/bin:$NO_CC" status=0
+    for cc in cc c++ gcc g++ clang nvcc; do
+        if PATH=$bare_path command -v "$cc" >/dev/null; then echo "a compiler is on the PATH: $cc" >&2; return 1; fi
+    done
+    (cd "$tests" && PATH=$bare_path python -c "import ripplekv_ext, torch, sys; f = ripplekv_ext.__file__; \
+assert f.startswith(sys.prefix), f; \
+assert ripplekv_ext.cuda_built() == ('$kind' == 'cuda'), ripplekv_ext.build_report(); \
+print('testing', f, 'Python', sys.version.split()[0], 'torch', torch.__version__)")
+    (cd "$tests" && PATH=$bare_path python -m pytest -q -p no:cacheprovider -ra --durations=25 -k "$DESELECT" "${TESTS[@]}") \
+        > "$WORK/$kind-py$version.log" 2>&1 || status=$?
+    grep -v "^SKIPPED" "$WORK/$kind-py$version.log" | tail -5
+    echo "$kind py$version: $(grep -E '[0-9]+ (passed|failed|error)' "$WORK/$kind-py$version.log" | tail -1)" \
+        >> "$WORK/summary.txt"
+    return "$status"
+}
+
+rm -f "$WORK/summary.txt"
+for kind in $KINDS; do
+    for version in $PYTHONS; do
+        if [ "$kind" = cuda ] && [ "$version" != 3.11 ]; then continue; fi
+        run_one "$kind" "$version"
+    done
+done
+echo "== test-dist summary ($WORK)"
+cat "$WORK/summary.txt"
