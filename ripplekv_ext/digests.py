@@ -18,7 +18,8 @@ def weights_digest(model) -> str:
     """BLAKE2b of every tensor of ``model.state_dict()`` (names, dtypes, shapes and bytes): the model a cache's keys
     and values came from. Computed once per model and state of its weights (an in-place change of a tensor, a new
     tensor in its place): SmolLM2-135M's 621 MiB state_dict (fp32, the tied embedding under both names) took 2.2-2.5 s
-    on one thread of a busy 2-core machine, 3 ms once cached (the first save_context or load_context pays it)."""
+    on one thread of a busy 2-core machine, 3 ms once cached (the first compress_context or continue_context on a
+    model, and the first after its weights change, pay it)."""
     state = model.state_dict(keep_vars=True)
     versions = tuple((name, t.data_ptr(), t._version) for name, t in state.items())
     cached = _WEIGHT_DIGESTS.get(model)
