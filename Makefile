@@ -55,7 +55,7 @@ MIN_DEPS_STAMP := $(MIN_VENV)/.ripplekv-deps
 MIN_SRC := $(MIN_VENV)/src
 MIN_TESTS := tests/test_integrations_transformers.py tests/test_hook.py tests/test_hook_threads.py \
 	tests/test_hook_batches.py tests/test_hook_decode.py tests/test_context.py tests/test_policies.py tests/test_selectors.py \
-	tests/test_compressor.py tests/test_masks.py tests/test_integrations_kvpress.py
+	tests/test_compressor.py tests/test_masks.py tests/test_integrations_kvpress.py tests/test_integrations_kvpress_import.py
 
 $(MIN_PY):
 	$(PYTHON) -m venv $(MIN_VENV)
@@ -89,7 +89,7 @@ test-min: cpu-wheel
 # The kvpress presses alone (test-min runs them with the rest): .venv-min is kvpress 0.5.5's stack.
 test-kvpress: cpu-wheel
 	$(MIN_PY) -m pip install -q --force-reinstall --no-deps $(CPU_WHEEL_DIR)/ripplekv_ext-*.whl
-	cd $(MIN_SRC) && ../bin/pytest -q -p no:cacheprovider tests/test_integrations_kvpress.py
+	cd $(MIN_SRC) && ../bin/pytest -q -p no:cacheprovider tests/test_integrations_kvpress.py tests/test_integrations_kvpress_import.py
 
 # The vLLM plugin (ripplekv_ext/engines/vllm) in its own environment, .venv-vllm: vLLM's CPU build
 # (requirements/vllm.txt) pins torch 2.13.0 and transformers < 5.20, which .venv's pins cannot share. The extension

@@ -147,3 +147,17 @@ def test_smollm2_in_kvpress_pipeline_with_its_chat_template():
     start = ids["context_ids"].shape[1] + ids["questions_ids"][0].shape[1]
     assert answer == tokenizer.decode(out[0, start:], skip_special_tokens=True)
     assert ids["context_ids"].shape[1] > 800  # long enough that 20% drops most of it
+
+
+def test_another_kvpress_release_is_refused_by_name(tmp_path):
+    # Its press and pipeline internals are what the presses subclass: a release other than the tested one is refused.
+    import subprocess
+    import sys
+
+    code = ("import importlib.metadata as m; real = m.version; "
+            "m.version = lambda name: '0.6.0' if name == 'kvpress' else real(name); "
+            "import ripplekv_ext.integrations.kvpress")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path)
+    assert result.returncode != 0
+    assert ("ripplekv_ext.integrations.kvpress was written for kvpress 0.5.5 (its press and pipeline internals); "
+            "kvpress 0.6.0 is installed: pip install kvpress==0.5.5") in result.stderr
