@@ -121,7 +121,7 @@ test-vllm: cpu-wheel $(VLLM_DEPS_STAMP)
 # them (tools/test_dist.sh; a wheel not built yet is built first). DIST_PYTHONS / DIST_KINDS narrow either;
 # .ci/run tests the CPU wheel on the oldest and newest Python with DIST_QUICK=1 (the four slowest tests left out).
 DIST_TOOLS_STAMP := $(VENV)/.ripplekv-dist-tools
-DIST_PYTHONS ?= 3.10 3.11 3.12 3.13
+DIST_PYTHONS ?= 3.11 3.12 3.13
 DIST_KINDS ?= cpu cuda
 DIST_QUICK ?= 0
 

@@ -17,7 +17,8 @@ What a build says about itself, so that pip cannot pair it with another torch si
                 and CUDA 13) and the torch release (major.minor) the library was compiled against;
   dependencies  torch>=2.15,<2.16: that release only (the C++ ABI changes between torch releases);
   wheel tag     cp310-abi3: the module uses only Python's stable ABI (the ops register through torch's dispatcher,
-                no pybind11), so one wheel serves every CPython from 3.10.
+                no pybind11), so one wheel serves every CPython from 3.10 that torch has
+                (torch 2.15: 3.11 and later).
 ripplekv_ext._library still refuses, at import, a library built against another torch.
 """
 

@@ -2,13 +2,13 @@
 # `make test-dist`: each wheel in dist/ (`make dist`) installed into a fresh environment beside the torch it names,
 # with no compiler on the PATH, and the library tests (ops, hook, policies, selectors, compressor, context, rolling
 # prefill, the CLI's options) run against the installed package from a folder outside the checkout. The CPU wheel
-# on every Python in DIST_PYTHONS; the CUDA wheel on the first of them that is 3.11 (its kernels load here; with no
+# on every Python in DIST_PYTHONS (3.11-3.13: torch 2.15's); the CUDA wheel on the first of them that is 3.11 (its kernels load here; with no
 # GPU its CUDA tests report themselves skipped).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$PWD
 UV="$ROOT/.venv/bin/uv"
-PYTHONS=${DIST_PYTHONS:-3.10 3.11 3.12 3.13}
+PYTHONS=${DIST_PYTHONS:-3.11 3.12 3.13}  # torch 2.15 has no 3.10 wheels
 KINDS=${DIST_KINDS:-cpu cuda}
 WORK=${DIST_TEST_DIR:-$(mktemp -d /tmp/ripplekv-test-dist.XXXXXX)}
 TESTS=(test_ops.py test_allocation.py test_library.py test_gather_kv.py test_gather_kv_packed.py test_select_topk.py
