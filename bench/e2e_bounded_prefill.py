@@ -13,6 +13,8 @@ forward) and ``rolling`` (the same policy with ``prefill_chunk=--chunk``). SmolL
 context, then the tiny random Llama (``--tiny-lengths``) beyond it.
 
     .venv/bin/python bench/e2e_bounded_prefill.py --out bench/results/e2e_bounded_prefill.json
+
+The figure (``--out`` with ``.png``) is drawn after the run; ``--plot-only`` redraws it from the JSON.
 """
 
 from __future__ import annotations
@@ -87,6 +89,7 @@ def build_parser():
     p.add_argument("--retention", type=float, default=0.2)
     p.add_argument("--chunk", type=int, default=512)
     p.add_argument("--out", default=str(RESULTS))
+    p.add_argument("--plot-only", action="store_true", help="redraw the figure (--out with .png) from --out")
     return p
 
 
@@ -96,6 +99,11 @@ def main(argv=None) -> int:
     cells = [("smollm2", int(n)) for n in args.lengths.split(",") if n]
     cells += [("tiny", int(n)) for n in args.tiny_lengths.split(",") if n]
     out = Path(args.out)
+    from ripplekv_ext.eval.plots import plot_prefill_memory
+
+    if args.plot_only:
+        print(plot_prefill_memory(json.loads(out.read_text()), out.with_suffix(".png")))
+        return 0
     settings = {"retention": args.retention, "chunk": args.chunk, "methods": methods}
     results = {"figure": "bounded prefill memory", "settings": settings, "threads": 1, "cells": {}}
     if out.is_file():
@@ -121,6 +129,7 @@ def main(argv=None) -> int:
             cell = results["cells"][key]
             print(f"{key:<28} peak RSS +{cell['peak_rss_above_model'] / 2**20:7.0f} MiB  peak KV "
                   f"{cell['peak_kv_bytes'] / 2**20:7.1f} MiB  left {cell['final_kv_bytes'] / 2**20:6.1f} MiB", flush=True)
+    print(plot_prefill_memory(results, out.with_suffix(".png")))
     return 0
 
 

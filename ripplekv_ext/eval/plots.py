@@ -173,3 +173,34 @@ def plot_needle_heatmaps(grids: dict[str, dict], lengths, depths, path) -> Path:
         fig.colorbar(image, ax=axes, shrink=0.8, label="score (1-10)")
     fig.suptitle("needle in a haystack (Paul Graham essays)", fontsize=10)
     return _save(fig, path)
+
+
+def plot_prefill_memory(results: dict, path) -> Path:
+    """One request's prefill memory against prompt length, one panel per model: peak RSS above the loaded model
+    (solid) and the most KV the cache held at once (dashed), per method (bench/e2e_bounded_prefill.py's cells)."""
+    plt = _pyplot()
+    cells = results["cells"]
+    models = list(dict.fromkeys(key.split("/")[0] for key in cells))
+    methods = results["settings"]["methods"]
+    fig, axes = plt.subplots(1, len(models), figsize=(5.5 * len(models), 4), squeeze=False)
+    for ax, model in zip(axes[0], models):
+        for index, method in enumerate(methods):
+            points = sorted((int(key.split("/")[1]), cell) for key, cell in cells.items()
+                            if key.split("/")[0] == model and key.split("/")[2] == method)
+            if not points:
+                continue
+            lengths = [n for n, _ in points]
+            color = f"C{index}"
+            ax.plot(lengths, [c["peak_rss_above_model"] / 2**20 for _, c in points], marker="o", color=color,
+                    label=f"{method}: peak RSS")
+            ax.plot(lengths, [c["peak_kv_bytes"] / 2**20 for _, c in points], marker="x", linestyle="--",
+                    color=color, label=f"{method}: peak KV")
+        ax.set_xlabel("prompt tokens")
+        ax.set_ylabel("MiB above the loaded model")
+        ax.set_title(model, fontsize=9)
+        ax.grid(alpha=0.3)
+    axes[0][0].legend(fontsize=7)
+    settings = results["settings"]
+    fig.suptitle(f"one request's prefill memory (retention {settings['retention']:.0%}, rolling chunk "
+                 f"{settings['chunk']}, one thread)", fontsize=10)
+    return _save(fig, path)
