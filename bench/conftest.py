@@ -1,7 +1,13 @@
+import os
+
 import pytest
 import torch
 
 import ripplekv_ext
+
+# The benchmarks time the CUDA kernels against the torch reference: under the default `auto` a long CUDA call would
+# run the reference on both sides.
+os.environ.setdefault("RIPPLEKV_CUDA_PATH", "fused")
 
 # Shapes of real layers: (name, B, H_q, H_kv, D). Llama-3.1-8B and the bundled SmolLM2-135M.
 MODEL_SHAPES = {

@@ -1,12 +1,17 @@
 """What every test file shares: the devices each op test runs on (the CUDA half skipped, not absent, without a GPU)
 and the float dtypes."""
 
+import os
 import shutil
 
 import pytest
 import torch
 
 import ripplekv_ext
+
+# The op tests test the CUDA kernels: under the default `auto` a long CUDA call would run the torch reference the
+# tests compare against. tests/test_cuda_path.py tests `auto` itself.
+os.environ.setdefault("RIPPLEKV_CUDA_PATH", "fused")
 
 
 def _cuda_skip_reason():

@@ -6,6 +6,7 @@ import torch
 from torch import Tensor
 
 from ripplekv_ext.ops._args import check_one_device
+from ripplekv_ext.ops.cuda_path import torch_composite
 
 
 def gather_kv(keys: Tensor, values: Tensor, indices: Tensor,
@@ -24,9 +25,13 @@ def gather_kv(keys: Tensor, values: Tensor, indices: Tensor,
 
     Every check (shapes, one device, index range, outputs that share memory with each other, with the inputs or
     within themselves) runs before anything is written, so a bad call leaves ``out`` as it was. On CUDA the index
-    check costs one device synchronisation (so this op is not captured in CUDA graphs).
+    check costs one device synchronisation (so this op is not captured in CUDA graphs). ``out`` always runs the
+    kernel (the torch composite has no in-place form).
     """
     if out is None:
+        composite = torch_composite("gather_kv", keys, 4)
+        if composite is not None:
+            return composite(keys, values, indices)
         return torch.ops.ripplekv.gather_kv(keys, values, indices)
     keys_out, values_out = out
     torch.ops.ripplekv.gather_kv_into(keys, values, indices, keys_out, values_out)

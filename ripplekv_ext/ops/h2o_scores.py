@@ -6,6 +6,7 @@ import torch
 from torch import Tensor
 
 from ripplekv_ext.ops._args import check_int, check_one_device, check_row_device, row_tensor
+from ripplekv_ext.ops.cuda_path import torch_composite
 
 
 def h2o_scores(queries: Tensor, keys: Tensor, chunk_size: int = 1024, scale: Optional[float] = None,
@@ -30,6 +31,9 @@ def h2o_scores(queries: Tensor, keys: Tensor, chunk_size: int = 1024, scale: Opt
     chunk_size = check_int("h2o_scores", "chunk_size", chunk_size)
     if lengths is not None:
         lengths = row_tensor("h2o_scores", "lengths", lengths)
+    composite = torch_composite("h2o_scores", keys, 4)
+    if composite is not None:
+        return composite(queries, keys, chunk_size, scale, group_reduce, lengths)
     return torch.ops.ripplekv.h2o_scores(queries, keys, chunk_size, scale, group_reduce, lengths)
 
 

@@ -4,6 +4,7 @@ import torch
 from torch import Tensor
 
 from ripplekv_ext.ops._args import check_int
+from ripplekv_ext.ops.cuda_path import torch_composite
 
 
 def select_topk(scores: Tensor, budget: int, window: int) -> Tensor:
@@ -21,6 +22,9 @@ def select_topk(scores: Tensor, budget: int, window: int) -> Tensor:
     """
     budget = check_int("select_topk", "budget", budget)
     window = check_int("select_topk", "window", window)
+    composite = torch_composite("select_topk", scores, 3, window)
+    if composite is not None:
+        return composite(scores, budget, window)
     return torch.ops.ripplekv.select_topk(scores, budget, window)
 
 

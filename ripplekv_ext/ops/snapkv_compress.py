@@ -6,6 +6,7 @@ import torch
 from torch import Tensor
 
 from ripplekv_ext.ops._args import check_int, check_one_device
+from ripplekv_ext.ops.cuda_path import torch_composite
 
 
 def snapkv_compress(q_window: Tensor, keys: Tensor, values: Tensor, budget: int, kernel_size: int = 7,
@@ -20,6 +21,9 @@ def snapkv_compress(q_window: Tensor, keys: Tensor, values: Tensor, budget: int,
     """
     budget = check_int("snapkv_compress", "budget", budget)
     kernel_size = check_int("snapkv_compress", "kernel_size", kernel_size)
+    composite = torch_composite("snapkv_compress", keys, 4)
+    if composite is not None:
+        return composite(q_window, keys, values, budget, kernel_size, pooling, group_reduce, scale)
     return torch.ops.ripplekv.snapkv_compress(q_window, keys, values, budget, kernel_size, pooling, group_reduce,
                                               scale)
 

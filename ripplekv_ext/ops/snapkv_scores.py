@@ -6,6 +6,7 @@ import torch
 from torch import Tensor
 
 from ripplekv_ext.ops._args import check_int, check_one_device, check_row_device, row_tensor
+from ripplekv_ext.ops.cuda_path import torch_composite
 
 
 def snapkv_scores(q_window: Tensor, keys: Tensor, kernel_size: int = 7, pooling: str = "max",
@@ -33,6 +34,9 @@ def snapkv_scores(q_window: Tensor, keys: Tensor, kernel_size: int = 7, pooling:
     kernel_size = check_int("snapkv_scores", "kernel_size", kernel_size)
     if lengths is not None:
         lengths = row_tensor("snapkv_scores", "lengths", lengths)
+    composite = torch_composite("snapkv_scores", keys, 4)
+    if composite is not None:
+        return composite(q_window, keys, kernel_size, pooling, group_reduce, scale, lengths)
     return torch.ops.ripplekv.snapkv_scores(q_window, keys, kernel_size, pooling, group_reduce, scale, lengths)
 
 
