@@ -1,12 +1,12 @@
-"""RippleKV inside kvpress (ripplekv_ext.integrations.kvpress), in kvpress's own environment (`make test-kvpress`,
-.venv-peer): kvpress's pipeline with our presses gives the tokens of ``compress_context`` + ``continue_context`` with
+"""RippleKV inside kvpress (ripplekv_ext.integrations.kvpress), in kvpress's own stack (`make test-min` and
+`make test-kvpress`, .venv-min): kvpress's pipeline with our presses gives the tokens of ``compress_context`` + ``continue_context`` with
 the equivalent policy; a kvpress scorer under our budgets keeps kvpress's uniform total and its own ranking; and
 every refusal. Elsewhere the module is reported as skipped."""
 
 import pytest
 
-pytest.importorskip("kvpress", reason="kvpress is not installed here: `make test-kvpress` runs these tests in "
-                    ".venv-peer")
+pytest.importorskip("kvpress", reason="kvpress is not installed here: `make test-min` runs these tests in "
+                    ".venv-min")
 
 import torch  # noqa: E402
 from kvpress import KnormPress, ObservedAttentionPress, SnapKVPress  # noqa: E402
