@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # One-shot GPU check (target: under 5 minutes on one GPU): build the extension for the local GPU's
 # architecture only, run the CUDA tests (the bad-input table on CUDA tensors included), the same tests
-# under compute-sanitizer memcheck and racecheck, and the GPU benchmarks; print a summary.
+# under compute-sanitizer memcheck and racecheck, the kernel table (bench/gpu_kernels.py: each routed op's fused
+# kernel, the torch reference and `auto` at Llama-3.1-8B shapes, N = 2K..32K, bf16 and fp16, as JSON under $OUT or
+# the log folder) and the GPU benchmarks; print a summary.
 #
 #   bash bench/gpu_check.sh          (or: make gpu-check)
 #
@@ -16,10 +18,11 @@ if [ -z "${PY:-}" ]; then
 fi
 LOG=${LOG_DIR:-$(mktemp -d)}
 mkdir -p "$LOG"
-PHASES=${PHASES:-tests,bench,sanitizer}  # which of the three phases to run, after the build
+PHASES=${PHASES:-tests,kernels,bench,sanitizer}  # which of the four phases to run, after the build
 TEST_S=${TEST_S:-240}
 SANITIZER_S=${SANITIZER_S:-150}
 BENCH_S=${BENCH_S:-150}
+KERNELS_S=${KERNELS_S:-150}
 start=$(date +%s)
 
 if ! command -v nvidia-smi >/dev/null || ! nvidia-smi >/dev/null 2>&1; then
@@ -57,6 +60,16 @@ if [[ ",$PHASES," == *,tests,* ]]; then
   [ $e2e_rc -eq 124 ] && echo "(tests cut off after ${TEST_S}s)" >>"$LOG/tests-e2e.log"
   tests_summary="ops: $(tail -n 1 "$LOG/tests.log"); end to end: $(tail -n 1 "$LOG/tests-e2e.log")"
   [ $e2e_rc -ne 0 ] && tests_rc=1
+fi
+
+kernels_rc=0; kernels_summary="not run (PHASES=$PHASES)"
+if [[ ",$PHASES," == *,kernels,* ]]; then
+  device_name=$(echo "$gpu" | tr 'A-Z' 'a-z' | grep -oE '[a-z][0-9]+' | head -n1)
+  kernels_json="${OUT:-$LOG}/gpu_kernels_${device_name:-gpu}.json"
+  timeout "$KERNELS_S" "$PY" bench/gpu_kernels.py --out "$kernels_json" >"$LOG/kernels.log" 2>&1
+  kernels_rc=$?
+  [ $kernels_rc -eq 124 ] && echo "(cut off after ${KERNELS_S}s)" >>"$LOG/kernels.log"
+  kernels_summary="rc=$kernels_rc, $kernels_json"
 fi
 
 bench_rc=0
@@ -100,6 +113,8 @@ echo "GPU: $gpu (sm_${arch/./}); build ${build_s}s; logs in $LOG"
 echo "CUDA tests: $tests_summary"
 [ $tests_rc -ne 0 ] && cat "$LOG"/tests*.log | grep -E "^(FAILED|ERROR)" | head -n 20
 echo "compute-sanitizer:$sanitizer_summary"
+echo "kernel table: $kernels_summary"
+[ -f "$LOG/kernels.log" ] && cat "$LOG/kernels.log"
 "$PY" - "$LOG/bench.json" <<'PYEOF'
 import collections, json, sys
 try:
@@ -128,4 +143,4 @@ for (name, shape), impls in sorted(groups.items(), key=lambda x: (x[0][0], str(x
 PYEOF
 [ -f "$LOG/bench-rows.log" ] && grep -E "^bench_|^Name" "$LOG/bench-rows.log" | cut -c1-110
 echo "total: $(( $(date +%s) - start ))s; benchmarks rc=$bench_rc"
-exit $(( tests_rc != 0 || bench_rc != 0 || sanitizer_rc != 0 ))
+exit $(( tests_rc != 0 || bench_rc != 0 || sanitizer_rc != 0 || kernels_rc != 0 ))
