@@ -4,7 +4,9 @@ The question is asked after the context was compressed alone (``compress_context
 ``--retention`` (20%) with ``Policy.ripplekv``'s default budgets and selection: passkeys hidden in real prose
 (``passkey_text``: held-out KJV or essays running text, 5 depths) and the needle-in-a-haystack grid, for each
 ``compress_context`` scoring (``probe``: "Repeat the text above." as the window; ``reconstruction``: KVzip's
-context reconstruction; ``tail``: the context's own last tokens) beside Full; Wilson intervals. Also each scoring's
+context reconstruction; ``tail``: the context's own last tokens; ``probe:NAME``: another question-agnostic instruction of ``PROBES`` as the
+window; ``h2o``: H2O's attention accumulated over every context query, no window of its own, under the same
+budgets) beside Full; Wilson intervals. Also each scoring's
 cost: the seconds of ``compress_context`` and the tokens it prefills. ``--seed 0`` is the calibration set,
 ``--seed 1`` the held-out one. Results after every cell to ``--out``; a rerun resumes. One thread.
 
@@ -14,6 +16,7 @@ cost: the seconds of ``compress_context`` and the tokens it prefills. ``--seed 0
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 import time
@@ -22,7 +25,14 @@ from pathlib import Path
 import torch
 
 RESULTS = Path(__file__).resolve().parent / "results"
-SCORINGS = ("probe", "reconstruction", "tail")
+SCORINGS = ("probe", "reconstruction", "tail", "h2o")
+# Other question-agnostic instructions scored as the probe is (``probe:NAME``): none names the task's answer.
+PROBES = {
+    "facts": "\n\nList every name, number and date in the text above.",
+    "repeat-facts": "\n\nRepeat the text above. Then list every name, number and date in it.",
+    "summary": "\n\nSummarize the text above.",
+    "question": "\n\nAnswer a question about the text above.",
+}
 
 
 def build_parser():
@@ -39,7 +49,13 @@ def build_parser():
 
 
 def main(argv=None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    unknown = [s for s in args.scorings.split(",")
+               if s not in SCORINGS and not (s.startswith("probe:") and s.split(":", 1)[1] in PROBES)]
+    if unknown:
+        parser.error(f"unknown scoring(s) {', '.join(unknown)}: use {', '.join(SCORINGS)} or probe:NAME with NAME "
+                     f"one of {', '.join(PROBES)}")
     torch.set_num_threads(1)
     from ripplekv_ext import Policy, compress_context, continue_context
     from ripplekv_ext._jsonio import write_json_atomic
@@ -48,6 +64,7 @@ def main(argv=None) -> int:
     from ripplekv_ext.eval.runner import evaluate, greedy_options
     from ripplekv_ext.eval.synthetic import even_depths, make_synthetic
     from ripplekv_ext.profile_file import load_profile
+    from ripplekv_ext.selectors import H2OSelector
     from ripplekv_ext.stats import wilson_interval
 
     model, tokenizer, name = load_model(args.model)
@@ -76,8 +93,15 @@ def main(argv=None) -> int:
                 start = time.perf_counter()
                 chosen = Policy.full() if scoring == "full" else policy
                 with torch.inference_mode():
-                    cache = compress_context(model, context, chosen, tokenizer=tokenizer,
-                                             scoring=None if scoring == "full" else scoring)
+                    if scoring == "h2o":
+                        h2o = dataclasses.replace(policy, selector=H2OSelector())
+                        cache = compress_context(model, context, h2o, scoring="tail")
+                    elif scoring.startswith("probe:"):
+                        probe = tokenizer(PROBES[scoring.split(":", 1)[1]], add_special_tokens=False)["input_ids"]
+                        cache = compress_context(model, context, chosen, probe_ids=torch.tensor([probe]))
+                    else:
+                        cache = compress_context(model, context, chosen, tokenizer=tokenizer,
+                                                 scoring=None if scoring == "full" else scoring)
                     seconds.append(time.perf_counter() - start)
                     output = continue_context(model, cache, input_ids[:, context_tokens:], copy_cache=False,
                                               max_new_tokens=max_new_tokens, **options)
