@@ -33,7 +33,15 @@ from ripplekv_ext.eval.grid import cell_key, run_grid
 from ripplekv_ext.policies import DEFAULT_WINDOW
 
 PARTS = ("fidelity", "passkey", "passkey_text", "needle")
-PASSKEY_PARTS = {"passkey": "filler", "passkey_text": "real prose"}
+# Each passkey part: its section title, its haystack in a few words (figure titles) and in a sentence (the report).
+PASSKEY_PARTS = {
+    "passkey": ("Passkey", "filler",
+                "the haystack is repetitive filler (\"The grass is green. The sky is blue. ...\"), where any sentence "
+                "that is not filler stands out to whatever scores it: the easy case."),
+    "passkey_text": ("Passkey in real prose", "real prose",
+                     "the haystack is real prose (held-out running text of the KJV or of Paul Graham's essays, by "
+                     "example), the number in a sentence of its own."),
+}
 # RippleKV is compared example by example with the methods whose selector it shares (SnapKV's), where the
 # difference is the per-layer budgets alone, and with StreamingLLM, whose recent-token window is a strong baseline
 # for a continuation's KL (and a weak one for retrieval: the passkey and needle parts).
@@ -201,14 +209,6 @@ def needle_grids(results: dict, examples, protocol: str = "inside") -> dict[str,
 
 # ---- running and writing ---------------------------------------------------------------------------------------
 
-_HAYSTACKS = {
-    "passkey": "the haystack is repetitive filler (\"The grass is green. The sky is blue. ...\"), where any sentence "
-               "that is not filler stands out to whatever scores it: the easy case.",
-    "passkey_text": "the haystack is real prose (held-out running text of the KJV or of Paul Graham's essays, by "
-                    "example), the number in a sentence of its own.",
-}
-
-
 def _protocol_words(protocol: str) -> str:
     return ("the question inside the compressed prompt (the window sees it)" if protocol == "inside" else
             "the context compressed alone before the question is known (`compress_context` with its default "
@@ -278,7 +278,7 @@ def run_report(model, tokenizer, model_name: str, profile, out_dir, sizes: Repor
                          paired_rows(comparisons))
             md.append("")
 
-    for part, haystack in PASSKEY_PARTS.items():
+    for part, (title, haystack, haystack_sentence) in PASSKEY_PARTS.items():
         if part not in parts:
             continue
         depths = even_depths(sizes.passkey_depths)
@@ -298,9 +298,8 @@ def run_report(model, tokenizer, model_name: str, profile, out_dir, sizes: Repor
                                                title=f"passkey in {haystack} at {sizes.passkey_length} tokens"
                                                      + ("" if protocol == "inside" else f", question {protocol}"))
             header, rows = depth_rows(by_depth)
-            title = "Passkey" if part == "passkey" else "Passkey in real prose"
             md += [f"## {title} by needle depth ({sizes.passkey_length}-token prompts, question {protocol})", "",
-                   f"{sizes.passkey_examples} examples, {_protocol_words(protocol)}; {_HAYSTACKS[part]} The needle "
+                   f"{sizes.passkey_examples} examples, {_protocol_words(protocol)}; {haystack_sentence} The needle "
                    f"at {len(depths)} depths spread evenly from the start (0%) to the end (100%) of the context; "
                    "exact match; solved/run per depth, overall accuracy with a 95% Wilson interval.", ""]
             md += _table(header, rows) + ["", f"![passkey accuracy by depth]({png.name})", ""]

@@ -57,12 +57,12 @@ def cuda_path(op: str, n: int) -> str:
 
 
 def is_cuda_call(tensor) -> bool:
-    """Whether a call whose first tensor is ``tensor`` runs on CUDA (the one place the device is asked)."""
+    """Whether a call on ``tensor`` runs on CUDA (the one place the device is asked)."""
     return isinstance(tensor, torch.Tensor) and tensor.is_cuda
 
 
 def torch_composite(op: str, tensor, rank: int, extra: int = 0):
-    """``op``'s torch composite when this call runs it, else None: when ``tensor`` (the call's first tensor, of
+    """``op``'s torch composite when this call runs it, else None: when ``tensor`` (the call's keys or scores, of
     ``rank`` dimensions, ``[B, H, N, ...]``) is on CUDA and ``op``'s rule picks torch for ``n = N + extra``. A tensor
     of another rank stays on the kernel, whose checks name it."""
     if not (is_cuda_call(tensor) and tensor.dim() == rank):
