@@ -16,6 +16,18 @@ cd "$(dirname "$0")/.."
 if [ -z "${PY:-}" ]; then
   if [ -x .venv/bin/python ]; then PY=.venv/bin/python; else PY=python3; fi
 fi
+# The checkout itself, not an install: ripplekv_ext from the root, the reference (ripplekv_ref) from python/.
+export PYTHONPATH="$PWD:$PWD/python${PYTHONPATH:+:$PYTHONPATH}"
+# GPU images lag the torch releases the package supports (the H200 image has torch 2.11): check on what is there; the
+# summary names the torch it ran on.
+export RIPPLEKV_ALLOW_UNSUPPORTED=${RIPPLEKV_ALLOW_UNSUPPORTED:-1}
+# The system compiler where there is one (BUILD_CC / BUILD_CXX choose another): the H200 image's CC/CXX
+# (/opt/gcc/bin, a wrapper around the same GCC 13.3) gave a module whose every error path segfaulted in libstdc++'s
+# number formatting inside the module itself (a copy of its own, not the libstdc++ torch uses); /usr/bin/g++'s
+# build raises the same errors as it should.
+if [ -x /usr/bin/g++ ]; then
+  export CC=${BUILD_CC:-/usr/bin/gcc} CXX=${BUILD_CXX:-/usr/bin/g++}
+fi
 LOG=${LOG_DIR:-$(mktemp -d)}
 mkdir -p "$LOG"
 PHASES=${PHASES:-tests,kernels,bench,sanitizer}  # which of the four phases to run, after the build
@@ -40,6 +52,22 @@ if ! TORCH_CUDA_ARCH_LIST="$arch" FORCE_CUDA=1 MAX_JOBS=${MAX_JOBS:-$(nproc)} \
 fi
 build_s=$(( $(date +%s) - start ))
 "$PY" -c "import ripplekv_ext, torch; assert ripplekv_ext.cuda_built() and torch.cuda.is_available(); print(ripplekv_ext.build_report())" || exit 1
+# An error path must raise, not crash (see the compiler choice above), on both devices.
+if ! "$PY" - >"$LOG/error-path.log" 2>&1 <<'PYEOF'
+import torch, ripplekv_ext
+for device in ("cpu", "cuda"):
+    try:
+        torch.ops.ripplekv.select_topk(torch.rand(1, 1, 10, device=device), 5, -1)
+    except RuntimeError as error:
+        assert "window must be >= 0, got -1" in str(error), error
+    else:
+        raise AssertionError("select_topk accepted window=-1")
+PYEOF
+then
+  tail -n 5 "$LOG/error-path.log"
+  echo "gpu_check: an error path crashed or did not raise (compiler: ${CXX:-c++}); the module's errors would crash a user's process"
+  exit 1
+fi
 
 # CUDA halves of the op tests only (the parametrized device id is "cuda"), plus the CUDA-only tests; then the
 # hook end to end on a model that lives on the GPU (tests/test_cuda_e2e.py, against the same model on the CPU).
@@ -109,7 +137,7 @@ fi
 
 echo
 echo "================ gpu_check summary ================"
-echo "GPU: $gpu (sm_${arch/./}); build ${build_s}s; logs in $LOG"
+echo "GPU: $gpu (sm_${arch/./}); torch $("$PY" -c 'import torch; print(torch.__version__)'); compiler ${CXX:-c++}; build ${build_s}s; logs in $LOG"
 echo "CUDA tests: $tests_summary"
 [ $tests_rc -ne 0 ] && cat "$LOG"/tests*.log | grep -E "^(FAILED|ERROR)" | head -n 20
 echo "compute-sanitizer:$sanitizer_summary"

@@ -178,6 +178,12 @@ def main(argv=None) -> int:
                     print(f"{op:16s} {row['dtype']:9s} N={n:6d}  ext {ext_us:9.1f} us  ref {ref_us:9.1f} us  "
                           f"auto {auto_us:9.1f} us  speedup {row['speedup']:5.2f}x  auto {row['auto_speedup']:5.2f}x",
                           flush=True)
+        from ripplekv_ext.ops.cuda_path import FUSED_UP_TO, crossovers
+
+        measured = crossovers(results["rows"])
+        print("crossovers these rows give (FUSED_UP_TO, ripplekv_ext/ops/cuda_path.py):", measured)
+        if any(FUSED_UP_TO.get(op) != limit for op, limit in measured.items()):
+            print(f"  the committed table differs: {FUSED_UP_TO}")
     finally:
         if saved_path is None:
             os.environ.pop("RIPPLEKV_CUDA_PATH", None)

@@ -3,6 +3,9 @@ that each op wrapper runs what the rule picks. No GPU here: `is_cuda_call` is th
 the tests make CPU calls count as CUDA calls and check which implementation ran and that both give the same result
 (the torch composite is the reference; the other side is the CPU kernel, the CUDA kernels' twin in every op test)."""
 
+import json
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -10,6 +13,8 @@ import ripplekv_ref
 from ripplekv_ext import ops
 from ripplekv_ext.ops import cuda_path
 from ripplekv_ref.comparison import assert_same_selection
+
+H200_TABLE = Path(__file__).resolve().parents[1] / "bench" / "results" / "gpu_kernels_h200.json"
 
 
 @pytest.fixture
@@ -31,18 +36,32 @@ def as_cuda(monkeypatch):
 def test_auto_follows_the_table_and_the_variable_forces_either(monkeypatch):
     monkeypatch.delenv(cuda_path.ENV, raising=False)
     assert cuda_path.cuda_path("snapkv_compress", 2048) == "fused"
-    assert cuda_path.cuda_path("snapkv_compress", 4096) == "fused"
-    assert cuda_path.cuda_path("snapkv_compress", 4097) == "torch"
-    assert cuda_path.cuda_path("snapkv_scores", 32768) == "torch"
+    assert cuda_path.cuda_path("snapkv_compress", 2049) == "torch"
+    assert cuda_path.cuda_path("snapkv_scores", 16) == "torch"
     assert cuda_path.cuda_path("select_topk", 8192) == "fused"
-    assert cuda_path.cuda_path("select_topk", 16384) == "torch"
+    assert cuda_path.cuda_path("select_topk", 8193) == "torch"
     assert cuda_path.cuda_path("h2o_scores", 16) == "torch"
     assert cuda_path.cuda_path("gather_kv", 1 << 20) == "fused"
     for forced in ("fused", "torch"):
         monkeypatch.setenv(cuda_path.ENV, forced)
         assert {cuda_path.cuda_path(op, n) for op in cuda_path.FUSED_UP_TO for n in (16, 1 << 20)} == {forced}
     monkeypatch.setenv(cuda_path.ENV, " Auto ")
-    assert cuda_path.cuda_path("snapkv_compress", 4097) == "torch"
+    assert cuda_path.cuda_path("snapkv_compress", 2049) == "torch"
+
+
+def test_the_table_is_the_committed_h200_measurement():
+    rows = json.loads(H200_TABLE.read_text())["rows"]
+    assert {row["op"] for row in rows} == set(cuda_path.FUSED_UP_TO)
+    assert cuda_path.crossovers(rows) == cuda_path.FUSED_UP_TO
+
+
+def test_crossovers_keep_the_lengths_up_to_the_first_loss_in_any_dtype():
+    def row(op, n, speedup):
+        return {"op": op, "n": n, "speedup": speedup}
+
+    rows = [row("a", 2048, 1.5), row("a", 2048, 1.0), row("a", 4096, 2.0), row("a", 4096, 0.99),
+            row("a", 8192, 1.2), row("b", 2048, 0.5), row("c", 2048, 3.0), row("c", 4096, 1.0)]
+    assert cuda_path.crossovers(rows) == {"a": 2048, "b": 0, "c": None}
 
 
 def test_bad_settings_are_refused_by_name(monkeypatch):
@@ -71,14 +90,12 @@ def _snapkv_inputs(n, seed=0):
 # op, arguments at a length N, and the N below / above its crossover under auto.
 CALLS = {
     "snapkv_compress": lambda n: (_snapkv_inputs(n), dict(budget=n // 4)),
-    "snapkv_scores": lambda n: (_snapkv_inputs(n)[:2], {}),
     "select_topk": lambda n: ((torch.rand(1, 2, n - 8, generator=torch.Generator().manual_seed(1)),),
                               dict(budget=n // 4, window=8)),
 }
 
 
-@pytest.mark.parametrize("op, below, above", [("snapkv_compress", 4096, 4104), ("snapkv_scores", 4096, 4104),
-                                              ("select_topk", 16383, 16384)])
+@pytest.mark.parametrize("op, below, above", [("snapkv_compress", 2048, 2056), ("select_topk", 8192, 8200)])
 def test_auto_runs_the_kernel_below_the_crossover_and_torch_above(op, below, above, as_cuda, monkeypatch):
     monkeypatch.setenv(cuda_path.ENV, "auto")
     for n, expected in ((below, []), (above, [op])):
