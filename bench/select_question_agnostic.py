@@ -3,7 +3,8 @@
 The question is asked after the context was compressed alone (``compress_context`` then ``continue_context``), at
 ``--retention`` (20%) with ``Policy.ripplekv``'s default budgets and selection: passkeys hidden in real prose
 (``passkey_text``: held-out KJV or essays running text, 5 depths) and the needle-in-a-haystack grid, for each
-``compress_context`` scoring (``probe``: "Repeat the text above." as the window; ``reconstruction``: KVzip's
+``compress_context`` scoring (``probe``: "Repeat the text above." as the window; ``surprisal``: half of each
+layer's context slots by the probe, half by the context's most surprising spans; ``reconstruction``: KVzip's
 context reconstruction; ``tail``: the context's own last tokens; ``probe:NAME``: another question-agnostic instruction of ``PROBES`` as the
 window; ``h2o``: H2O's attention accumulated over every context query, no window of its own, under the same
 budgets) beside Full; Wilson intervals. Also each scoring's
@@ -25,7 +26,7 @@ from pathlib import Path
 import torch
 
 RESULTS = Path(__file__).resolve().parent / "results"
-SCORINGS = ("probe", "reconstruction", "tail", "h2o")
+SCORINGS = ("probe", "surprisal", "reconstruction", "tail", "h2o")
 # Other question-agnostic instructions scored as the probe is (``probe:NAME``): none names the task's answer.
 PROBES = {
     "facts": "\n\nList every name, number and date in the text above.",

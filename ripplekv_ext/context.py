@@ -53,6 +53,9 @@ __all__ = ["ContextStamp", "DEFAULT_PROBE", "compress_context", "continue_contex
 # (docs/defaults.md). It costs its few tokens of extra prefill.
 DEFAULT_PROBE = "\n\nRepeat the text above."
 
+# compress_context's scorings (None: the default, "probe" with a tokenizer or probe_ids, else "tail").
+SCORINGS = (None, "probe", "surprisal", "reconstruction", "tail")
+
 STAMP_ATTRIBUTE = "ripplekv_context"
 # What identifies a model for a cache: another model of this shape would take the cache silently and answer
 # from keys it never computed, so the config hash and a digest of every weight are compared too (a fine-tuning step
@@ -173,7 +176,11 @@ def compress_context(model, context_ids: Tensor, policy: Policy, *, tokenizer=No
         scoring: what scores the context: ``"probe"`` (the probe above as the window, 7 tokens of extra prefill),
             ``"reconstruction"`` (KVzip's: the model re-reads the context after an instruction to repeat it, each
             token scored by the attention the reconstruction gives it; a second prefill of the context; needs the
-            tokenizer, one unpadded context, no ``decode_every``), or ``"tail"`` (the context's last ``W`` tokens).
+            tokenizer, one unpadded context, no ``decode_every``), ``"surprisal"`` (half of each layer's context
+            slots by the probe, half by the context's most surprising spans under the model: the needle sentences a
+            probe misses; a prefill with the vocabulary projection at every position, unpadded contexts, no
+            ``decode_every``; ripplekv_ext.integrations.transformers.surprisal), or ``"tail"`` (the context's last
+            ``W`` tokens).
             Default: ``"probe"`` with a tokenizer or ``probe_ids``, else ``"tail"``.
 
     Returns the transformers cache, stamped (``cache.ripplekv_context``, a ``ContextStamp``). Its compressed
@@ -198,11 +205,15 @@ def compress_context(model, context_ids: Tensor, policy: Policy, *, tokenizer=No
     lengths = row_lengths(attention_mask)  # checks the left padding
     lengths = [n] * batch if lengths is None else lengths.tolist()
 
-    if scoring not in (None, "probe", "reconstruction", "tail"):
-        raise ValueError(f"scoring must be 'probe', 'reconstruction' or 'tail' (or None: the default), got {scoring!r}")
+    if scoring not in SCORINGS:
+        raise ValueError(f"scoring must be one of {', '.join(map(repr, SCORINGS[1:]))} (or None: the default), got "
+                         f"{scoring!r}")
     if scoring == "reconstruction" and not policy.is_full:
         return _stamped(_reconstruct(model, context_ids, attention_mask, policy, tokenizer, probe_ids), model,
                         policy, context_ids, attention_mask, 0)
+    if scoring == "surprisal" and not policy.is_full:
+        cache, probe_tokens = _surprisal(model, context_ids, attention_mask, policy, tokenizer, probe_ids)
+        return _stamped(cache, model, policy, context_ids, attention_mask, probe_tokens)
     probe_tokens = 0
     prefill_ids, prefill_mask, prefill_policy = context_ids, attention_mask, policy
     if scoring == "tail":
@@ -255,17 +266,41 @@ def _stamped(cache, model, policy, context_ids, attention_mask, probe_tokens: in
     return cache
 
 
-def _reconstruct(model, context_ids, attention_mask, policy, tokenizer, probe_ids):
-    why = ("it needs the model's tokenizer (tokenizer=...) for its instruction" if tokenizer is None else
-           "it takes one context, unpadded" if attention_mask is not None and not bool(attention_mask.bool().all())
-           else "it scores with its own instruction, not probe_ids" if probe_ids is not None else
-           "decode-time compression needs the window's queries, which it has none of" if policy.decode_every
+def _whole_context_refusal(scoring: str, attention_mask, policy) -> None:
+    """The scorings that prefill the context uncompressed and select afterwards take contexts of one length."""
+    why = ("it takes unpadded contexts" if attention_mask is not None and not bool(attention_mask.bool().all())
+           else "decode-time compression needs the window's queries, which it has none of" if policy.decode_every
            else "it reads the context whole (no prefill_chunk yet)" if policy.prefill_chunk else None)
     if why is not None:
+        raise ValueError(f"scoring={scoring!r}: {why}")
+
+
+def _reconstruct(model, context_ids, attention_mask, policy, tokenizer, probe_ids):
+    why = ("it needs the model's tokenizer (tokenizer=...) for its instruction" if tokenizer is None else
+           "it scores with its own instruction, not probe_ids" if probe_ids is not None else None)
+    if why is not None:
         raise ValueError(f"scoring='reconstruction': {why}")
+    _whole_context_refusal("reconstruction", attention_mask, policy)
     _check_budget(policy, [context_ids.shape[1]] * context_ids.shape[0], 0)
     with torch.no_grad():
         return _door().reconstructed_cache(model, context_ids.to(next(model.parameters()).device), policy, tokenizer)
+
+
+def _surprisal(model, context_ids, attention_mask, policy, tokenizer, probe_ids):
+    if probe_ids is None and tokenizer is None:
+        raise ValueError("scoring='surprisal': it needs the model's tokenizer (tokenizer=...) for its probe, or "
+                         "probe_ids")
+    _whole_context_refusal("surprisal", attention_mask, policy)
+    probe_ids = default_probe_ids(tokenizer) if probe_ids is None else _check_ids("probe_ids", probe_ids)
+    if probe_ids.shape[0] != 1:
+        raise ValueError(f"scoring='surprisal': probe_ids must have 1 row, got {probe_ids.shape[0]}")
+    _check_vocab("probe_ids (or the tokenizer's probe)", probe_ids, model)
+    probe_tokens = probe_ids.shape[1]
+    _check_budget(policy, [context_ids.shape[1]] * context_ids.shape[0], probe_tokens)
+    device = next(model.parameters()).device
+    with torch.no_grad():
+        cache = _door().surprisal_cache(model, context_ids.to(device), policy, probe_ids)
+    return cache, probe_tokens
 
 
 def check_context(model, cache) -> ContextStamp:

@@ -63,7 +63,7 @@ def test_reconstruction_refusals_name_the_reason():
     policy = Policy.snapkv(0.25, window=8)
     with pytest.raises(ValueError, match="scoring='reconstruction': it needs the model's tokenizer"):
         compress_context(model, _ids(200), policy, scoring="reconstruction")
-    with pytest.raises(ValueError, match="scoring='reconstruction': it takes one context, unpadded"):
+    with pytest.raises(ValueError, match="scoring='reconstruction': it takes unpadded contexts"):
         mask = torch.ones(1, 200, dtype=torch.long)
         mask[0, :5] = 0
         compress_context(model, _ids(200), policy, tokenizer=_Tokenizer(), attention_mask=mask,
@@ -71,7 +71,7 @@ def test_reconstruction_refusals_name_the_reason():
     with pytest.raises(ValueError, match="decode-time compression"):
         compress_context(model, _ids(200), Policy.snapkv(0.25, window=8, decode_every=8), tokenizer=_Tokenizer(),
                          scoring="reconstruction")
-    with pytest.raises(ValueError, match="scoring must be 'probe', 'reconstruction' or 'tail'"):
+    with pytest.raises(ValueError, match="scoring must be one of 'probe', 'surprisal', 'reconstruction', 'tail'"):
         compress_context(model, _ids(200), policy, scoring="kvzip")
 
 

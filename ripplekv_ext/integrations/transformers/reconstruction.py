@@ -16,6 +16,7 @@ among them). The scores replace the policy's selector.
 
 from __future__ import annotations
 
+import copy
 from typing import Optional
 
 import torch
@@ -69,17 +70,13 @@ def reconstruction_scores(model, cache, context_ids: Tensor, layers: list[int], 
     Chunk ``i`` of ``chunk`` context tokens is read after ``prompt_ids`` (the repeat instruction; later chunks start
     from the last ``overlap`` tokens of the one before) and ``suffix_ids`` (the chat turn's end), teacher-forced.
     """
-    import copy
-
-    from transformers.cache_utils import DynamicLayer
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
     from transformers.masking_utils import sdpa_mask
 
     from ripplekv_ext.integrations.transformers.versions import cache_argument
 
     n = context_ids.shape[1]
-    # Sliding-window layers take the reconstruction's tokens too, and cannot be cropped back: restored after each.
-    kept = {i: copy.deepcopy(layer) for i, layer in enumerate(cache.layers) if type(layer) is not DynamicLayer}
+    rewind = Rewind(cache, n)
     scorer = _Scorer(base_attention or sdpa_attention_forward, layers, n, sink)
     name = unique_attention_name("ripplekv_ext.reconstruction")
     device = context_ids.device
@@ -93,13 +90,27 @@ def reconstruction_scores(model, cache, context_ids: Tensor, layers: list[int], 
             scorer.chunk = (start, end)
             positions = torch.arange(n, n + ids.shape[1], device=device)[None].expand(ids.shape[0], -1)
             model(input_ids=ids, position_ids=positions, use_cache=True, logits_to_keep=1, **{cache_argument(): cache})
-            # The reconstruction's tokens leave the cache: the next chunk reads the context alone.
-            for i, layer in enumerate(cache.layers):
-                if i in kept:
-                    cache.layers[i] = copy.deepcopy(kept[i])
-                else:
-                    layer.crop(n - layer.keys.shape[-2])  # a negative count: the newest tokens, in every release
+            rewind()  # the reconstruction's tokens leave the cache: the next chunk reads the context alone
     return scorer.scores
+
+
+class Rewind:
+    """Puts a context's cache back as it was after tokens were read beyond the context (``rewind()``): full-attention
+    layers are cropped to the context's ``n`` tokens; sliding-window layers, which cannot be cropped back, are
+    restored from a copy taken when this was made."""
+
+    def __init__(self, cache, n: int):
+        from transformers.cache_utils import DynamicLayer
+
+        self.cache, self.n = cache, n
+        self.kept = {i: copy.deepcopy(layer) for i, layer in enumerate(cache.layers) if type(layer) is not DynamicLayer}
+
+    def __call__(self) -> None:
+        for i, layer in enumerate(self.cache.layers):
+            if i in self.kept:
+                self.cache.layers[i] = copy.deepcopy(self.kept[i])
+            else:
+                layer.crop(self.n - layer.keys.shape[-2])  # a negative count: the newest tokens, in every release
 
 RECONSTRUCTION_PROMPT = "\n\nRepeat the previous context exactly."
 SINK = 4
