@@ -9,7 +9,11 @@ context reconstruction; ``tail``: the context's own last tokens; ``probe:NAME``:
 window; ``h2o``: H2O's attention accumulated over every context query, no window of its own, under the same
 budgets) beside Full; Wilson intervals. Also each scoring's
 cost: the seconds of ``compress_context`` and the tokens it prefills. ``--seed 0`` is the calibration set,
-``--seed 1`` the held-out one. Results after every cell to ``--out``; a rerun resumes. One thread.
+``--seed 1`` the held-out one (other passkeys, and the needle at other lengths and depths). With ``--fidelity N``: the text-fidelity KL of contexts compressed this way (N held-out
+KJV and N essay windows of 2,048 + 64 tokens, as the report's fidelity part; KL(Full || compressed) at the
+continuation's positions 2-64, teacher-forced after ``compress_context``) beside ``tail``, the context's own last
+tokens, which is what one-shot compression of a prefix does. Results after every cell to ``--out``; a rerun resumes.
+One thread.
 
     .venv/bin/python bench/select_question_agnostic.py --model smollm2 --seed 0
 """
@@ -35,6 +39,10 @@ PROBES = {
     "question": "\n\nAnswer a question about the text above.",
 }
 
+# The needle grid of a held-out run (any seed but 0): cells the calibration grid (1,024-2,048 tokens, depths 0-100%)
+# does not hold.
+HELD_OUT_NEEDLES = dict(lengths=(1280, 1792), depths=(10, 35, 60, 85))
+
 
 def build_parser():
     p = argparse.ArgumentParser(prog="bench/select_question_agnostic.py", description=__doc__.split("\n\n")[0])
@@ -45,6 +53,7 @@ def build_parser():
     p.add_argument("--length", type=int, default=None, help="passkey_text tokens (default: the task's)")
     p.add_argument("--scorings", default=",".join(SCORINGS))
     p.add_argument("--tasks", default="passkey_text,needle")
+    p.add_argument("--fidelity", type=int, default=0, help="text windows per domain for the fidelity KL (0: none)")
     p.add_argument("--out", default=None)
     return p
 
@@ -76,7 +85,8 @@ def main(argv=None) -> int:
         tasks["passkey_text"] = make_synthetic("passkey_text", tokenizer, length=args.length,
                                                num_examples=args.examples, seed=args.seed, depths=even_depths(5))
     if "needle" in args.tasks:
-        tasks["needle"] = make_needle(tokenizer)  # one grid (lengths x depths): the same for every seed
+        # Seed 0: the report's grid; another seed: other lengths and depths in the same haystack (held out).
+        tasks["needle"] = make_needle(tokenizer) if args.seed == 0 else make_needle(tokenizer, **HELD_OUT_NEEDLES)
     out = Path(args.out or RESULTS / f"select_question_agnostic_{args.model}_s{args.seed}.json")
     results = json.loads(out.read_text()) if out.is_file() else {}
     results.update({"figure": "question-agnostic scoring on real text", "model": name, "seed": args.seed,
@@ -117,7 +127,54 @@ def main(argv=None) -> int:
             write_json_atomic(out, results)
             print(f"{task} {scoring}: {found:.1f}/{len(scores)}  compress_context {cells[key]['compress_seconds_median']:.1f}s",
                   flush=True)
+    if args.fidelity:
+        fidelity(args, model, tokenizer, policy, cells, results, out)
     return 0
+
+
+def fidelity(args, model, tokenizer, policy, cells, results, out):
+    """KL(Full || compressed) per text window, each scoring (``tail`` always: one-shot compression's), with the
+    paired difference from ``tail``."""
+    from ripplekv_ext import compress, compress_context
+    from ripplekv_ext._jsonio import write_json_atomic
+    from ripplekv_ext.eval.fidelity import fidelity_examples, kl_per_position, paired_kl_comparison
+    from ripplekv_ext.integrations import transformers_integration
+
+    door = transformers_integration()
+
+    prefix_len, cont_len = 2048, 64
+    scorings = ["tail"] + [s for s in args.scorings.split(",") if s not in ("tail", "h2o")]
+    for text in ("kjv:evaluation", "essays:evaluation"):
+        ids = fidelity_examples(tokenizer, prefix_len, cont_len, args.fidelity, text)
+        full_logits = []
+        with torch.inference_mode():
+            for row in ids:  # continuation token t + 1 is predicted at position prefix_len + t
+                logits = model(row[None], logits_to_keep=cont_len).logits[0, :-1].float()
+                full_logits.append(logits)
+        for scoring in scorings:
+            key = f"fidelity_{text.split(':')[0]}/{scoring}"
+            if key in cells:
+                continue
+            kl = []
+            for row, full in zip(ids, full_logits):
+                with torch.inference_mode():
+                    if scoring.startswith("probe:"):
+                        probe = tokenizer(PROBES[scoring.split(":", 1)[1]], add_special_tokens=False)["input_ids"]
+                        cache = compress_context(model, row[None, :prefix_len], policy,
+                                                 probe_ids=torch.tensor([probe]))
+                    else:
+                        cache = compress_context(model, row[None, :prefix_len], policy, tokenizer=tokenizer,
+                                                 scoring=scoring)
+                    with compress(model, policy):  # compressed layers are continued inside the hook
+                        logits = model(row[None, prefix_len:], use_cache=True,
+                                       **{door.cache_argument(): cache}).logits[0, :-1]
+                kl.append(kl_per_position(full, logits.float()).mean().item())
+            cells[key] = {"kl_mean": sum(kl) / len(kl), "kl": kl, "examples": len(kl), "prefix_len": prefix_len,
+                          "cont_len": cont_len}
+            if scoring != "tail":
+                cells[key]["against_tail"] = paired_kl_comparison(kl, cells[f"fidelity_{text.split(':')[0]}/tail"]["kl"])
+            write_json_atomic(out, results)
+            print(f"{key}: KL {cells[key]['kl_mean']:.4f} over {len(kl)} windows", flush=True)
 
 
 if __name__ == "__main__":

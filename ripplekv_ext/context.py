@@ -15,6 +15,13 @@ context plus the probe, the probe always among them, last; its tokens are then d
 context keeps ``budget - probe length`` tokens per layer. Sliding-window layers (Gemma3's) keep a window longer by
 the probe during that prefill and are then left as a prefill of the context alone leaves them.
 
+By default (given the tokenizer, for unpadded contexts read whole) half of each layer's context slots go to the
+probe's choice and half to the context's most surprising spans (``scoring="surprisal"``): in running text a probe
+misses a needle sentence that a later question asks about, and the model's own next-token loss finds it (SmolLM2,
+question asked after compression at 20%: the needle grid 3.0/15 with the probe alone, 11.0/15 with both, Full 14.0/15;
+docs/compress_once.md). That scoring reads the context whole before it selects, so its peak cache is the context's
+uncompressed one; ``prefill_chunk`` (bounded memory), ``decode_every`` and padded batches take the probe alone.
+
 The returned cache is a transformers ``DynamicCache`` (its compressed layers are ``CompressedLayer``s)
 stamped with a ``ContextStamp``: the model it was compressed on, the policy, and the context's token ids (which
 ``generate`` needs in front of the question, since it counts the cached tokens as part of the sequence).
@@ -47,7 +54,7 @@ from ripplekv_ext.policies import Policy
 from ripplekv_ext.rolling import prefill_in_chunks
 
 __all__ = ["ContextStamp", "DEFAULT_PROBE", "compress_context", "continue_context", "check_context",
-           "default_probe_ids", "load_context"]
+           "default_probe_ids", "default_scoring", "load_context"]
 
 # The question-agnostic window of compress_context: chosen on calibration tasks and confirmed on held-out ones
 # (docs/defaults.md). It costs its few tokens of extra prefill.
@@ -166,8 +173,8 @@ def compress_context(model, context_ids: Tensor, policy: Policy, *, tokenizer=No
         context_ids: int ``[B, n]``: the context, without the question (chat templates: the tokens up to where
             the question starts, see docs/compress_once.md).
         policy: the compression policy; ``Policy.full()`` returns the uncompressed cache.
-        tokenizer: the model's tokenizer: with it the context is scored by ``DEFAULT_PROBE`` (question-agnostic:
-            on passkey at 20% the context's tail keeps the needle 0 times in 5, the probe 5 in 5; docs/defaults.md).
+        tokenizer: the model's tokenizer: with it the context is scored question-agnostically, by ``DEFAULT_PROBE``
+            and the context's surprisal (the default scoring, below; docs/compress_once.md has what each keeps).
             Without it the context's own tail is the window.
         attention_mask: ``[B, n]`` of a left-padded batch of contexts (each row is compressed as if alone).
         probe_ids: int ``[B or 1, p]``: a text of one's own scoring the context (e.g. one resembling the expected
@@ -180,8 +187,8 @@ def compress_context(model, context_ids: Tensor, policy: Policy, *, tokenizer=No
             slots by the probe, half by the context's most surprising spans under the model: the needle sentences a
             probe misses; a prefill with the vocabulary projection at every position, unpadded contexts, no
             ``decode_every``; ripplekv_ext.integrations.transformers.surprisal), or ``"tail"`` (the context's last
-            ``W`` tokens).
-            Default: ``"probe"`` with a tokenizer or ``probe_ids``, else ``"tail"``.
+            ``W`` tokens). Default (``default_scoring``): ``"surprisal"`` with a tokenizer for unpadded contexts read
+            whole, else ``"probe"`` with a tokenizer or ``probe_ids``, else ``"tail"``.
 
     Returns the transformers cache, stamped (``cache.ripplekv_context``, a ``ContextStamp``). Its compressed
     layers report the context's length as their sequence length. Continue it with ``continue_context``.
@@ -208,6 +215,8 @@ def compress_context(model, context_ids: Tensor, policy: Policy, *, tokenizer=No
     if scoring not in SCORINGS:
         raise ValueError(f"scoring must be one of {', '.join(map(repr, SCORINGS[1:]))} (or None: the default), got "
                          f"{scoring!r}")
+    if scoring is None:
+        scoring = default_scoring(policy, tokenizer, probe_ids, attention_mask)
     if scoring == "reconstruction" and not policy.is_full:
         return _stamped(_reconstruct(model, context_ids, attention_mask, policy, tokenizer, probe_ids), model,
                         policy, context_ids, attention_mask, 0)
@@ -264,6 +273,18 @@ def _stamped(cache, model, policy, context_ids, attention_mask, probe_tokens: in
                                                  else attention_mask.detach().cpu(),
                                                  probe_tokens=probe_tokens, cache_digest=cache_digest(cache)))
     return cache
+
+
+def default_scoring(policy: Policy, tokenizer=None, probe_ids=None, attention_mask=None) -> str:
+    """What ``compress_context`` scores a context with when ``scoring`` is None: ``"surprisal"`` given the tokenizer
+    (and no probe of one's own) for unpadded contexts read whole; else ``"probe"`` given a tokenizer or
+    ``probe_ids``; else ``"tail"``. A padded batch, ``decode_every`` and ``prefill_chunk`` (bounded prefill: the
+    surprisal scoring holds the whole context's cache) take the probe."""
+    if tokenizer is None and probe_ids is None:
+        return "tail"
+    whole = (not policy.decode_every and not policy.prefill_chunk
+             and (attention_mask is None or bool(attention_mask.bool().all())))
+    return "surprisal" if tokenizer is not None and probe_ids is None and whole else "probe"
 
 
 def _whole_context_refusal(scoring: str, attention_mask, policy) -> None:

@@ -113,3 +113,37 @@ def test_surprisal_refusals_name_the_reason():
                          scoring="surprisal")
     with pytest.raises(ValueError, match="scoring='surprisal': probe_ids must have 1 row"):
         compress_context(model, _ids(200, batch=2), policy, probe_ids=PROBE.expand(2, -1), scoring="surprisal")
+
+
+def test_the_default_scoring_is_surprisal_where_the_context_is_read_whole():
+    from ripplekv_ext.context import default_scoring
+
+    policy = Policy.snapkv(0.25, window=8)
+    padded = torch.ones(2, 10, dtype=torch.long)
+    padded[0, :3] = 0
+    assert default_scoring(policy, tokenizer=object()) == "surprisal"
+    assert default_scoring(policy, tokenizer=object(), attention_mask=torch.ones(2, 10)) == "surprisal"
+    assert default_scoring(policy, tokenizer=object(), attention_mask=padded) == "probe"
+    assert default_scoring(dataclasses.replace(policy, prefill_chunk=64), tokenizer=object()) == "probe"
+    assert default_scoring(dataclasses.replace(policy, decode_every=4), tokenizer=object()) == "probe"
+    assert default_scoring(policy, tokenizer=object(), probe_ids=PROBE) == "probe"
+    assert default_scoring(policy, probe_ids=PROBE) == "probe"
+    assert default_scoring(policy) == "tail"
+
+
+@torch.no_grad()
+def test_compress_context_with_a_tokenizer_scores_by_surprisal():
+    class Tokenizer:
+        chat_template = None
+
+        def __call__(self, text, add_special_tokens=False):
+            return {"input_ids": [3 + ord(c) % 400 for c in text]}
+
+    model = tiny_model("llama")
+    policy = Policy.snapkv(0.25, window=8)
+    context = _ids(400, seed=5)
+    default = compress_context(model, context, policy, tokenizer=Tokenizer())
+    chosen = compress_context(model, context, policy, tokenizer=Tokenizer(), scoring="surprisal")
+    probe = compress_context(model, context, policy, tokenizer=Tokenizer(), scoring="probe")
+    assert all(torch.equal(a.keys, b.keys) for a, b in zip(default.layers, chosen.layers))
+    assert not all(torch.equal(a.keys, b.keys) for a, b in zip(default.layers, probe.layers))

@@ -27,7 +27,7 @@ from ripplekv_ext.compressor import KVCompressor
 from ripplekv_ext.integrations.transformers.attention import registered_attention, unique_attention_name
 from ripplekv_ext.integrations.transformers.compressed_layer import CompressedLayer
 from ripplekv_ext.integrations.transformers.reconstruction import SINK, Rewind
-from ripplekv_ext.integrations.transformers.versions import cache_argument
+from ripplekv_ext.integrations.transformers.versions import cache_argument, output_cache
 from ripplekv_ext.ops import gather_kv, select_topk
 
 __all__ = ["SURPRISAL_SHARE", "SURPRISAL_SPAN", "context_surprisal", "surprisal_cache"]
@@ -81,7 +81,7 @@ def surprisal_cache(model, context_ids: Tensor, policy, probe_ids: Tensor, share
     batch, n = context_ids.shape
     device = context_ids.device
     out = model.get_decoder()(input_ids=context_ids, use_cache=True)
-    cache = out.past_key_values
+    cache = output_cache(out)
     surprisal = context_surprisal(model, out.last_hidden_state, context_ids)
     pooled = F.max_pool1d(surprisal[:, None], span, 1, span // 2)[:, 0]  # [B, n]
     # Rank in [0, 1): below the probe's marks (2), so the probe's choice comes first and surprisal fills the rest.
