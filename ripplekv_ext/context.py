@@ -38,15 +38,15 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
-import pickle
-from dataclasses import dataclass
 from typing import Optional
 
 import torch
 from torch import Tensor
 
 from ripplekv_ext.allocation import average_budget
-from ripplekv_ext.digests import cache_digest, weights_digest
+from ripplekv_ext.context_stamp import (STAMP_ATTRIBUTE, ContextStamp, check_context, check_model, load_context,
+                                        model_identity)
+from ripplekv_ext.digests import cache_digest
 from ripplekv_ext.hook import compress, compress_block_open
 from ripplekv_ext.integrations import transformers_integration as _door
 from ripplekv_ext.masks import row_lengths
@@ -62,45 +62,6 @@ DEFAULT_PROBE = "\n\nRepeat the text above."
 
 # compress_context's scorings (None: the default, "probe" with a tokenizer or probe_ids, else "tail").
 SCORINGS = (None, "probe", "surprisal", "reconstruction", "tail")
-
-STAMP_ATTRIBUTE = "ripplekv_context"
-# What identifies a model for a cache: another model of this shape would take the cache silently and answer
-# from keys it never computed, so the config hash and a digest of every weight are compared too (a fine-tuning step
-# or a merged LoRA on one projection changes the keys and values the cache would need).
-_IDENTITY_FIELDS = ("architecture", "num_layers", "num_kv_heads", "head_dim", "config_sha256", "weight_sample",
-                    "weights_digest")
-def model_identity(model) -> dict:
-    """The fields of ``profile_file.describe_model`` that tell one model from another (the name may differ), and the
-    digest of all its weights (``weights_digest``)."""
-    from ripplekv_ext.profile_file import describe_model
-
-    info = describe_model(model)
-    fingerprint = info.pop("fingerprint")
-    info.update(fingerprint)
-    info["weights_digest"] = weights_digest(model)
-    return {key: info[key] for key in _IDENTITY_FIELDS}
-
-
-@dataclass(frozen=True, eq=False)
-class ContextStamp:
-    """What a compressed context cache carries (``cache.ripplekv_context``).
-
-    ``context_ids`` ``[B, n]`` and ``attention_mask`` (``[B, n]``, None when no row is padded) are the context's
-    tokens; ``policy`` compressed it (its own window, even when a probe scored it); ``probe_tokens`` is the probe's
-    length (0: the context's tail was the window); ``model`` is ``model_identity`` of the model it belongs to.
-    """
-
-    model: dict
-    policy: Policy
-    context_ids: Tensor
-    attention_mask: Optional[Tensor]
-    probe_tokens: int
-    cache_digest: Optional[str] = None  # cache_digest of the cache compress_context returned (None: saved before it)
-
-    def __deepcopy__(self, memo):
-        # Immutable and shared: a copied cache answers for the same context, model and policy.
-        return self
-
 
 def _check_ids(name: str, ids, batch: Optional[int] = None) -> Tensor:
     if not isinstance(ids, Tensor):
@@ -136,12 +97,6 @@ def _check_budget(policy: Policy, lengths: list[int], probe_tokens: int) -> None
         raise ValueError(f"retention {policy.retention:g} of a {n}-token context{probe} is an average budget of "
                          f"{budget} tokens, not above {limit}; rows {[row for row, _, _ in too_small]} are affected. "
                          f"Raise the retention, use {fix}, or a longer context")
-
-
-def _check_model(model) -> None:
-    if not (hasattr(model, "config") and hasattr(model, "generate")):
-        raise TypeError(f"model must be a transformers causal LM (with .config and .generate), got "
-                        f"{type(model).__name__}")
 
 
 def default_probe_ids(tokenizer) -> Tensor:
@@ -197,7 +152,7 @@ def compress_context(model, context_ids: Tensor, policy: Policy, *, tokenizer=No
     whole instead of compressed), at any length, one token included; only retention 1 (keep all) and Full take
     every context. Raise the retention, shrink the window or the probe, or give a longer context.
     """
-    _check_model(model)
+    check_model(model)
     if not isinstance(policy, Policy):
         raise TypeError(f"policy must be a ripplekv_ext.Policy, got {type(policy).__name__}")
     context_ids = _check_ids("context_ids", context_ids)
@@ -324,25 +279,6 @@ def _surprisal(model, context_ids, attention_mask, policy, tokenizer, probe_ids)
     return cache, probe_tokens
 
 
-def check_context(model, cache) -> ContextStamp:
-    """The cache's ``ContextStamp``, after checking that ``compress_context`` made it on this model: same architecture,
-    layer and head counts, config and weight sample (``model_identity``), so a replica of the model may continue it."""
-    stamp = getattr(cache, STAMP_ATTRIBUTE, None)
-    if not isinstance(stamp, ContextStamp):
-        raise TypeError(f"cache must be what ripplekv_ext.compress_context returned, got {type(cache).__name__} "
-                        "without a context stamp")
-    _check_model(model)
-    mine = model_identity(model)
-    # A context saved before a field existed is checked on the fields it has.
-    differ = [key for key in _IDENTITY_FIELDS if key in stamp.model and mine[key] != stamp.model[key]]
-    if differ:
-        shown = ", ".join(f"{key}: {stamp.model[key]} vs {mine[key]}" for key in differ
-                          if key not in ("weight_sample", "weights_digest"))
-        raise ValueError(f"this compressed context belongs to another model ({shown or 'same config, other weights'}"
-                         "); compress the context again with this model")
-    return stamp
-
-
 def continue_context(model, cache, question_ids: Tensor, *, copy_cache: bool = True,
                      attention: Optional[str] = None, **generate_kwargs):
     """``model.generate`` after a compressed context: the question's tokens, then the answer.
@@ -407,44 +343,3 @@ def continue_context(model, cache, question_ids: Tensor, *, copy_cache: bool = T
     with block:
         return model.generate(input_ids, attention_mask=attention_mask,
                               **{_door().cache_argument(): work}, **generate_kwargs)
-
-
-def _saved_classes() -> list:
-    """The classes a saved context is made of: transformers' cache and layers, this package's layer, stamp, policy,
-    allocators and selectors (and a RippleKV profile)."""
-    from ripplekv_ext.allocation import PyramidKVAllocator, RippleKVAllocator, UniformAllocator
-    from ripplekv_ext.profile_file import Profile
-    from ripplekv_ext.selectors import (AdaptiveRecentSelector, H2OSelector, KeyNormSelector, PeakSpanSelector,
-                                        RecentSnapKVSelector, SnapKVSelector, StreamingLLMSelector)
-
-    return [*_door().cache_classes(), ContextStamp, Policy, UniformAllocator, PyramidKVAllocator, RippleKVAllocator,
-            Profile, SnapKVSelector, RecentSnapKVSelector, AdaptiveRecentSelector, PeakSpanSelector, KeyNormSelector,
-            H2OSelector, StreamingLLMSelector]
-
-
-def load_context(path, *, map_location=None):
-    """A compressed context saved with ``torch.save(cache, path)``, loaded with ``weights_only=True``.
-
-    Only the classes such a cache is made of are allowed in; a policy with a custom allocator or selector names it
-    in torch's error: load it within ``torch.serialization.safe_globals([...])`` naming that class too (or, for a
-    file you trust, ``torch.load(path, weights_only=False)``). ``map_location`` is ``torch.load``'s (the model's
-    device: ``continue_context`` wants the cache where the model is).
-    """
-    try:
-        with torch.serialization.safe_globals(_saved_classes()):
-            cache = torch.load(path, map_location=map_location, weights_only=True)
-    except (EOFError, pickle.UnpicklingError, OSError, RuntimeError) as err:
-        if isinstance(err, FileNotFoundError) or "weights_only" in str(err):
-            raise  # a missing file, or a class a policy of one's own needs allowed: torch's message says it
-        raise ValueError(f"{path} is not a readable saved context (truncated, empty or damaged: "
-                         f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else 'no data'}); save it "
-                         "again with torch.save(cache, path)") from err
-    stamp = getattr(cache, STAMP_ATTRIBUTE, None)
-    if not isinstance(stamp, ContextStamp):
-        raise TypeError(f"{path} holds a {type(cache).__name__}, not a context saved from "
-                        "ripplekv_ext.compress_context")
-    if stamp.cache_digest is not None and cache_digest(cache) != stamp.cache_digest:
-        raise ValueError(f"{path}: the cache's tensors differ from what compress_context made (their digest does "
-                         "not match the stamp's): the file is damaged, or the context was continued with "
-                         "copy_cache=False before it was saved. Compress the context again")
-    return cache
