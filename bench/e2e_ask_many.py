@@ -5,11 +5,11 @@ text with the pass key at one of 5 depths) with the needle sentence ("The best t
 put at another depth, compressed once by ``compress_context`` at ``--retention`` (20%, ``Policy.ripplekv`` with the
 shipped profile) under each ``--scorings`` scoring (and Full), then asked, one after the other from copies of that
 one cache (``continue_context``): the pass key, the needle's question, and a question about the text's content
-("What is the text above about?"). The pass key and the needle are scored against the truth (the number in the answer, as the passkey task scores it;
-the key phrases' share); every answer also against what Full answers to the same question (identical text, and
-token F1). The first context is also saved and loaded back (``torch.save`` / ``load_context``) and asked again: its
-answers must be those of the cache in memory. One thread; results after every context to ``--out``; a rerun
-resumes.
+("What is the text above about?"). The pass key and the needle are scored against the truth (the number in the
+answer, as the passkey task scores it; the key phrases' share); every answer also against what Full answers to the
+same question (identical text, and token F1). The first context is also saved and loaded back (``torch.save`` /
+``load_context``) and asked again: its answers must be those of the cache in memory. One thread; results after every
+context to ``--out``; a rerun resumes.
 
     .venv/bin/python bench/e2e_ask_many.py --model smollm2 --contexts 10
 """
@@ -95,22 +95,26 @@ def main(argv=None) -> int:
             continue
         context, questions = with_needle(example, tokenizer)
         row = {"context_tokens": context.shape[1], "answers": {}}
+
+        def ask(cache):
+            """Each question's answer from a copy of ``cache``."""
+            answers = {}
+            for question, ids in questions.items():
+                output = continue_context(model, cache, ids, max_new_tokens=max_new[question], **options)
+                answers[question] = tokenizer.decode(output[0, context.shape[1] + ids.shape[1]:],
+                                                     skip_special_tokens=True)
+            return answers
+
         for scoring in scorings:
             with torch.inference_mode():
                 cache = compress_context(model, context, Policy.full() if scoring == "full" else policy,
                                          tokenizer=tokenizer, scoring=None if scoring == "full" else scoring)
-                answers = {}
-                for question, ids in questions.items():
-                    output = continue_context(model, cache, ids, max_new_tokens=max_new[question], **options)
-                    answers[question] = tokenizer.decode(output[0, context.shape[1] + ids.shape[1]:],
-                                                         skip_special_tokens=True)
+                answers = ask(cache)
                 if i == 0 and scoring != "full":
                     with tempfile.TemporaryDirectory() as folder:
                         torch.save(cache, Path(folder) / "context.pt")
                         loaded = load_context(Path(folder) / "context.pt")
-                    for question, ids in questions.items():
-                        output = continue_context(model, loaded, ids, max_new_tokens=max_new[question], **options)
-                        again = tokenizer.decode(output[0, context.shape[1] + ids.shape[1]:], skip_special_tokens=True)
+                    for question, again in ask(loaded).items():
                         if again != answers[question]:
                             raise SystemExit(f"{scoring}: the saved context answered {question!r} with {again!r}, "
                                              f"the one in memory with {answers[question]!r}")

@@ -8,9 +8,9 @@ layer's context slots by the probe, half by the context's most surprising spans;
 context reconstruction; ``tail``: the context's own last tokens; ``probe:NAME``: another question-agnostic instruction of ``PROBES`` as the
 window; ``h2o``: H2O's attention accumulated over every context query, no window of its own, under the same
 budgets) beside Full; Wilson intervals. Also each scoring's
-cost: the seconds of ``compress_context`` and the tokens it prefills. ``--seed 0`` is the calibration set,
-``--seed 1`` the held-out one (other passkeys, and the needle at other lengths and depths). With ``--fidelity N``: the text-fidelity KL of contexts compressed this way (N held-out
-KJV and N essay windows of 2,048 + 64 tokens, as the report's fidelity part; KL(Full || compressed) at the
+cost: the seconds of ``compress_context``. ``--seed 0`` is the calibration set,
+``--seed 1`` the held-out one (other passkeys, and the needle at other lengths and depths). With ``--fidelity N``:
+the text-fidelity KL of contexts compressed this way (N held-out KJV and N essay windows of 2,048 + 64 tokens, as the report's fidelity part; KL(Full || compressed) at the
 continuation's positions 2-64, teacher-forced after ``compress_context``) beside ``tail``, the context's own last
 tokens, which is what one-shot compression of a prefix does. Results after every cell to ``--out``; a rerun resumes.
 One thread.
@@ -67,14 +67,13 @@ def main(argv=None) -> int:
         parser.error(f"unknown scoring(s) {', '.join(unknown)}: use {', '.join(SCORINGS)} or probe:NAME with NAME "
                      f"one of {', '.join(PROBES)}")
     torch.set_num_threads(1)
-    from ripplekv_ext import Policy, compress_context, continue_context
+    from ripplekv_ext import Policy, continue_context
     from ripplekv_ext._jsonio import write_json_atomic
     from ripplekv_ext.eval.models import load_model, shipped_profile_path
     from ripplekv_ext.eval.needle import make_needle
     from ripplekv_ext.eval.runner import evaluate, greedy_options
     from ripplekv_ext.eval.synthetic import even_depths, make_synthetic
     from ripplekv_ext.profile_file import load_profile
-    from ripplekv_ext.selectors import H2OSelector
     from ripplekv_ext.stats import wilson_interval
 
     model, tokenizer, name = load_model(args.model)
@@ -97,22 +96,13 @@ def main(argv=None) -> int:
             key = f"{task}/{scoring}"
             if key in cells:
                 continue
-            seconds, tokens = [], []
+            seconds = []
 
             def generate(input_ids, max_new_tokens, context_tokens):
                 context = input_ids[:, :context_tokens]
                 start = time.perf_counter()
-                chosen = Policy.full() if scoring == "full" else policy
                 with torch.inference_mode():
-                    if scoring == "h2o":
-                        h2o = dataclasses.replace(policy, selector=H2OSelector())
-                        cache = compress_context(model, context, h2o, scoring="tail")
-                    elif scoring.startswith("probe:"):
-                        probe = tokenizer(PROBES[scoring.split(":", 1)[1]], add_special_tokens=False)["input_ids"]
-                        cache = compress_context(model, context, chosen, probe_ids=torch.tensor([probe]))
-                    else:
-                        cache = compress_context(model, context, chosen, tokenizer=tokenizer,
-                                                 scoring=None if scoring == "full" else scoring)
+                    cache = compressed(model, tokenizer, context, policy, scoring)
                     seconds.append(time.perf_counter() - start)
                     output = continue_context(model, cache, input_ids[:, context_tokens:], copy_cache=False,
                                               max_new_tokens=max_new_tokens, **options)
@@ -132,10 +122,26 @@ def main(argv=None) -> int:
     return 0
 
 
+def compressed(model, tokenizer, context, policy, scoring: str):
+    """``context`` compressed alone by ``scoring``: ``full`` (nothing dropped), ``h2o`` (H2O's selector under the
+    policy's budgets), ``probe:NAME`` (an instruction of ``PROBES`` as the probe) or a ``compress_context`` scoring."""
+    from ripplekv_ext import Policy, compress_context
+    from ripplekv_ext.selectors import H2OSelector
+
+    if scoring == "full":
+        return compress_context(model, context, Policy.full())
+    if scoring == "h2o":
+        return compress_context(model, context, dataclasses.replace(policy, selector=H2OSelector()), scoring="tail")
+    if scoring.startswith("probe:"):
+        probe = tokenizer(PROBES[scoring.split(":", 1)[1]], add_special_tokens=False)["input_ids"]
+        return compress_context(model, context, policy, probe_ids=torch.tensor([probe]))
+    return compress_context(model, context, policy, tokenizer=tokenizer, scoring=scoring)
+
+
 def fidelity(args, model, tokenizer, policy, cells, results, out):
     """KL(Full || compressed) per text window, each scoring (``tail`` always: one-shot compression's), with the
     paired difference from ``tail``."""
-    from ripplekv_ext import compress, compress_context
+    from ripplekv_ext import compress
     from ripplekv_ext._jsonio import write_json_atomic
     from ripplekv_ext.eval.fidelity import fidelity_examples, kl_per_position, paired_kl_comparison
     from ripplekv_ext.integrations import transformers_integration
@@ -151,20 +157,15 @@ def fidelity(args, model, tokenizer, policy, cells, results, out):
             for row in ids:  # continuation token t + 1 is predicted at position prefix_len + t
                 logits = model(row[None], logits_to_keep=cont_len).logits[0, :-1].float()
                 full_logits.append(logits)
+        domain = f"fidelity_{text.split(':')[0]}"
         for scoring in scorings:
-            key = f"fidelity_{text.split(':')[0]}/{scoring}"
+            key = f"{domain}/{scoring}"
             if key in cells:
                 continue
             kl = []
             for row, full in zip(ids, full_logits):
                 with torch.inference_mode():
-                    if scoring.startswith("probe:"):
-                        probe = tokenizer(PROBES[scoring.split(":", 1)[1]], add_special_tokens=False)["input_ids"]
-                        cache = compress_context(model, row[None, :prefix_len], policy,
-                                                 probe_ids=torch.tensor([probe]))
-                    else:
-                        cache = compress_context(model, row[None, :prefix_len], policy, tokenizer=tokenizer,
-                                                 scoring=scoring)
+                    cache = compressed(model, tokenizer, row[None, :prefix_len], policy, scoring)
                     with compress(model, policy):  # compressed layers are continued inside the hook
                         logits = model(row[None, prefix_len:], use_cache=True,
                                        **{door.cache_argument(): cache}).logits[0, :-1]
@@ -172,7 +173,7 @@ def fidelity(args, model, tokenizer, policy, cells, results, out):
             cells[key] = {"kl_mean": sum(kl) / len(kl), "kl": kl, "examples": len(kl), "prefix_len": prefix_len,
                           "cont_len": cont_len}
             if scoring != "tail":
-                cells[key]["against_tail"] = paired_kl_comparison(kl, cells[f"fidelity_{text.split(':')[0]}/tail"]["kl"])
+                cells[key]["against_tail"] = paired_kl_comparison(kl, cells[f"{domain}/tail"]["kl"])
             write_json_atomic(out, results)
             print(f"{key}: KL {cells[key]['kl_mean']:.4f} over {len(kl)} windows", flush=True)
 

@@ -237,16 +237,24 @@ def default_scoring(policy: Policy, tokenizer=None, probe_ids=None, attention_ma
     surprisal scoring holds the whole context's cache) take the probe."""
     if tokenizer is None and probe_ids is None:
         return "tail"
-    whole = (not policy.decode_every and not policy.prefill_chunk
-             and (attention_mask is None or bool(attention_mask.bool().all())))
+    whole = _not_whole_context(attention_mask, policy) is None
     return "surprisal" if tokenizer is not None and probe_ids is None and whole else "probe"
 
 
+def _not_whole_context(attention_mask, policy) -> Optional[str]:
+    """Why the scorings that prefill the context uncompressed and select afterwards cannot take this call (None:
+    they can): they take contexts of one length, read whole, compressed once."""
+    if attention_mask is not None and not bool(attention_mask.bool().all()):
+        return "it takes unpadded contexts"
+    if policy.decode_every:
+        return "decode-time compression needs the window's queries, which it has none of"
+    if policy.prefill_chunk:
+        return "it reads the context whole (no prefill_chunk yet)"
+    return None
+
+
 def _whole_context_refusal(scoring: str, attention_mask, policy) -> None:
-    """The scorings that prefill the context uncompressed and select afterwards take contexts of one length."""
-    why = ("it takes unpadded contexts" if attention_mask is not None and not bool(attention_mask.bool().all())
-           else "decode-time compression needs the window's queries, which it has none of" if policy.decode_every
-           else "it reads the context whole (no prefill_chunk yet)" if policy.prefill_chunk else None)
+    why = _not_whole_context(attention_mask, policy)
     if why is not None:
         raise ValueError(f"scoring={scoring!r}: {why}")
 

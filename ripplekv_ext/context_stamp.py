@@ -24,6 +24,8 @@ STAMP_ATTRIBUTE = "ripplekv_context"
 # or a merged LoRA on one projection changes the keys and values the cache would need).
 _IDENTITY_FIELDS = ("architecture", "num_layers", "num_kv_heads", "head_dim", "config_sha256", "weight_sample",
                     "weights_digest")
+
+
 def model_identity(model) -> dict:
     """The fields of ``profile_file.describe_model`` that tell one model from another (the name may differ), and the
     digest of all its weights (``weights_digest``)."""

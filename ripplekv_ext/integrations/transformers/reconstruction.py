@@ -112,6 +112,7 @@ class Rewind:
             else:
                 layer.crop(self.n - layer.keys.shape[-2])  # a negative count: the newest tokens, in every release
 
+
 RECONSTRUCTION_PROMPT = "\n\nRepeat the previous context exactly."
 SINK = 4
 
