@@ -53,7 +53,8 @@ def build_parser():
     p.add_argument("--length", type=int, default=None, help="passkey_text tokens (default: the task's)")
     p.add_argument("--scorings", default=",".join(SCORINGS))
     p.add_argument("--tasks", default="passkey_text,needle")
-    p.add_argument("--fidelity", type=int, default=0, help="text windows per domain for the fidelity KL (0: none)")
+    p.add_argument("--fidelity", type=int, default=0,
+                   help="text windows per domain for the fidelity KL (0: none; at least 2, for the paired interval)")
     p.add_argument("--out", default=None)
     return p
 
@@ -63,6 +64,9 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     unknown = [s for s in args.scorings.split(",")
                if s not in SCORINGS and not (s.startswith("probe:") and s.split(":", 1)[1] in PROBES)]
+    if args.fidelity == 1 or args.fidelity < 0:
+        parser.error(f"--fidelity must be 0 (none) or at least 2 windows per domain (the paired interval needs two), "
+                     f"got {args.fidelity}")
     if unknown:
         parser.error(f"unknown scoring(s) {', '.join(unknown)}: use {', '.join(SCORINGS)} or probe:NAME with NAME "
                      f"one of {', '.join(PROBES)}")
