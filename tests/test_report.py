@@ -133,6 +133,47 @@ def test_a_saved_run_without_a_protocol_runs_only_that_protocol(report_dir, tmp_
         assert again[key]["predictions"] == cell["predictions"] and len(again[key]["after"]["predictions"]) == 2
 
 
+def test_after_results_record_their_scoring_and_another_scoring_reruns_them(report_dir, tmp_path, capsys):
+    import shutil
+
+    from ripplekv_ext.context import default_scoring
+    from ripplekv_ext.policies import Policy
+
+    out, argv = report_dir
+    for cell in _cells(out, "needle").values():
+        assert cell["after"]["scoring"] == default_scoring(Policy.snapkv(0.5), tokenizer=object())
+    copy = tmp_path / "out"
+    shutil.copytree(out, copy)
+    saved = json.loads((copy / "needle.json").read_text())
+    saved["cells"]["ripplekv@0.5"]["after"]["scoring"] = "an older default"
+    (copy / "needle.json").write_text(json.dumps(saved))
+    capsys.readouterr()
+    assert cli.main([*argv[:argv.index("--out-dir")], "--parts", "needle", "--out-dir", str(copy)]) == 0
+    log = [line for line in capsys.readouterr().out.splitlines() if line.startswith("[")]
+    assert log[0].endswith("skipped") and log[1].endswith("ripplekv@0.5: after only"), log
+    again = _cells(copy, "needle")["ripplekv@0.5"]
+    assert again["after"]["scoring"] != "an older default" and len(again["after"]["predictions"]) == 2
+    assert again["predictions"] == saved["cells"]["ripplekv@0.5"]["predictions"]
+
+
+def test_methods_not_asked_after_have_no_after_rows(report_dir, tmp_path, capsys):
+    import shutil
+
+    out, argv = report_dir
+    copy = tmp_path / "out"
+    shutil.copytree(out, copy)
+    flags = argv[:argv.index("--out-dir")]
+    assert cli.main([*flags, "--parts", "passkey_text", "--after-methods", "full", "--out-dir", str(copy)]) == 0
+    cells = _cells(copy, "passkey_text")  # the saved "after" results of ripplekv dropped, its own kept
+    assert "after" in cells["full"] and "after" not in cells["ripplekv@0.5"]
+    assert cells["ripplekv@0.5"]["predictions"] == _cells(out, "passkey_text")["ripplekv@0.5"]["predictions"]
+    text = (copy / "report.md").read_text()
+    inside, after = (text.split(f"(160-token prompts, question {p})", 1)[1].split("##", 1)[0]
+                     for p in ("inside", "after"))
+    assert "| ripplekv 50% |" in inside and "| ripplekv 50% |" not in after and "| full |" in after
+    assert "--after-methods full" in text
+
+
 def test_needle_grid_scores_every_cell(report_dir):
     out, _ = report_dir
     cells = _cells(out, "needle")

@@ -34,7 +34,8 @@ def report_sizes(args):
     from ripplekv_ext.eval.report import REPORT_SIZES, sizes_with
 
     try:
-        return sizes_with(REPORT_SIZES, methods=tuple(args.methods), fidelity_methods=tuple(args.fidelity_methods),
+        return sizes_with(REPORT_SIZES, methods=tuple(args.methods), after_methods=tuple(args.after_methods),
+                          fidelity_methods=tuple(args.fidelity_methods),
                           retentions=tuple(args.retentions), task_retentions=tuple(args.task_retentions),
                           fidelity_examples=args.fidelity_examples, prefix_len=args.prefix_len,
                           cont_len=args.cont_len, passkey_length=args.passkey_length,
@@ -69,7 +70,8 @@ def command_line(args, sizes) -> str:
         return ",".join(f"{v:g}" if isinstance(v, float) else str(v) for v in values)
 
     words = ["ripplekv", "report", "--model", args.model, "--parts", join(args.parts),
-             "--methods", join(sizes.methods), "--fidelity-methods", join(sizes.fidelity_methods),
+             "--methods", join(sizes.methods), "--after-methods", join(sizes.after_methods),
+             "--fidelity-methods", join(sizes.fidelity_methods),
              "--retentions", join(sizes.retentions), "--task-retentions", join(sizes.task_retentions),
              "--fidelity-examples", str(sizes.fidelity_examples), "--prefix-len", str(sizes.prefix_len),
              "--cont-len", str(sizes.cont_len), "--passkey-length", str(sizes.passkey_length),
@@ -93,7 +95,7 @@ def cmd_report(args) -> int:
     out_dir = check_output_folder("--out-dir", args.out_dir)
     # Only the methods of the chosen parts: a profile that none of them uses is not read, let alone checked.
     used = (sizes.fidelity_methods if "fidelity" in args.parts else ()) + \
-        (sizes.methods if {"passkey", "needle"} & set(args.parts) else ())
+        (sizes.methods if {"passkey", "passkey_text", "needle"} & set(args.parts) else ())
     wants_profile = any(needs_profile(m) for m in used)
     profile = check_profile(args) if wants_profile and args.profile else None
     if wants_profile and not args.profile and not (default_profile_path(args.model).is_file()

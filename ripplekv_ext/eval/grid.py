@@ -17,7 +17,7 @@ import torch
 
 from ripplekv_ext._jsonio import write_json_atomic
 from ripplekv_ext.eval.fidelity import SharedPrefill, continuation_logits_fn, evaluate_fidelity
-from ripplekv_ext.eval.runner import evaluate, protocol_generate_fn
+from ripplekv_ext.eval.runner import PROTOCOLS, evaluate, protocol_generate_fn, protocol_settings
 from ripplekv_ext.hook import compress
 from ripplekv_ext.methods import is_full, make_policy, needs_profile
 from ripplekv_ext.policies import DEFAULT_WINDOW
@@ -74,10 +74,23 @@ def _same_policy(cell: dict, policy) -> bool:
     return cell.get("policy") == policy.name
 
 
+def _without_stale_protocols(cell: dict, runs: Sequence[str], policy, tokenizer) -> dict:
+    """``cell`` without the results (kept under the protocol's name) of a protocol this method no longer runs or
+    ran with other settings (``runner.protocol_settings``: a saved "after" result of another scoring)."""
+    stale = []
+    for protocol in PROTOCOLS:
+        if protocol == "inside" or protocol not in cell:
+            continue
+        wanted = protocol_settings(protocol, policy, tokenizer)
+        if protocol not in runs or any(cell[protocol].get(k) != v for k, v in wanted.items()):
+            stale.append(protocol)
+    return {k: v for k, v in cell.items() if k not in stale}
+
+
 def run_grid(model, tokenizer, methods: Sequence[str], retentions: Sequence[float], *, profile=None,
              fidelity_ids: Optional[torch.Tensor] = None, prefix_len: int = 0, task_examples=(),
              window: int = DEFAULT_WINDOW, settings: Optional[dict] = None, out_path=None, progress: bool = True,
-             log=print, protocols: Sequence[str] = ("inside",)) -> dict:
+             log=print, protocols: Sequence[str] = ("inside",), after_methods: Optional[Sequence[str]] = None) -> dict:
     """Evaluate every method at every retention (Full once) and return the results document.
 
     Args:
@@ -89,6 +102,8 @@ def run_grid(model, tokenizer, methods: Sequence[str], retentions: Sequence[floa
         protocols: where the question goes (``runner.PROTOCOLS``): "inside" the compressed prompt (a cell's
             ``tasks``, ``task_mean``, ``predictions``), and/or "after" compression (the same fields under the
             cell's ``"after"`` key), each task example run under each protocol.
+        after_methods: the methods that run the protocols other than "inside" (None: every method); the others'
+            saved results under those protocols are dropped.
     """
     out_path = Path(out_path) if out_path else None
     settings = dict(settings or {}, methods=list(methods), retentions=list(retentions), window=window)
@@ -106,13 +121,18 @@ def run_grid(model, tokenizer, methods: Sequence[str], retentions: Sequence[floa
             plan.append((method, retention))
     planned = {cell_key(method, retention) for method, retention in plan}
     cells = {key: cell for key, cell in cells.items() if key in planned}
+    dropped = False  # stale protocol results were dropped from a saved cell: the file is rewritten without them
     for i, (method, retention) in enumerate(plan, 1):
         key = cell_key(method, retention)
         policy = make_policy(method, retention or 1.0, profile, window)
         saved = cells[key] if key in cells and _same_policy(cells[key], policy) else None
-        # A saved cell without a protocol's results (dropped from the file when what that protocol runs changed)
-        # runs only that protocol.
-        to_run = [protocol for protocol in protocols if task_examples and (
+        runs = [p for p in protocols if p == "inside" or after_methods is None or method in after_methods]
+        if saved is not None:
+            kept = _without_stale_protocols(saved, runs, policy, tokenizer)
+            dropped = dropped or kept != saved
+            cells[key] = saved = kept
+        # A saved cell without a protocol's results (never run, or dropped as stale) runs only that protocol.
+        to_run = [protocol for protocol in runs if task_examples and (
             saved is None or (protocol != "inside" and protocol not in saved))]
         if saved is not None and not to_run:
             log(f"[{i}/{len(plan)}] {key}: already in {out_path}, skipped")
@@ -144,10 +164,16 @@ def run_grid(model, tokenizer, methods: Sequence[str], retentions: Sequence[floa
             if protocol == "inside":
                 cell.update(scores)
             else:
-                cell[protocol] = scores
+                cell[protocol] = dict(scores, **protocol_settings(protocol, policy, tokenizer))
         cell["seconds"] = cell.get("seconds", 0.0) + time.perf_counter() - start
         cells[key] = cell
         if out_path is not None:
-            write_json_atomic(out_path, {"format": FORMAT, "version": FORMAT_VERSION, "settings": settings,
-                                         "cells": cells})
+            write_json_atomic(out_path, _document(settings, cells))
+            dropped = False
+    if out_path is not None and dropped:
+        write_json_atomic(out_path, _document(settings, cells))
+    return _document(settings, cells)
+
+
+def _document(settings: dict, cells: dict) -> dict:
     return {"format": FORMAT, "version": FORMAT_VERSION, "settings": settings, "cells": cells}

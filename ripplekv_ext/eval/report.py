@@ -77,6 +77,10 @@ class ReportSizes:
     needle_lengths: tuple[int, ...] = (1024, 1536, 2048)
     needle_depths: tuple[float, ...] = (0, 25, 50, 75, 100)
     needle_protocols: tuple[str, ...] = ("inside", "after")
+    # The methods asked after compression too (those of ``methods``): Full, the published selector and the default.
+    # The others differ from these in their selector or budgets, which the question inside already compares, and
+    # each "after" example costs a second scoring pass over the context (compress_context's default).
+    after_methods: tuple[str, ...] = ("full", "snapkv", "ripplekv")
     window: int = DEFAULT_WINDOW
     seed: int = 0
     # Fidelity's held-out text, one part per domain: scripture favours recency more than most text does.
@@ -171,6 +175,8 @@ def scores_by(results: dict, examples, key: Callable, protocol: str = "inside") 
     group_of = {e.id: key(e) for e in examples}
     table = {}
     for c in _ordered_cells(results):
+        if protocol != "inside" and protocol not in c:
+            continue  # a method that did not run this protocol
         groups = defaultdict(list)
         for p in (c if protocol == "inside" else c[protocol])["predictions"]:
             groups[group_of[p["id"]]].append(p["score"])
@@ -289,7 +295,7 @@ def run_report(model, tokenizer, model_name: str, profile, out_dir, sizes: Repor
                            out_path=out_dir / f"{part}.json",
                            settings=dict(settings, part=part, length=sizes.passkey_length,
                                          examples=sizes.passkey_examples, depths=depths),
-                           protocols=sizes.passkey_protocols, **grid)
+                           protocols=sizes.passkey_protocols, after_methods=sizes.after_methods, **grid)
         total_seconds += _seconds(results)
         for protocol in sizes.passkey_protocols:
             by_depth = scores_by(results, examples, lambda e: e.meta["depths"][0], protocol)
@@ -311,7 +317,8 @@ def run_report(model, tokenizer, model_name: str, profile, out_dir, sizes: Repor
                            out_path=out_dir / "needle.json",
                            settings=dict(settings, part="needle", lengths=list(sizes.needle_lengths),
                                          depths=list(sizes.needle_depths)),
-                           protocols=sizes.needle_protocols, **grid)
+                           protocols=sizes.needle_protocols, after_methods=sizes.after_methods,
+                           **grid)
         total_seconds += _seconds(results)
         for protocol in sizes.needle_protocols:
             grids = needle_grids(results, examples, protocol)

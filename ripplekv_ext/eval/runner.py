@@ -9,7 +9,8 @@ Two protocols (``PROTOCOLS``), as kvpress's pipeline reports them:
 
 - ``"inside"``: the question is part of the compressed prompt, so the observation window sees it;
 - ``"after"``: compress once, ask many. The context (``Example.context_tokens``) is compressed alone, scored by
-  ``compress_context``'s question-agnostic probe (``context.DEFAULT_PROBE``), before the question is known; the
+  ``compress_context``'s default question-agnostic scoring (``context.default_scoring``), before the question is
+  known; the
   question and the rest of the prompt follow the compressed cache
   (:func:`context_generate_fn`, built on ``ripplekv_ext.compress_context``). Its ``generate_fn`` takes
   ``context_tokens`` too.
@@ -168,6 +169,18 @@ def context_generate_fn(model, tokenizer, policy, probe_ids: Optional[torch.Tens
         return tokenizer.decode(output[0, input_ids.shape[1]:], skip_special_tokens=True)
 
     return generate
+
+
+def protocol_settings(protocol: str, policy, tokenizer) -> dict:
+    """What ``protocol``'s results depend on beyond the policy, saved beside them so that a resumed run reuses them
+    only for the same: protocol "after" scores the context with ``compress_context``'s default scoring, whose
+    choice can change between versions."""
+    check_protocol(protocol)
+    if protocol != "after":
+        return {}
+    from ripplekv_ext.context import default_scoring
+
+    return {"scoring": default_scoring(policy, tokenizer)}
 
 
 def protocol_generate_fn(protocol: str, model, tokenizer, policy) -> GenerateFn:
