@@ -204,3 +204,19 @@ def test_report_refuses_bad_options_before_loading(tmp_path, capsys):
         code = cli.main(["report", *flags, "--out-dir", str(tmp_path / "out")])
         err = capsys.readouterr().err
         assert code == 2 and fragment in err, (flags, err)
+
+
+def test_a_saved_cell_is_reused_for_its_policy_and_a_field_added_since_at_its_default():
+    import dataclasses
+
+    from ripplekv_ext.eval.grid import _same_policy
+    from ripplekv_ext.policies import Policy
+
+    policy = Policy.snapkv(0.2)
+    assert _same_policy({"policy_repr": repr(policy)}, policy)
+    # A cell saved before Policy had prefill_chunk: the same policy, as long as prefill_chunk is at its default.
+    older = repr(policy).replace(", prefill_chunk=None", "")
+    assert older != repr(policy) and _same_policy({"policy_repr": older}, policy)
+    assert not _same_policy({"policy_repr": older}, dataclasses.replace(policy, prefill_chunk=64))
+    assert not _same_policy({"policy_repr": repr(policy)}, Policy.snapkv(0.3))
+    assert not _same_policy({"policy_repr": repr(policy)}, dataclasses.replace(policy, window=16))

@@ -7,6 +7,7 @@ every cell; a rerun with the same settings picks up where an interrupted one sto
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import time
@@ -70,8 +71,17 @@ def _same_policy(cell: dict, policy) -> bool:
     # A method's name can come to mean another policy (a default changed): a saved cell is reused only for the
     # policy it measured. Cells saved before the policy's repr was recorded are matched by its name.
     if "policy_repr" in cell:
-        return cell["policy_repr"] == repr(policy)
+        return cell["policy_repr"] == _repr_as_saved(policy, cell["policy_repr"])
     return cell.get("policy") == policy.name
+
+
+def _repr_as_saved(policy, saved_repr: str) -> str:
+    """``repr(policy)`` without the fields a cell's saved repr lacks that are at their default: a field added to
+    ``Policy`` after the cell was saved, left at the default that does what the policy did before, changes
+    nothing the cell measured."""
+    shown = [f for f in dataclasses.fields(policy) if f.repr and (
+        f"{f.name}=" in saved_repr or getattr(policy, f.name) != f.default)]
+    return f"{type(policy).__qualname__}({', '.join(f'{f.name}={getattr(policy, f.name)!r}' for f in shown)})"
 
 
 def _without_stale_protocols(cell: dict, runs: Sequence[str], policy, tokenizer) -> dict:
