@@ -95,7 +95,7 @@ def cmd_report(args) -> int:
     out_dir = check_output_folder("--out-dir", args.out_dir)
     # Only the methods of the chosen parts: a profile that none of them uses is not read, let alone checked.
     used = (sizes.fidelity_methods if "fidelity" in args.parts else ()) + \
-        (sizes.methods if {"passkey", "passkey_text", "needle"} & set(args.parts) else ())
+        (sizes.methods if any(part != "fidelity" for part in args.parts) else ())
     wants_profile = any(needs_profile(m) for m in used)
     profile = check_profile(args) if wants_profile and args.profile else None
     if wants_profile and not args.profile and not (default_profile_path(args.model).is_file()

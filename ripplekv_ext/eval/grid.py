@@ -87,13 +87,8 @@ def _repr_as_saved(policy, saved_repr: str) -> str:
 def _without_stale_protocols(cell: dict, runs: Sequence[str], policy, tokenizer) -> dict:
     """``cell`` without the results (kept under the protocol's name) of a protocol this method no longer runs or
     ran with other settings (``runner.protocol_settings``: a saved "after" result of another scoring)."""
-    stale = []
-    for protocol in PROTOCOLS:
-        if protocol == "inside" or protocol not in cell:
-            continue
-        wanted = protocol_settings(protocol, policy, tokenizer)
-        if protocol not in runs or any(cell[protocol].get(k) != v for k, v in wanted.items()):
-            stale.append(protocol)
+    stale = {p for p in PROTOCOLS if p != "inside" and p in cell and (p not in runs or any(
+        cell[p].get(k) != v for k, v in protocol_settings(p, policy, tokenizer).items()))}
     return {k: v for k, v in cell.items() if k not in stale}
 
 
@@ -179,7 +174,6 @@ def run_grid(model, tokenizer, methods: Sequence[str], retentions: Sequence[floa
         cells[key] = cell
         if out_path is not None:
             write_json_atomic(out_path, _document(settings, cells))
-            dropped = False
     if out_path is not None and dropped:
         write_json_atomic(out_path, _document(settings, cells))
     return _document(settings, cells)

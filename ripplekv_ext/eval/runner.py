@@ -10,10 +10,8 @@ Two protocols (``PROTOCOLS``), as kvpress's pipeline reports them:
 - ``"inside"``: the question is part of the compressed prompt, so the observation window sees it;
 - ``"after"``: compress once, ask many. The context (``Example.context_tokens``) is compressed alone, scored by
   ``compress_context``'s default question-agnostic scoring (``context.default_scoring``), before the question is
-  known; the
-  question and the rest of the prompt follow the compressed cache
-  (:func:`context_generate_fn`, built on ``ripplekv_ext.compress_context``). Its ``generate_fn`` takes
-  ``context_tokens`` too.
+  known; the question and the rest of the prompt follow the compressed cache (:func:`context_generate_fn`, built on
+  ``ripplekv_ext.compress_context``). Its ``generate_fn`` takes ``context_tokens`` too.
 """
 
 from __future__ import annotations
