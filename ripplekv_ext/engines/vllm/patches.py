@@ -1,0 +1,235 @@
+"""Every vLLM internal the plugin touches, in one table, and the code that wraps them.
+
+The plugin extends vLLM 0.32.0 (``release.SUPPORTED_VLLM``, the release every entry was read from) at these points; ``tests/vllm/test_patches.py`` checks that each
+target still exists with the parameters listed, so a vLLM change fails ``make test-vllm`` rather than a server.
+
+| target | how | why |
+| --- | --- | --- |
+| ``EngineArgs.create_engine_config`` | wrapped (other vLLM releases only) | an engine asking for the plugin under a vLLM it was not written for fails with one error naming both releases |
+| ``CpuPlatform.check_and_update_config`` | wrapped | the plugin's refusals (``checks.validate``) run when vLLM builds an engine's config, after the platform's own adjustments |
+| ``Attention.get_kv_cache_spec`` | wrapped | a compressed layer reports its tier's ``RippleKVSpec``: one KV cache group per tier, managed by ``RippleKVManager`` |
+| ``GPUModelRunner._build_attention_metadata`` | wrapped | hands each step's batch (request ids, prompt lengths, tokens computed) to the plugin's metadata builders |
+| ``KVCacheManager.get_computed_blocks`` | wrapped | caps a prefix-cache hit at the slots the request's own compactions never rewrite |
+| ``register_backend(CPU_ATTN, ...)`` | registered | the plugin's CPU attention backend takes the place of vLLM's (and defers to it for stock engines) |
+| ``KVCacheSpecRegistry.register`` | registered | ``RippleKVSpec`` is served by ``RippleKVManager`` |
+| ``FullAttentionManager`` | subclassed | frees a compressed request's first blocks; hashes only its never-rewritten blocks |
+| ``CPUAttentionMetadataBuilder``, ``CPUAttentionBackendImpl`` | subclassed | attention over the compacted layout; the compactions |
+| ``cpu_attn_reshape_and_cache``, ``_get_attn_isa`` | called | writes kept tokens with vLLM's own op; the kernel variant, to refuse an unread layout |
+| ``extract_layer_index`` | called | a layer's index from its name (the budgets are per layer) |
+
+Each wrapper calls the original; ``wrap_once`` marks it (``ripplekv_original``) so installing twice is a no-op.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import inspect
+from dataclasses import dataclass
+
+from ripplekv_ext.engines.vllm.release import version_error
+
+__all__ = ["Target", "TARGETS", "resolve", "wrap_once", "install",
+           "install_version_guard"]
+
+@dataclass(frozen=True)
+class Target:
+    """A vLLM internal the plugin relies on: ``path`` (``module:Qualified.name``) and the parameter names its code
+    was written against."""
+
+    path: str
+    parameters: tuple
+
+
+TARGETS = (
+    Target("vllm.engine.arg_utils:EngineArgs.create_engine_config", ("self", "usage_context", "headless")),
+    Target("vllm.platforms.cpu:CpuPlatform.check_and_update_config", ("vllm_config",)),
+    Target("vllm.model_executor.layers.attention.attention:Attention.get_kv_cache_spec", ("self", "vllm_config")),
+    Target("vllm.v1.worker.gpu_model_runner:GPUModelRunner._build_attention_metadata",
+           ("self", "num_tokens", "num_reqs", "max_query_len", "num_tokens_padded", "num_reqs_padded",
+            "ubatch_slices", "logits_indices", "max_num_sampled_tokens", "use_spec_decode", "for_cudagraph_capture",
+            "num_scheduled_tokens", "slot_mappings")),
+    Target("vllm.v1.core.kv_cache_manager:KVCacheManager.get_computed_blocks", ("self", "request")),
+    Target("vllm.v1.attention.backends.registry:register_backend", ("backend", "class_path", "is_mamba")),
+    Target("vllm.v1.kv_cache_spec_registry:KVCacheSpecRegistry.register",
+           ("kvcache_spec_cls", "manager_class", "uniform_type_base_spec")),
+    Target("vllm.v1.core.single_type_kv_cache_manager:FullAttentionManager.remove_skipped_blocks",
+           ("self", "request_id", "processed_computed_tokens", "num_prompt_tokens")),
+    Target("vllm.v1.core.single_type_kv_cache_manager:FullAttentionManager.cache_blocks",
+           ("self", "request", "num_tokens", "retention_interval", "replay_boundaries")),
+    Target("vllm.v1.core.single_type_kv_cache_manager:FullAttentionManager.pop_blocks_for_free",
+           ("self", "request_id")),
+    Target("vllm.v1.core.single_type_kv_cache_manager:FullAttentionManager._remove_blocks_in_range",
+           ("self", "request_id", "first_block", "last_block")),
+    Target("vllm.v1.attention.backends.cpu_attn:CPUAttentionMetadataBuilder.__init__",
+           ("self", "kv_cache_spec", "layer_names", "vllm_config", "device")),
+    Target("vllm.v1.attention.backends.cpu_attn:CPUAttentionMetadataBuilder.build",
+           ("self", "common_prefix_len", "common_attn_metadata", "fast_build")),
+    Target("vllm.v1.attention.backends.cpu_attn:CPUAttentionBackendImpl.forward",
+           ("self", "layer", "query", "key", "value", "kv_cache", "attn_metadata", "output", "output_scale",
+            "output_block_scale")),
+    Target("vllm._custom_ops:cpu_attn_reshape_and_cache",
+           ("key", "value", "key_cache", "value_cache", "slot_mapping", "isa", "k_scale", "v_scale",
+            "kv_cache_dtype")),
+    Target("vllm.v1.attention.backends.cpu_attn:_get_attn_isa", ("dtype", "block_size", "head_size",
+                                                                  "kv_cache_dtype")),
+    Target("vllm.model_executor.models.utils:extract_layer_index", ("layer_name", "num_attn_module")),
+)
+
+
+def resolve(path: str):
+    """The object a ``module:Qualified.name`` path names."""
+    module, _, qualified = path.partition(":")
+    obj = importlib.import_module(module)
+    for name in qualified.split("."):
+        obj = getattr(obj, name)
+    return obj
+
+
+def wrap_once(owner, name: str, make_wrapper, *, as_classmethod: bool = False) -> None:
+    """Replace ``owner.name`` by ``make_wrapper(original)`` unless it is already the plugin's wrapper."""
+    original = getattr(owner, name)
+    if getattr(original, "ripplekv_original", None) is not None:
+        return
+    wrapper = make_wrapper(original)
+    wrapper.ripplekv_original = original
+    setattr(owner, name, classmethod(wrapper) if as_classmethod else wrapper)
+
+
+def install_version_guard(installed: str) -> None:
+    """Another vLLM release: patch nothing of its internals, only make an engine that asks for the plugin fail."""
+    from vllm.engine.arg_utils import EngineArgs
+
+    from ripplekv_ext.engines.vllm.settings import CONFIG_KEY
+
+    def guarded(original):
+        def create_engine_config(self, *args, **kwargs):
+            if isinstance(self.additional_config, dict) and CONFIG_KEY in self.additional_config:
+                raise RuntimeError(version_error(installed))
+            return original(self, *args, **kwargs)
+
+        return create_engine_config
+
+    wrap_once(EngineArgs, "create_engine_config", guarded)
+
+
+def install() -> None:
+    """Everything the plugin adds to vLLM ``SUPPORTED_VLLM`` (idempotent)."""
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
+
+    from ripplekv_ext.engines.vllm.kv_cache import register_spec
+
+    register_spec()
+    # The CPU platform always picks CPU_ATTN: the plugin's subclass takes its place and defers to it for engines
+    # that do not ask for compression.
+    register_backend(AttentionBackendEnum.CPU_ATTN, "ripplekv_ext.engines.vllm.attention.RippleKVCPUBackend")
+    _wrap_config_check()
+    _wrap_spec()
+    _wrap_runner()
+    _wrap_prefix_cache_hit()
+
+
+def _wrap_config_check() -> None:
+    from vllm.platforms import current_platform
+
+    from ripplekv_ext.engines.vllm.checks import validate
+
+    def checked(original):
+        def check_and_update_config(cls, vllm_config) -> None:
+            original(vllm_config)
+            validate(vllm_config)
+
+        return check_and_update_config
+
+    wrap_once(type(current_platform), "check_and_update_config", checked, as_classmethod=True)
+
+
+def _wrap_spec() -> None:
+    from vllm.model_executor.layers.attention.attention import Attention
+    from vllm.v1.kv_cache_interface import FullAttentionSpec
+
+    from ripplekv_ext.engines.vllm.attention import layer_index
+    from ripplekv_ext.engines.vllm.checks import settings_of
+    from ripplekv_ext.engines.vllm.kv_cache import tier_spec
+    from ripplekv_ext.engines.vllm.settings import plan_for_model
+
+    def tiered(original):
+        def get_kv_cache_spec(self, vllm_config):
+            spec = original(self, vllm_config)
+            settings = settings_of(vllm_config)
+            if settings is None or spec is None:
+                return spec
+            plan = plan_for_model(settings, vllm_config.model_config.hf_text_config, spec.block_size)
+            index = layer_index(self.layer_name)
+            if index not in plan.tier_of:
+                return spec  # a hybrid model's sliding-window layer: vLLM's own sliding-window cache
+            if type(spec) is not FullAttentionSpec:
+                raise RuntimeError(f"ripplekv: layer {self.layer_name} is a full-attention layer of the model's "
+                                   f"config but keeps a {type(spec).__name__} cache in vLLM; the plugin compresses "
+                                   "full-attention caches only")
+            return tier_spec(spec, plan, index, vllm_config.model_config.max_model_len,
+                             vllm_config.max_in_flight_tokens)
+
+        return get_kv_cache_spec
+
+    wrap_once(Attention, "get_kv_cache_spec", tiered)
+
+
+def _wrap_runner() -> None:
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    from ripplekv_ext.engines.vllm.attention import StepBatch, hand_to_builders
+
+    def with_batch(original):
+        signature = inspect.signature(original)
+
+        @functools.wraps(original)
+        def build_attention_metadata(self, *args, **kwargs):
+            arguments = signature.bind(self, *args, **kwargs).arguments
+            batch = None
+            if arguments.get("num_scheduled_tokens"):  # dummy runs (no scheduled tokens) get none
+                batch = StepBatch.of_runner(self, arguments["num_reqs"])
+            hand_to_builders(self, batch)
+            try:
+                return original(self, *args, **kwargs)
+            finally:
+                hand_to_builders(self, None)
+
+        return build_attention_metadata
+
+    wrap_once(GPUModelRunner, "_build_attention_metadata", with_batch)
+
+
+class _CappedRequest:
+    """``request`` as ``get_computed_blocks`` reads it, with fewer tokens: vLLM looks up a hit of at most
+    ``num_tokens - 1`` tokens."""
+
+    def __init__(self, request, num_tokens: int):
+        self._request = request
+        self.num_tokens = num_tokens
+
+    def __getattr__(self, name):
+        return getattr(self._request, name)
+
+
+def _wrap_prefix_cache_hit() -> None:
+    from vllm.v1.core.kv_cache_manager import KVCacheManager
+
+    from ripplekv_ext.engines.vllm.kv_cache import RippleKVManager
+
+    def capped(original):
+        def get_computed_blocks(self, request):
+            managers = [m for m in self.coordinator.single_type_managers if isinstance(m, RippleKVManager)]
+            if not managers or not self.enable_caching:
+                return original(self, request)
+            # A hit is read, never written: its blocks must lie where every tier's compactions of this request's
+            # prompt leave the slots alone (below each tier's first freed block), and the window's queries are
+            # always computed (they follow every kept slot).
+            limit = min(m.cache_limit(request.num_prompt_tokens) for m in managers)
+            if request.num_tokens - 1 <= limit:
+                return original(self, request)
+            return original(self, _CappedRequest(request, limit + 1))
+
+        return get_computed_blocks
+
+    wrap_once(KVCacheManager, "get_computed_blocks", capped)
