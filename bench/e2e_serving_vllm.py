@@ -51,7 +51,7 @@ from ripplekv_ext.eval.models import shipped_profile_path  # noqa: E402
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 DEFAULT_MODEL = Path(os.environ.get("RIPPLEKV_CACHE_DIR", "~/.cache/ripplekv")).expanduser() / "smollm2-135m-instruct"
 DEFAULT_PROFILE = shipped_profile_path("smollm2")  # the profile Policy.ripplekv is documented with
-METHODS = ("full", "snapkv", "ripplekv")
+METHODS = ("full", "snapkv", "ripplekv", "ripplekv-no-prefix-cache")
 
 
 def parse_args(argv=None):
@@ -71,6 +71,16 @@ def parse_args(argv=None):
     p.add_argument("--tiers", type=int, default=5, help="RippleKV's tiers (must divide the layer count)")
     p.add_argument("--dtype", default="float32")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--workload", choices=("random", "shared-prefix"), default="random",
+                   help="random: --requests prompts of random tokens; shared-prefix: --documents documents of "
+                        "--document-len tokens, each asked --questions questions (prompt-min..prompt-max tokens after "
+                        "it), all methods with prefix caching on")
+    p.add_argument("--documents", type=int, default=4)
+    p.add_argument("--questions", type=int, default=8)
+    p.add_argument("--document-len", type=int, default=1536)
+    p.add_argument("--prefix-caching", action="store_true",
+                   help="vLLM's prefix caching on for every method (always on with --workload shared-prefix but for "
+                        "ripplekv-no-prefix-cache)")
     p.add_argument("--quick", action="store_true", help="a tiny random Llama and a few short requests")
     p.add_argument("--out", default=str(RESULTS_DIR / "e2e_serving_vllm.json"))
     args = p.parse_args(argv)
@@ -78,6 +88,9 @@ def parse_args(argv=None):
     bad = [m for m in args.methods if m not in METHODS]
     if bad or "full" not in args.methods:
         p.error(f"--methods must include full and name only {METHODS}, got {args.methods}")
+    if args.workload == "shared-prefix":
+        args.prefix_caching = True
+        args.requests = args.documents * args.questions
     return args
 
 
@@ -99,31 +112,43 @@ def tiny_model(folder: Path, max_position_embeddings: int = 4096) -> tuple[str, 
 
 
 def make_requests(vocab: int, args) -> list[tuple[list[int], int]]:
+    """(prompt token ids, new tokens) per request. shared-prefix: each document's questions in turn, the documents
+    interleaved (document 0 question 0, document 1 question 0, ...), as users of a shared service would send them."""
     generator = torch.Generator().manual_seed(args.seed)
     lengths = torch.randint(args.prompt_min, args.prompt_max + 1, (args.requests,), generator=generator).tolist()
     news = torch.randint(args.new_min, args.new_max + 1, (args.requests,), generator=generator).tolist()
-    return [(torch.randint(3, vocab, (n,), generator=generator).tolist(), m) for n, m in zip(lengths, news)]
+    tails = [torch.randint(3, vocab, (n,), generator=generator).tolist() for n in lengths]
+    if args.workload == "random":
+        return list(zip(tails, news))
+    documents = [torch.randint(3, vocab, (args.document_len,), generator=generator).tolist()
+                 for _ in range(args.documents)]
+    return [(documents[i % args.documents] + tail, new) for i, (tail, new) in enumerate(zip(tails, news))]
 
 
-def run(model: str, requests, args, ripplekv=None) -> dict:
+def run(model: str, requests, args, ripplekv=None, prefix_caching=False) -> dict:
+    from transformers import AutoConfig
     from vllm import LLM, SamplingParams
     from vllm.distributed import cleanup_dist_env_and_memory
 
-    from ripplekv_ext.engines.vllm.settings import Settings, kv_cache_bytes, plan_for
+    from ripplekv_ext.engines.vllm.settings import Settings, kv_cache_bytes, plan_for_model
+    from ripplekv_ext.model_info import compressible_layers, text_config
 
-    config = json.loads(Path(model, "config.json").read_text())
+    config = text_config(AutoConfig.from_pretrained(model))
+    hybrid = len(compressible_layers(config)) != config.num_hidden_layers
     tiers = 1
     if ripplekv is not None:
-        tiers = plan_for(Settings.from_config(ripplekv), config["num_hidden_layers"], args.block_size).num_tiers
+        tiers = plan_for_model(Settings.from_config(ripplekv), config, args.block_size).num_tiers
     longest = max(len(p) + m for p, m in requests)
+    kv_bytes = kv_cache_bytes(config, args.blocks, args.block_size, getattr(torch, args.dtype).itemsize)
     kwargs = dict(model=model, skip_tokenizer_init=True, dtype=args.dtype, enforce_eager=True,
-                  block_size=args.block_size, num_gpu_blocks_override=args.blocks * tiers,
-                  max_model_len=-(-longest // args.block_size) * args.block_size,
+                  block_size=args.block_size, max_model_len=-(-longest // args.block_size) * args.block_size,
                   # In bytes: a memory fraction is taken of the NUMA node's memory minus this process's.
-                  kv_cache_memory_bytes=kv_cache_bytes(config, args.blocks, args.block_size,
-                                                       getattr(torch, args.dtype).itemsize),
-                  enable_prefix_caching=False, max_num_seqs=len(requests),
+                  kv_cache_memory_bytes=kv_bytes, enable_prefix_caching=prefix_caching, max_num_seqs=len(requests),
                   max_num_batched_tokens=args.max_batched_tokens)
+    if not hybrid:
+        # Exactly the bytes of --blocks stock blocks (a hybrid model's blocks hold a page of one KV cache group,
+        # sliding-window groups included: vLLM sizes them from the bytes).
+        kwargs["num_gpu_blocks_override"] = args.blocks * tiers
     if ripplekv is not None:
         kwargs["additional_config"] = {"ripplekv": ripplekv}
     llm = LLM(**kwargs)
@@ -139,7 +164,7 @@ def run(model: str, requests, args, ripplekv=None) -> dict:
             return preempt(request, *a, **k)
 
         scheduler._preempt_request = counting_preempt
-        tokens, latency = {}, {}
+        tokens, latency, cached = {}, {}, {}
         peak = steps = 0
         min_free = pool.get_num_free_blocks()
         start = time.perf_counter()
@@ -151,12 +176,12 @@ def run(model: str, requests, args, ripplekv=None) -> dict:
                 if out.finished:
                     tokens[out.request_id] = list(out.outputs[0].token_ids)
                     latency[out.request_id] = time.perf_counter() - start
+                    cached[out.request_id] = out.num_cached_tokens or 0
             steps += 1
             peak = max(peak, len(scheduler.running))
             min_free = min(min_free, pool.get_num_free_blocks())
         wall = time.perf_counter() - start
-        group = scheduler.kv_cache_config.kv_cache_groups[0].kv_cache_spec
-        block_bytes = group.page_size_bytes * len(scheduler.kv_cache_config.kv_cache_groups[0].layer_names)
+        num_blocks = pool.num_gpu_blocks
     finally:
         del llm
         gc.collect()
@@ -167,8 +192,9 @@ def run(model: str, requests, args, ripplekv=None) -> dict:
             "prompt_tokens": prompt_tokens, "generated_tokens_per_s": generated / wall,
             "total_tokens_per_s": (generated + prompt_tokens) / wall,
             "mean_latency_s": sum(latency.values()) / len(latency), "max_latency_s": max(latency.values()),
-            "preemptions": len(preemptions), "tiers": tiers, "kv_blocks": args.blocks * tiers,
-            "kv_cache_bytes": args.blocks * tiers * block_bytes, "min_free_blocks": min_free,
+            "preemptions": len(preemptions), "tiers": tiers, "kv_blocks": num_blocks, "kv_cache_bytes": kv_bytes,
+            "min_free_blocks": min_free, "prefix_caching": prefix_caching,
+            "prefill_tokens_computed": prompt_tokens - sum(cached.values()),
             "tokens": [tokens[str(i)] for i in range(len(requests))]}
 
 
@@ -185,32 +211,37 @@ def main(argv=None) -> int:
             model, profile = tiny_model(Path(scratch))
             args.requests, args.prompt_min, args.prompt_max, args.new_min, args.new_max = 12, 256, 512, 16, 32
             args.blocks, args.tiers = 48, 2
+            if args.workload == "shared-prefix":
+                args.documents, args.questions, args.document_len, args.prompt_min, args.prompt_max = 3, 4, 256, 32, 64
         elif not Path(model, "config.json").is_file():
             print(f"no model at {model}: run `.venv/bin/ripplekv demo` once (it converts SmolLM2 into "
                   "~/.cache/ripplekv), or pass --model FOLDER", file=sys.stderr)
             return 2
         vocab = json.loads(Path(model, "config.json").read_text())["vocab_size"]
         requests = make_requests(vocab, args)
+        ripplekv = {"method": "ripplekv", "retention": args.retention, "tiers": args.tiers, "profile": profile}
         methods = {"full": None,
                    "snapkv": {"method": "snapkv", "retention": args.retention},
-                   "ripplekv": {"method": "ripplekv", "retention": args.retention, "tiers": args.tiers,
-                                "profile": profile}}
+                   "ripplekv": ripplekv, "ripplekv-no-prefix-cache": ripplekv}
         print(f"{len(requests)} requests, prompts {args.prompt_min}-{args.prompt_max} tokens, {args.new_min}-"
               f"{args.new_max} new; KV cache of {args.blocks} blocks x {args.block_size} tokens (all layers); "
               f"{os.environ['OMP_NUM_THREADS']} thread(s)", flush=True)
         rows = {}
         for name in args.methods:
-            rows[name] = row = run(model, requests, args, methods[name])
+            caching = args.prefix_caching and name != "ripplekv-no-prefix-cache"
+            rows[name] = row = run(model, requests, args, methods[name], caching)
             row["settings"] = methods[name]
             print(f"  {name:<9} peak {row['peak_requests']:>3} requests  {row['generated_tokens_per_s']:7.2f} gen "
                   f"tok/s  {row['total_tokens_per_s']:8.1f} total tok/s  mean latency {row['mean_latency_s']:6.1f} s"
-                  f"  preemptions {row['preemptions']}  ({row['seconds']:.0f} s)", flush=True)
+                  f"  preemptions {row['preemptions']}  prefill computed {row['prefill_tokens_computed']}"
+                  f"  ({row['seconds']:.0f} s)", flush=True)
     full = rows["full"]
     for row in rows.values():
         row["concurrency_vs_full"] = row["peak_requests"] / full["peak_requests"]
         row["throughput_vs_full"] = row["generated_tokens_per_s"] / full["generated_tokens_per_s"]
         row["total_throughput_vs_full"] = row["total_tokens_per_s"] / full["total_tokens_per_s"]
         row["latency_vs_full"] = row["mean_latency_s"] / full["mean_latency_s"]
+        row["prefill_computed_vs_full"] = row["prefill_tokens_computed"] / full["prefill_tokens_computed"]
         row["requests_with_full_tokens"] = sum(a == b for a, b in zip(row["tokens"], full["tokens"]))
     for row in rows.values():
         del row["tokens"]
@@ -218,6 +249,9 @@ def main(argv=None) -> int:
             row["settings"] = {**row["settings"], "profile": portable_path(row["settings"]["profile"])}
     result = {"benchmark": "e2e_serving_vllm", "command": " ".join([Path(sys.executable).name] + sys.argv),
               "model": "tiny random Llama (--quick)" if args.quick else portable_path(model), "requests": args.requests,
+              "workload": args.workload, "prefix_caching": args.prefix_caching,
+              "shared_prefix": ({"documents": args.documents, "questions": args.questions,
+                                 "document_len": args.document_len} if args.workload == "shared-prefix" else None),
               "prompt_range": [args.prompt_min, args.prompt_max], "new_tokens_range": [args.new_min, args.new_max],
               "stock_kv_blocks": args.blocks, "block_size": args.block_size,
               "max_batched_tokens": args.max_batched_tokens, "retention": args.retention, "tiers": args.tiers,

@@ -7,18 +7,24 @@ moves); the plugin compresses the two full-attention layers only, in their own g
 layers alone), and the plan's tiers name full-attention layers only.
 """
 
+import os
+from pathlib import Path
+
 import pytest
 
 pytest.importorskip("vllm.entrypoints.llm", reason="vLLM is not installed here: `make test-vllm` runs these tests in "
                     ".venv-vllm")
 
 import torch  # noqa: E402
+from vllm import LLM  # noqa: E402
+from vllm.distributed import cleanup_dist_env_and_memory  # noqa: E402
 from vllm.v1.kv_cache_interface import SlidingWindowSpec  # noqa: E402
 
 from conftest import load_reference_model  # noqa: E402
 from harness import BLOCK, engine, greedy, prompts, reference, scheduler  # noqa: E402
 from ripplekv_ext.engines.vllm.kv_cache import RippleKVManager, RippleKVSpec  # noqa: E402
 from ripplekv_ext.engines.vllm.settings import Settings, plan_for  # noqa: E402
+from ripplekv_ext.eval.models import shipped_profile_path  # noqa: E402
 from ripplekv_ext.profile_file import Profile, save_profile  # noqa: E402
 
 GEMMA3_CONFIG = dict(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=6,
@@ -75,3 +81,36 @@ def test_hybrid_model_compresses_its_full_attention_layers_to_the_hook_tokens(ge
     with engine(gemma3_dir, None, model_config=GEMMA3_CONFIG, max_num_batched_tokens=64) as llm:
         stock = greedy(llm, prompts())
     assert any(t != s for t, s in zip(tokens, stock)) and tokens[0] == stock[0]
+
+
+GEMMA3_270M = Path(os.environ.get("RIPPLEKV_CACHE_DIR", Path.home() / ".cache" / "ripplekv")) / "gemma-3-270m"
+
+
+@pytest.mark.skipif(not (GEMMA3_270M / "config.json").is_file(),
+                    reason=f"gemma-3-270m not converted at {GEMMA3_270M}: `make test` converts it (tests/test_gemma3.py) "
+                           "before `make test-vllm` runs")
+def test_gemma3_270m_tokens_equal_the_hook_tokens():
+    # The real model: 18 layers, every sixth one full attention (3), a 512-token window, one KV head of 256. Its
+    # three full-attention layers are compressed in one tier each by the shipped profile's budgets, every 256
+    # prompt tokens; its prompts are longer than the window.
+    from transformers import AutoConfig
+
+    from ripplekv_ext.engines.vllm.settings import kv_cache_bytes, plan_for_model
+
+    ripplekv = {"method": "ripplekv", "retention": 0.2, "tiers": 3, "prefill_chunk": 256,
+                "profile": str(shipped_profile_path("gemma3-270m"))}
+    config = AutoConfig.from_pretrained(GEMMA3_270M)
+    plan = plan_for_model(Settings.from_config(ripplekv), config, BLOCK)
+    assert plan.tiers == [[5], [11], [17]]
+    token_lists = prompts([700, 1100, 1500], seed=0, vocab=20000)
+    params = dict(model=str(GEMMA3_270M), skip_tokenizer_init=True, dtype="float32", enforce_eager=True,
+                  block_size=BLOCK, max_model_len=2048, kv_cache_memory_bytes=kv_cache_bytes(config, 200, BLOCK, 4),
+                  max_num_batched_tokens=512, additional_config={"ripplekv": ripplekv})
+    llm = LLM(**params)
+    try:
+        tokens = greedy(llm, token_lists)
+    finally:
+        llm.llm_engine.engine_core.shutdown()
+        del llm
+        cleanup_dist_env_and_memory()
+    assert tokens == reference(load_reference_model(GEMMA3_270M), plan.policy, token_lists)
