@@ -109,8 +109,18 @@ $(VLLM_DEPS_STAMP): requirements/vllm.txt | $(VLLM_PY)
 	$(VLLM_PY) -m pip uninstall -q -y torchvision torchaudio torchcodec
 	touch $@
 
+# The wheel is installed as a vLLM user installs it, with no compiler on the PATH (a folder of a few shell tools and
+# the environment's bin/); the tests then run with the machine's PATH: vLLM compiles the pipeline-parallel model
+# with torch.compile, whose CPU backend needs a C++ compiler.
+VLLM_NO_CC := $(VLLM_VENV)/no-compiler-bin
+
 test-vllm: cpu-wheel $(VLLM_DEPS_STAMP)
-	$(VLLM_PY) -m pip install -q --force-reinstall --no-deps $(CPU_WHEEL_DIR)/ripplekv_ext-*.whl
+	mkdir -p $(VLLM_NO_CC) && for tool in sh bash env uname cat ls rm mkdir; do \
+		ln -sf "$$(command -v $$tool)" $(VLLM_NO_CC)/$$tool; done
+	for cc in cc c++ gcc g++ clang nvcc; do if PATH=$(CURDIR)/$(VLLM_VENV)/bin:$(CURDIR)/$(VLLM_NO_CC) \
+		command -v $$cc >/dev/null; then echo "a compiler is on the install PATH: $$cc" >&2; exit 1; fi; done
+	PATH=$(CURDIR)/$(VLLM_VENV)/bin:$(CURDIR)/$(VLLM_NO_CC) $(VLLM_PY) -m pip install -q --force-reinstall --no-deps \
+		$(CPU_WHEEL_DIR)/ripplekv_ext-*.whl
 	cd $(VLLM_VENV) && bin/python -c "import ripplekv_ext, torch, vllm; \
 		print('testing', ripplekv_ext.__file__, 'with torch', torch.__version__, 'vllm', vllm.__version__)"
 	cd $(MIN_SRC) && OMP_NUM_THREADS=1 ../../$(VLLM_VENV)/bin/pytest -q -p no:cacheprovider tests/vllm tests/test_engine_vllm_settings.py
@@ -129,8 +139,8 @@ $(DIST_TOOLS_STAMP): requirements/dist.txt $(DEPS_STAMP)
 	$(PY) -m pip install -q -r requirements/dist.txt
 	touch $@
 
-dist: $(DIST_TOOLS_STAMP)
-	DIST_KINDS="$(DIST_KINDS)" tools/make_dist.sh
+dist: $(DIST_TOOLS_STAMP) $(MIN_DEPS_STAMP)
+	DIST_KINDS="$(DIST_KINDS) cpu-torch2.13" tools/make_dist.sh
 
 test-dist: $(DIST_TOOLS_STAMP)
 	DIST_PYTHONS="$(DIST_PYTHONS)" DIST_KINDS="$(DIST_KINDS)" DIST_QUICK="$(DIST_QUICK)" tools/test_dist.sh

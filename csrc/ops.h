@@ -3,7 +3,7 @@
 // CUDA kernel of its tensors' device, and autocast / tracing / fake tensors see it like any torch op.
 //
 // The op library must be loaded first (link libripplekv_ops so its registrations run, or dlopen it).
-// Semantics and argument meanings: DESIGN.md §4 and the schemas in csrc/ripplekv.cpp.
+// Semantics and argument meanings: docs/design.md §4 and the schemas in csrc/ripplekv.cpp.
 #pragma once
 
 #include <ATen/core/dispatch/Dispatcher.h>

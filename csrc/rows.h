@@ -1,4 +1,4 @@
-// Left-padded batches (DESIGN.md §4, "Batches"): row b's n_b real tokens are positions [N - n_b, N), so each
+// Left-padded batches (docs/design.md §4, "Batches"): row b's n_b real tokens are positions [N - n_b, N), so each
 // row's real tokens are a contiguous suffix. The per-row ops run the existing per-call machinery on the row's
 // sub-range (a view at offset N - n_b of length n_b) and write right-aligned into padded outputs; this header
 // holds what they share: reading the per-row lengths and budgets.

@@ -1,8 +1,8 @@
-"""Per-layer KV-cache budgets: RippleKV, uniform and PyramidKV (DESIGN.md §4).
+"""Per-layer KV-cache budgets: RippleKV, uniform and PyramidKV (docs/design.md §4).
 
 RippleKV turns a sensitivity profile into weights in one of two ways: by default budgets proportional to a power
 of the sensitivity (`power_weights`, square root: chosen on calibration text of two models, docs/defaults.md), or
-DESIGN.md's `R ** z` (`ripplekv_weights`: the paper's formula, clipped to `[1/R, R]`) when a ratio or a
+docs/design.md's `R ** z` (`ripplekv_weights`: the paper's formula, clipped to `[1/R, R]`) when a ratio or a
 normalisation is asked for.
 
 Every allocator only produces *weights*; one shared routine, `integer_budgets`, turns weights into
@@ -27,9 +27,9 @@ __all__ = [
     "PyramidKVAllocator", "RippleKVAllocator",
 ]
 
-# The defaults of DESIGN.md's `R ** z` weighting (used when a ratio or a normalisation is asked for): the budget ratio
-# between the most and the least sensitive layer (R) and the normalisation of the sensitivities. Chosen from data
-# (docs/defaults.md) when `R ** z` was RippleKV's default: R = 1.75 with min-max, selected on
+# The defaults of docs/design.md's `R ** z` weighting (used when a ratio or a normalisation is asked for): the
+# budget ratio between the most and the least sensitive layer (R) and the normalisation of the sensitivities.
+# Chosen from data (docs/defaults.md) when `R ** z` was RippleKV's default: R = 1.75 with min-max, selected on
 # calibration text and confirmed on 8 held-out SmolLM2 prompts at 20% retention (KL -0.013 nats against the
 # paper's R = 1.5 z-score, 7 of 8 prompts better); at 10% the two are within noise of each other.
 DEFAULT_RATIO = 1.75
@@ -267,7 +267,7 @@ class Allocator(SettingsEquality, abc.ABC):
 
     def chunk_budget(self, final_budget: int, n_read: int) -> int:
         """Tokens a layer keeps of the first ``n_read`` tokens of a prompt read in chunks whose whole length is
-        known, ``final_budget`` being its budget for the whole prompt (DESIGN.md §4, "Bounded (rolling) prefill"):
+        known, ``final_budget`` being its budget for the whole prompt (docs/design.md §4, "Bounded (rolling) prefill"):
         every token read up to that budget, so nothing is evicted before it has to be. An engine's wrapper may round
         it (the vLLM plugin's frees whole blocks)."""
         return min(int(final_budget), int(n_read))
@@ -310,7 +310,7 @@ class RippleKVAllocator(Allocator):
     (mean 1 among themselves) and every compressible layer the profile does not cover gets weight 1, i.e. the
     average budget, so the total stays `L_c * B_avg`. A profiled layer that is not compressible is an error.
 
-    Weights: `s ** exponent` (`power_weights`; the default, exponent `DEFAULT_EXPONENT`), or DESIGN.md's clipped
+    Weights: `s ** exponent` (`power_weights`; the default, exponent `DEFAULT_EXPONENT`), or docs/design.md's clipped
     `R ** z` (`ripplekv_weights`) as soon as `ratio`, `normalize` or `clip` is given (the others then take
     `DEFAULT_RATIO` / `DEFAULT_NORMALIZE` / `(1/R, R)`); giving both kinds is an error.
     """

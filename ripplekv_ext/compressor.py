@@ -10,7 +10,7 @@ An engine asks ``budgets(n_tokens)`` to plan memory before prefill, then after e
 A left-padded batch of prompts of different lengths (row ``b``'s ``n_b`` real tokens are positions ``[N - n_b, N)``)
 goes through ``compress_rows(layer_idx, queries, keys, values, lengths)``: each row is compressed as if it were
 alone, with the budgets of its own length (``row_budgets(lengths)``), and the layer's rows come back padded on the
-left to its longest row, with a key mask ``[B, C_max]`` marking the real slots (DESIGN.md §4, "Batches").
+left to its longest row, with a key mask ``[B, C_max]`` marking the real slots (docs/design.md §4, "Batches").
 
 Compression during decoding (``Policy(..., decode_every=K)``) is the same two calls again on the whole cache: every
 ``K`` generated tokens, each layer's budget is ``decode_budgets(n_seen, n_prompt)[layer]`` (a fixed total, split for
@@ -137,7 +137,7 @@ class KVCompressor:
         return None if slot is None else self._plan(n_tokens)[slot]
 
     def chunk_budgets(self, n_read: int, n_total: Optional[int] = None) -> list[Optional[int]]:
-        """Tokens each layer keeps after the first ``n_read`` tokens of a prompt read in chunks (DESIGN.md §4,
+        """Tokens each layer keeps after the first ``n_read`` tokens of a prompt read in chunks (docs/design.md §4,
         "Bounded (rolling) prefill"), indexed by layer like ``budgets``: with the whole prompt's length ``n_total``
         known, its final budget ``budgets(n_total)``, as the allocator rounds it part-way (``chunk_budget``: all
         tokens read up to the budget); else the budgets of a prompt of ``n_read`` tokens. After the last chunk

@@ -22,7 +22,7 @@ far), with those queries as the window, right after the attention call that brou
 holds more than its budget plus ``K`` tokens (plus the rest of a multi-token chunk that crossed ``K``). Rows of a
 batch each get their own budgets, as at prefill.
 
-Batches (DESIGN.md §4): a left-padded batch (2-D ``attention_mask``, zeros only on the left of each row) is
+Batches (docs/design.md §4): a left-padded batch (2-D ``attention_mask``, zeros only on the left of each row) is
 compressed row by row, each row with the budgets of its own real length ``n_b`` and its own last ``W`` real
 positions as the window (``KVCompressor.compress_rows``), so each row generates what that prompt generates alone.
 A compressed layer holds its rows left-padded to its longest row plus a bool key mask ``[B, C_max]`` that it

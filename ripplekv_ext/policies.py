@@ -3,7 +3,7 @@
 Any allocator combines with any selector: ``Policy(PyramidKVAllocator(), H2OSelector(), retention=0.2)`` is as
 valid as the published pairings. ``Policy.full()`` (no allocator, no selector) compresses nothing.
 
-Budgets are tokens kept per KV head, observation window included (DESIGN.md §3).
+Budgets are tokens kept per KV head, observation window included (docs/design.md §3).
 
 Compression during decoding (``decode_every=K``): after every ``K`` generated tokens each layer selects down to its
 budget again, over its whole cache (prompt + generated), with its latest ``W`` queries as the window. The budget is
@@ -60,7 +60,7 @@ class Policy:
             in chunks of ``C`` tokens (transformers' ``prefill_chunk_size``) and after every chunk each layer keeps
             at most its budget for the whole prompt (``KVCompressor.chunk_budgets``), scored by the newest ``W``
             queries; each chunk attends to the compressed cache of the chunks before it, so a prompt never holds
-            more than its budget plus one chunk (DESIGN.md §4, "Bounded (rolling) prefill"). ``C > window``; a
+            more than its budget plus one chunk (docs/design.md §4, "Bounded (rolling) prefill"). ``C > window``; a
             chunk at least as long as the prompt is one-shot compression. ``None`` (default): one-shot, unless
             ``generate`` is given ``prefill_chunk_size`` itself (then it rolls the same way).
     """

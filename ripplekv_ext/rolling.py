@@ -1,4 +1,4 @@
-"""Bounded (rolling) prefill in a ``compress`` block: which forwards are chunks of one prompt (DESIGN.md §4).
+"""Bounded (rolling) prefill in a ``compress`` block: which forwards are chunks of one prompt (docs/design.md §4).
 
 A prompt read in chunks (one cache, several forwards) is compressed after every chunk: each layer keeps at most its
 budget (``KVCompressor.chunk_budgets``), so it never holds more than its budget plus one chunk, and each chunk attends

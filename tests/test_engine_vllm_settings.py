@@ -3,6 +3,7 @@ vLLM): run in every environment, with or without vLLM. The engines themselves ar
 
 import subprocess
 import sys
+import warnings
 
 import pytest
 
@@ -10,6 +11,7 @@ import ripplekv_ext
 from ripplekv_ext.engines.vllm.settings import (BlockAlignedAllocator, Settings, aligned_budget, kv_cache_bytes,
                                                 plan_for)
 from ripplekv_ext.eval.models import tiny_model
+from ripplekv_ext.policies import PromptTooShortWarning
 from ripplekv_ext.profile_file import Profile, save_profile
 
 BLOCK = 32
@@ -101,6 +103,7 @@ def test_a_hybrid_plan_compresses_and_tiers_its_full_attention_layers_only():
 
 
 def test_pristine_tokens_are_the_slots_no_compaction_rewrites():
+    warnings.simplefilter("ignore", PromptTooShortWarning)  # the 40-token prompt is kept whole
     one_shot = plan_for(Settings.from_config({"method": "snapkv", "retention": 0.2}), LAYERS, BLOCK)
     n = 1000
     assert one_shot.pristine_tokens(0, n) == one_shot.dropped_blocks(0, n) * BLOCK == n - one_shot.tier_budget(0, n)
@@ -113,3 +116,23 @@ def test_pristine_tokens_are_the_slots_no_compaction_rewrites():
     assert all(bounded.dropped_blocks(0, n, b) * BLOCK >= bounded.pristine_tokens(0, n)
                for b in bounded.boundaries(n) if b >= first)
     assert 0 < bounded.pristine_tokens(0, n) < one_shot.pristine_tokens(0, n)
+
+
+@pytest.mark.parametrize("ripplekv,max_model_len,whole", [
+    # 5% of a 400-token prompt (20) is not more than the window: kept whole, 400 > the budget at 2048 plus a chunk.
+    ({"method": "snapkv", "retention": 0.05, "prefill_chunk": 64}, 2048, 400),
+    # PyramidKV's most generous tier keeps a 257-token prompt whole at 20%.
+    ({"method": "pyramidkv", "retention": 0.2, "prefill_chunk": 64}, 1024, 257),
+])
+def test_held_tokens_bound_holds_for_every_prompt_length(ripplekv, max_model_len, whole):
+    plan = plan_for(Settings.from_config(ripplekv), LAYERS, BLOCK)
+    step = 64
+    bounds = [plan.held_tokens_bound(t, max_model_len, step) for t in range(plan.num_tiers)]
+    assert max(bounds) >= whole
+    chunk = ripplekv["prefill_chunk"]
+    warnings.simplefilter("ignore", PromptTooShortWarning)  # (pytest restores the filters after the test)
+    for n in range(1, max_model_len + 1, 7):
+        # What a request of n prompt tokens holds at most while read: all of it if kept whole, else its budget
+        # plus a block, a chunk, a step and a block.
+        for t in range(plan.num_tiers):
+            assert min(n, plan.tier_budget(t, n) + chunk + step + 2 * BLOCK) <= bounds[t]

@@ -14,7 +14,7 @@ import ripplekv_ref
 
 
 def naive_snapkv(q, k, kernel_size, pooling, group_reduce, scale=None):
-    """DESIGN.md §4 written as Python loops over floats: independent of every tensor op used by the reference."""
+    """docs/design.md §4 written as Python loops over floats: independent of every tensor op used by the reference."""
     B, Hq, W, D = q.shape
     _, Hkv, N, _ = k.shape
     G = Hq // Hkv

@@ -1,4 +1,4 @@
-"""Bounded (rolling) prefill: a prompt read in chunks is compressed after every chunk (DESIGN.md §4).
+"""Bounded (rolling) prefill: a prompt read in chunks is compressed after every chunk (docs/design.md §4).
 
 Checked against an independent computation (``RollingMaskedReference``: stock attention over the full stock cache,
 the dropped tokens masked out, each chunk's selection made by the reference selectors over the tokens still

@@ -15,7 +15,7 @@ def test_by_hand():
 
 
 def stated(n, budget, sink):
-    """DESIGN.md's rule, written from its statement: the first ``sink`` positions and the last ``budget - sink``; a
+    """docs/design.md's rule, written from its statement: the first ``sink`` positions and the last ``budget - sink``; a
     prompt within its budget is kept whole."""
     if n <= budget:
         return list(range(n))

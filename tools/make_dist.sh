@@ -4,6 +4,9 @@
 #   ripplekv_ext-0.1.0.tar.gz                                        the sources (a pip install compiles them)
 #   ripplekv_ext-0.1.0+cpu.torch2.15-cp310-abi3-manylinux_*.whl       CPU kernels
 #   ripplekv_ext-0.1.0+cu13.torch2.15-cp310-abi3-manylinux_*.whl      CPU and CUDA kernels (CUDA_WHEEL_ARCHS)
+#   ripplekv_ext-0.1.0+cpu.torch2.13-cp310-abi3-manylinux_*.whl       CPU kernels for torch 2.13: vLLM's CPU build
+#                                                                     pins it (kind cpu-torch2.13, built with
+#                                                                     .venv-min's torch, `make test-vllm`'s wheel)
 # dist/wheels.json records each file's size, tag and auditwheel verdict.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -32,10 +35,18 @@ copy_tree "$WORK/sdist"
 
 for kind in $KINDS; do
     echo "== $kind wheel"
-    rm -f dist/ripplekv_ext-*+"$([ "$kind" = cpu ] && echo cpu || echo cu)"*.whl
+    case $kind in
+        cpu) rm -f dist/ripplekv_ext-*+cpu.torch2.15*.whl ;;
+        cuda) rm -f dist/ripplekv_ext-*+cu*.whl ;;
+        cpu-torch2.13) rm -f dist/ripplekv_ext-*+cpu.torch2.13*.whl ;;
+        *) echo "unknown wheel kind $kind (cpu, cuda, cpu-torch2.13)" >&2; exit 1 ;;
+    esac
     copy_tree "$WORK/$kind"
     rm -rf "$WORK/raw-$kind"
-    if [ "$kind" = cpu ]; then
+    if [ "$kind" = cpu-torch2.13 ]; then
+        (cd "$WORK/$kind" && FORCE_ONLY_CPU=1 "$OLDPWD/.venv-min/bin/python" -m pip wheel -q --no-build-isolation \
+            --no-deps -w "$OLDPWD/$WORK/raw-$kind" .)
+    elif [ "$kind" = cpu ]; then
         (cd "$WORK/$kind" && FORCE_ONLY_CPU=1 "$OLDPWD/$PY" -m pip wheel -q --no-build-isolation --no-deps \
             -w "$OLDPWD/$WORK/raw-$kind" .)
     else

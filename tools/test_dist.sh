@@ -10,6 +10,7 @@ ROOT=$PWD
 UV="$ROOT/.venv/bin/uv"
 PYTHONS=${DIST_PYTHONS:-3.11 3.12 3.13}  # torch 2.15 has no 3.10 wheels
 KINDS=${DIST_KINDS:-cpu cuda}
+TORCH_RELEASE=$("$ROOT/.venv/bin/python" -c "import torch; print('.'.join(torch.__version__.split('.')[:2]))")
 WORK=${DIST_TEST_DIR:-$(mktemp -d /tmp/ripplekv-test-dist.XXXXXX)}
 TESTS=(test_ops.py test_allocation.py test_library.py test_gather_kv.py test_gather_kv_packed.py test_select_topk.py
        test_select_topk_packed.py test_select_topk_rows.py test_snapkv_scores.py test_snapkv_compress.py
@@ -39,7 +40,8 @@ for tool in sh bash env uname cat ls rm mkdir readelf; do ln -sf "$(command -v $
 
 run_one() {  # kind python-version
     local kind=$1 version=$2 wheel env tests
-    local pattern="$ROOT/dist/ripplekv_ext-*+$([ "$kind" = cpu ] && echo cpu || echo cu)*.whl"
+    # .venv's torch release: dist/ also holds the torch 2.13 CPU wheel for vLLM (`make test-vllm` tests that one).
+    local pattern="$ROOT/dist/ripplekv_ext-*+$([ "$kind" = cpu ] && echo cpu || echo cu)*.torch$TORCH_RELEASE-*.whl"
     # shellcheck disable=SC2086  # the pattern is a glob
     ls $pattern >/dev/null 2>&1 || DIST_KINDS=$kind "$ROOT/tools/make_dist.sh"  # no wheel yet: `make dist` it
     wheel=$(ls $pattern)

@@ -1,4 +1,4 @@
-// H2O heavy-hitter scores, CPU (DESIGN.md §4): for every key, the causal attention mass it receives
+// H2O heavy-hitter scores, CPU (docs/design.md §4): for every key, the causal attention mass it receives
 // from every prompt query, summed per query head, then reduced over the head's group.
 //
 // Queries are processed in chunks: per row the scratch is the [G, N] running sums plus one chunk's

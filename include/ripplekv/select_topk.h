@@ -1,4 +1,4 @@
-// Top-k selection with the observation window always kept, CPU (DESIGN.md §4).
+// Top-k selection with the observation window always kept, CPU (docs/design.md §4).
 //
 // Per row: the C - W best of the N - W prefix scores (ties to the lower position) plus the window
 // [N - W, N), written ascending. A threshold from nth_element (O(n)) and one ascending scan

@@ -1,4 +1,4 @@
-// SnapKV window scores, CPU (DESIGN.md §4): for every prefix key, the attention mass it receives
+// SnapKV window scores, CPU (docs/design.md §4): for every prefix key, the attention mass it receives
 // from the last W queries, reduced over each KV head's query group and pooled along positions.
 //
 // A row is one (b, g) pair of the [B, H_kv] grid; the caller spreads rows over threads.

@@ -1,4 +1,4 @@
-"""Reference per-row ops for left-padded batches (DESIGN.md §4, "Batches"): a Python loop over rows calling the
+"""Reference per-row ops for left-padded batches (docs/design.md §4, "Batches"): a Python loop over rows calling the
 single-call reference ops on each row's real tokens.
 
 Row ``b``'s ``n_b = lengths[b]`` real tokens are positions ``[N - n_b, N)``. Row ``b`` keeps ``C_b = min(budget_b, n_b)``

@@ -1,4 +1,4 @@
-"""Reference top-k selection with the observation window always kept (DESIGN.md §4)."""
+"""Reference top-k selection with the observation window always kept (docs/design.md §4)."""
 
 import torch
 from torch import Tensor

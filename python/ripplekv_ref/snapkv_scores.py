@@ -1,4 +1,4 @@
-"""Reference SnapKV window scores (DESIGN.md §4), materializing the full probability tensor on purpose."""
+"""Reference SnapKV window scores (docs/design.md §4), materializing the full probability tensor on purpose."""
 
 import torch
 import torch.nn.functional as F

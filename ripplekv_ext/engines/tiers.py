@@ -1,4 +1,5 @@
-"""Budget tiers: per-layer budgets rounded to ``T`` levels, for engines that page layers in lock-step (DESIGN.md §4).
+"""Budget tiers: per-layer budgets rounded to ``T`` levels, for engines that page layers in lock-step
+(docs/design.md §4).
 
 A paged engine gives every layer of a cache group one page at a time, so all layers of a group hold the same
 number of tokens. ``TieredAllocator`` wraps any allocator and groups the compressible layers into ``T`` tiers of

@@ -1,4 +1,4 @@
-"""select_topk: the tokens to keep per KV head under a budget, window included (DESIGN.md §4)."""
+"""select_topk: the tokens to keep per KV head under a budget, window included (docs/design.md §4)."""
 
 import torch
 from torch import Tensor

@@ -1,4 +1,4 @@
-"""select_topk_rows: per-row budgets for a left-padded batch (DESIGN.md §4, "Batches")."""
+"""select_topk_rows: per-row budgets for a left-padded batch (docs/design.md §4, "Batches")."""
 
 from typing import Sequence, Union
 

@@ -1,4 +1,4 @@
-"""snapkv_scores: attention mass each prefix key receives from the observation window (DESIGN.md §4)."""
+"""snapkv_scores: attention mass each prefix key receives from the observation window (docs/design.md §4)."""
 
 from typing import Optional, Sequence, Union
 

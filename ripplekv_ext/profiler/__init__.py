@@ -1,4 +1,4 @@
-"""RippleKV sensitivity profiler (DESIGN.md §4).
+"""RippleKV sensitivity profiler (docs/design.md §4).
 
 For each calibration example (prefix of P tokens, continuation of T tokens) the prefix is run once; the
 continuation is run teacher-forced against the clean cache (reference distributions), then once per

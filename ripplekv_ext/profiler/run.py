@@ -1,7 +1,7 @@
 """A profiling run: every calibration example through an estimator, with resume and progress.
 
 Sensitivity `s_l` = mean KL(P_ref || P_l) over continuation positions, noise draws and examples, where P_l is the
-continuation's next-token distribution once layer `l`'s prefix Values are perturbed (DESIGN.md §4). Results are
+continuation's next-token distribution once layer `l`'s prefix Values are perturbed (docs/design.md §4). Results are
 saved after every example to a partial file, which an interrupted run with the same settings resumes from.
 """
 

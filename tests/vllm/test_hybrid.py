@@ -87,7 +87,8 @@ GEMMA3_270M = Path(os.environ.get("RIPPLEKV_CACHE_DIR", Path.home() / ".cache" /
 
 
 @pytest.mark.skipif(not (GEMMA3_270M / "config.json").is_file(),
-                    reason=f"gemma-3-270m not converted at {GEMMA3_270M}: `make test` converts it (tests/test_gemma3.py) "
+                    reason=f"gemma-3-270m not converted at {GEMMA3_270M}: `make test` converts it "
+                           "(tests/test_gemma3.py) "
                            "before `make test-vllm` runs")
 def test_gemma3_270m_tokens_equal_the_hook_tokens():
     # The real model: 18 layers, every sixth one full attention (3), a 512-token window, one KV head of 256. Its

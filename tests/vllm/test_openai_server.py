@@ -56,7 +56,8 @@ def command_line(model, port):
     args = engine_arguments(model)
     return [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model, "--host", "127.0.0.1",
             "--port", str(port), "--dtype", args["dtype"], "--enforce-eager", "--block-size", str(BLOCK),
-            "--max-model-len", str(args["max_model_len"]), "--kv-cache-memory-bytes", str(args["kv_cache_memory_bytes"]),
+            "--max-model-len", str(args["max_model_len"]),
+            "--kv-cache-memory-bytes", str(args["kv_cache_memory_bytes"]),
             "--max-num-seqs", str(args["max_num_seqs"]), "--additional-config", json.dumps(args["additional_config"])]
 
 

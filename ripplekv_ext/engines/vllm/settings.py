@@ -15,13 +15,14 @@ import functools
 import json
 import math
 import os
+import warnings
 from typing import Optional, Sequence
 
 from ripplekv_ext.allocation import Allocator, PyramidKVAllocator, RippleKVAllocator, UniformAllocator
 from ripplekv_ext.checks import check_int, is_integer
 from ripplekv_ext.compressor import KVCompressor
 from ripplekv_ext.engines.tiers import TieredAllocator, tier_counts
-from ripplekv_ext.policies import DEFAULT_RIPPLEKV_SELECTOR, DEFAULT_WINDOW, Policy
+from ripplekv_ext.policies import DEFAULT_RIPPLEKV_SELECTOR, DEFAULT_WINDOW, Policy, PromptTooShortWarning
 from ripplekv_ext.selectors import SnapKVSelector, StreamingLLMSelector
 
 __all__ = ["CONFIG_KEY", "METHODS", "Settings", "BlockAlignedAllocator", "EnginePlan", "plan_for", "plan_for_model",
@@ -85,8 +86,8 @@ class Settings:
                              f"got {tiers!r}")
         chunk = config.get("prefill_chunk")
         if chunk is not None and (not is_integer(chunk) or chunk <= window):
-            raise ValueError(f"{where}[\"prefill_chunk\"] must be an integer > window = {window} (prompt tokens between "
-                             f"compactions, a multiple of the block size, e.g. 512), got {chunk!r}")
+            raise ValueError(f"{where}[\"prefill_chunk\"] must be an integer > window = {window} (prompt tokens "
+                             f"between compactions, a multiple of the block size, e.g. 512), got {chunk!r}")
         return cls(method, float(retention), window, profile, None if tiers is None else int(tiers),
                    None if chunk is None else int(chunk))
 
@@ -175,7 +176,7 @@ class EnginePlan:
         if chunk is not None and chunk % block_size:
             # Refused, not rounded: compactions at whole blocks keep "budget + one chunk" a whole number of blocks.
             raise ValueError(f'additional_config["{CONFIG_KEY}"]["prefill_chunk"] must be a multiple of the block size '
-                             f"({block_size}), got {chunk}; e.g. {max(1, chunk // block_size) * block_size}")
+                             f"({block_size}), got {chunk}; e.g. {-(-chunk // block_size) * block_size}")
         tiered = TieredAllocator(base, num_tiers)
         # Each method's own selector, as its Policy constructor pairs them.
         selector = {"streamingllm": StreamingLLMSelector(), "ripplekv": DEFAULT_RIPPLEKV_SELECTOR()}.get(
@@ -185,6 +186,7 @@ class EnginePlan:
         self.tiers = tiered.tiers(layers, settings.window)
         self.tier_of = {layer: t for t, tier in enumerate(self.tiers) for layer in tier}
         self.compressor = KVCompressor(self.policy, num_layers, layers)
+        self._held_bounds: dict[tuple[int, int], list[int]] = {}
         # Profile problems (a profile for another layer count) surface here, when the engine starts.
         self.compressor.budgets(max(4 * settings.window, 1024))
 
@@ -225,13 +227,25 @@ class EnginePlan:
     def held_tokens_bound(self, tier: int, max_model_len: int, max_in_flight_tokens: int) -> int:
         """With ``prefill_chunk``: the most tokens a request whose prompt is at most ``max_model_len`` holds in
         ``tier`` while its prompt is read (the engine's scheduler frees up to the last boundary a request has
-        processed, then allocates its next step of at most ``max_in_flight_tokens``): what it keeps at a boundary
-        (under its final budget plus a block), the tokens since (under a chunk), the step, and a block of rounding."""
+        processed, then allocates its next step of at most ``max_in_flight_tokens``). A prompt of ``n`` tokens holds
+        at most what it keeps at a boundary (under its final budget plus a block), the tokens since (under a chunk),
+        the step and a block of rounding, and never more than ``n``: the maximum over every ``n`` up to
+        ``max_model_len``, since a prompt the plan keeps whole (too short for its retention, or dropping less than a
+        block) holds all of it however short ``max_model_len``'s budget is."""
         chunk = self.settings.prefill_chunk
         if chunk is None:
             return max_model_len
-        kept = self.tier_budget(tier, max_model_len) + self.block_size
-        return min(max_model_len, kept + chunk + max_in_flight_tokens + self.block_size)
+        key = (max_model_len, max_in_flight_tokens)
+        if key not in self._held_bounds:
+            extra = chunk + max_in_flight_tokens + 2 * self.block_size
+            bounds = [0] * self.num_tiers
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", PromptTooShortWarning)  # short prompts are kept whole: counted so
+                for n in range(1, max_model_len + 1):
+                    for t in range(self.num_tiers):
+                        bounds[t] = max(bounds[t], min(n, self.tier_budget(t, n) + extra))
+            self._held_bounds[key] = bounds
+        return self._held_bounds[key][tier]
 
     def pristine_tokens(self, tier: int, n_tokens: int) -> int:
         """The first slots of an ``n_tokens`` prompt that ``tier`` never rewrites: what its first compaction frees
