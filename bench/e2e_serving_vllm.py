@@ -6,7 +6,9 @@ without EOS (every request generates exactly its ``max_tokens``):
 
 * ``full``: stock vLLM (the plugin installed but not asked for);
 * ``snapkv``: the plugin, uniform budgets at ``--retention`` (one tier);
-* ``ripplekv``: the plugin, RippleKV budgets from ``--profile`` rounded to ``--tiers`` tiers.
+* ``ripplekv``: the plugin, RippleKV budgets from ``--profile`` rounded to ``--tiers`` tiers;
+* ``ripplekv-no-prefix-cache``: the same with vLLM's prefix caching off (for ``--workload shared-prefix``, where
+  every other method runs with it on).
 
 A tier's block holds ``1 / T`` of the layers of a stock block, so a ``T``-tier engine gets ``T x --blocks`` blocks:
 the same bytes. Measured per method: peak concurrent requests (most requests in vLLM's running queue after a
@@ -58,7 +60,8 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default=str(DEFAULT_MODEL), help="local model folder (config.json + safetensors)")
     p.add_argument("--profile", default=str(DEFAULT_PROFILE), help="RippleKV profile of --model")
-    p.add_argument("--methods", default=",".join(METHODS), help=f"comma-separated, from {METHODS}")
+    p.add_argument("--methods", default="full,snapkv,ripplekv",
+                   help=f"comma-separated, from {METHODS} (the last: ripplekv with prefix caching off)")
     p.add_argument("--requests", type=int, default=32)
     p.add_argument("--prompt-min", type=int, default=512)
     p.add_argument("--prompt-max", type=int, default=1024)
