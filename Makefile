@@ -7,7 +7,7 @@ DEPS_STAMP := $(VENV)/.ripplekv-deps
 EDITABLE_STAMP := $(VENV)/.ripplekv-editable
 export MAX_JOBS ?= 2
 
-.PHONY: build test dist test-dist cpu-wheel test-min test-kvpress test-vllm soak demo bench cpp-test gpu-check peer-env clean
+.PHONY: build lint test dist test-dist cpu-wheel test-min test-kvpress test-vllm soak demo bench cpp-test gpu-check peer-env clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -35,7 +35,11 @@ build: $(EDITABLE_STAMP)
 # recomputing logits instead of reading the exps the first pass kept (what rows too long for the
 # store budget get; the first line covers the store). Only the numerical tests: the schema, fake-kernel and argument
 # checks (opcheck, the bad-input tables) do not depend on the kernel.
-test: build cpp-test
+# ruff (configured in pyproject.toml) over every Python file of the project.
+lint: $(DEPS_STAMP)
+	$(PY) -m ruff check ripplekv_ext python tests bench tools
+
+test: lint build cpp-test
 	$(PY) -m pytest tests/
 	RIPPLEKV_DISABLE_AVX2=1 RIPPLEKV_SNAPKV_STORE_MIB=0 $(PY) -m pytest -q tests/test_snapkv_scores.py tests/test_snapkv_compress.py tests/test_h2o_scores.py \
 		-k "not opcheck and not bad_input_table and not reference_agrees"

@@ -96,8 +96,9 @@ def bench_e2e_decode(benchmark, smollm2, method, shape):
 def bench_e2e_profile_cost(benchmark, smollm2, shape):
     # Three of the 30 layers keep this a smoke-sized run; the full profile is `ripplekv bench --figures profile`.
     p, t, n, layers = 32, 6, 2, [0, 10, 20]
-    result = benchmark.pedantic(e2e_measure.measure_profile_cost, args=(smollm2["model"], smollm2["tokenizer"], p, t, n),
-                                kwargs=dict(layers=layers), rounds=1, iterations=1)
+    result = benchmark.pedantic(e2e_measure.measure_profile_cost,
+                                args=(smollm2["model"], smollm2["tokenizer"], p, t, n), kwargs=dict(layers=layers),
+                                rounds=1, iterations=1)
     rows = result["rows"]
     assert [r["examples"] for r in rows] == [1, 2]
     # Hand-worked: without reuse, each example is the prefix pass (P + T tokens, reference included) plus one

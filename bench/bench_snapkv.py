@@ -1,11 +1,13 @@
 """snapkv_compress (fused) and snapkv_scores against the reference pipeline of torch ops, in the same run.
 
-    .venv/bin/python -m pytest bench/bench_snapkv.py --benchmark-group-by=param:shape --benchmark-columns=min,median,rounds
+    .venv/bin/python -m pytest bench/bench_snapkv.py --benchmark-group-by=param:shape \
+        --benchmark-columns=min,median,rounds
 
 Memory: `bench_snapkv_compress_memory` runs each implementation once in a fresh Python process and reports its
 peak extra memory, i.e. the peak resident set size during the call minus the resident size just before it (inputs
-already allocated and touched; the kernel's high-water mark reset just before the call, /proc/self/clear_refs). RSS sees every allocation (torch's allocator, the kernels' std::vector scratch,
-oneDNN buffers), which tracemalloc or the torch profiler would each miss part of. Outputs are included for both
+already allocated and touched; the kernel's high-water mark reset just before the call, /proc/self/clear_refs). RSS
+sees every allocation (torch's allocator, the kernels' std::vector scratch, oneDNN buffers), which tracemalloc or the
+torch profiler would each miss part of. Outputs are included for both
 implementations (they have the same size). On CUDA it is torch.cuda.max_memory_allocated() minus the allocated
 bytes before the call (every kernel scratch buffer goes through the caching allocator).
 """

@@ -132,8 +132,8 @@ def measure_batch(model, tokenizer, num_prompts: int = 8, min_tokens: int = 1024
         alone = [greedy_batch(model, [p], new_tokens, policy) for p in prompts]
         rows[method] = _row([batched], num_prompts, new_tokens)
         rows[method]["tokens_equal_one_at_a_time"] = batched["tokens"] == [r["tokens"][0] for r in alone]
-        rows[method]["tokens_agree_with_full"] = sum(
-            a == b for x, y in zip(batched["tokens"], full["tokens"]) for a, b in zip(x, y)) / (num_prompts * new_tokens)
+        agreeing = sum(a == b for x, y in zip(batched["tokens"], full["tokens"]) for a, b in zip(x, y))
+        rows[method]["tokens_agree_with_full"] = agreeing / (num_prompts * new_tokens)
         rows[f"{method} one at a time"] = _row(alone, num_prompts, new_tokens)
     base = rows["full"]
     for row in rows.values():

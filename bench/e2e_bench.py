@@ -202,8 +202,9 @@ def main(argv=None) -> int:
         from ripplekv_ext.eval.models import smollm2_folder
 
         model_dir = smollm2_folder() if args.model == "smollm2" else args.model
-        results["figures"]["peer"] = measure_peer(model, tokenizer, model_dir, sizes["tokens"], retention=args.retention,
-                                                  num_examples=args.peer_examples, pooling=args.peer_pooling,
+        results["figures"]["peer"] = measure_peer(model, tokenizer, model_dir, sizes["tokens"],
+                                                  retention=args.retention, num_examples=args.peer_examples,
+                                                  pooling=args.peer_pooling,
                                                   step_rounds=args.peer_step_rounds, peer_python=args.peer_python)
     if "batch" in args.figures:
         low, high = sizes["batch_tokens"]
@@ -292,7 +293,8 @@ def print_tables(results: dict, console=None) -> None:
         console.print(t)
     if "peer" in figs:
         f = figs["peer"]
-        title = (f"Peer at {f['n_tokens']} tokens, retention {f['retention']:g}, pooling ours {f.get('ours_pooling', 'max')} "
+        title = (f"Peer at {f['n_tokens']} tokens, retention {f['retention']:g}, pooling ours "
+                 f"{f.get('ours_pooling', 'max')} "
                  f"/ kvpress avg: plain prefill {_fmt(f['prefill_s'], '.2f')} s")
         if f["kvpress_skipped"]:
             title += f"\nkvpress skipped: {f['kvpress_skipped']}"
@@ -303,7 +305,8 @@ def print_tables(results: dict, console=None) -> None:
                   "kvpress KL", "step s, alternating: ours", "kvpress", "speedup"):
             t.add_column(c, justify="right")
         for name, r in f["rows"].items():
-            t.add_row(name, _fmt(r["ours_prefill_s"], ".2f"), _fmt(r["ours_compress_s"], ".3f"), _fmt(r["ours_kl"], ".4f"),
+            t.add_row(name, _fmt(r["ours_prefill_s"], ".2f"), _fmt(r["ours_compress_s"], ".3f"),
+                      _fmt(r["ours_kl"], ".4f"),
                       _fmt(r.get("kvpress_prefill_s"), ".2f"), _fmt(r.get("kvpress_compress_s"), ".3f"),
                       _fmt(r.get("kvpress_kl"), ".4f"), _fmt(r.get("ours_step_replay_s"), ".3f"),
                       _fmt(r.get("kvpress_step_replay_s"), ".3f"), _fmt(r.get("compression_speedup_vs_kvpress"), ".2f"))

@@ -35,7 +35,8 @@ from ripplekv_ext import Policy, compress
 from ripplekv_ext.eval.models import load_model, shipped_profile_path, tiny_model
 from ripplekv_ext.integrations.transformers import output_cache
 from ripplekv_ext.profile_file import load_profile
-model_name, n, method, retention, chunk = sys.argv[1], int(sys.argv[2]), sys.argv[3], float(sys.argv[4]), int(sys.argv[5])
+model_name, n, method = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+retention, chunk = float(sys.argv[4]), int(sys.argv[5])
 torch.set_num_threads(1)
 if model_name == "tiny":
     model = tiny_model("llama", num_layers=8, hidden_size=256, intermediate_size=512, num_attention_heads=4,
@@ -128,7 +129,8 @@ def main(argv=None) -> int:
             write_json_atomic(out, results)
             cell = results["cells"][key]
             print(f"{key:<28} peak RSS +{cell['peak_rss_above_model'] / 2**20:7.0f} MiB  peak KV "
-                  f"{cell['peak_kv_bytes'] / 2**20:7.1f} MiB  left {cell['final_kv_bytes'] / 2**20:6.1f} MiB", flush=True)
+                  f"{cell['peak_kv_bytes'] / 2**20:7.1f} MiB  left {cell['final_kv_bytes'] / 2**20:6.1f} MiB",
+                  flush=True)
     print(plot_prefill_memory(results, out.with_suffix(".png")))
     return 0
 

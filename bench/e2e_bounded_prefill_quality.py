@@ -11,7 +11,8 @@ accuracy, with Wilson intervals.
 Every run is its own prefill (a rolling prefill cannot reuse another's). Results are written after every cell to
 ``--out`` (atomically) and a rerun with the same settings resumes. One thread (``--threads``).
 
-    .venv/bin/python bench/e2e_bounded_prefill_quality.py --model smollm2 --out bench/results/bounded_prefill_quality_smollm2.json
+    .venv/bin/python bench/e2e_bounded_prefill_quality.py --model smollm2 \
+        --out bench/results/bounded_prefill_quality_smollm2.json
 """
 
 from __future__ import annotations

@@ -9,7 +9,8 @@ of each length in ``--lengths`` (``--new`` tokens each), an engine per length wh
 ``--mix-min`` to ``--mix-max`` prompt tokens submitted at t = 0 to one engine (``e2e_serving_vllm.run``: peak running
 requests, tokens/s, preemptions). Engines in this process, one thread; run with the vLLM environment's Python::
 
-    OMP_NUM_THREADS=1 .venv-vllm/bin/python bench/e2e_bounded_prefill_vllm.py --out bench/results/e2e_bounded_prefill_vllm.json
+    OMP_NUM_THREADS=1 .venv-vllm/bin/python bench/e2e_bounded_prefill_vllm.py \
+        --out bench/results/e2e_bounded_prefill_vllm.json
 """
 
 from __future__ import annotations

@@ -231,7 +231,8 @@ def main(argv=None) -> int:
     write_json_atomic(out, results)
     for name, row in results["summary"].items():
         speed = results.get("speed_vs_full", {}).get(name)
-        print(f"{name:<24} KL {row['kl_mean']:.4f}  quarters {row['kl_by_quarter']}  held {row['held_vs_full_at_end']:.3f}"
+        print(f"{name:<24} KL {row['kl_mean']:.4f}  quarters {row['kl_by_quarter']}  held "
+              f"{row['held_vs_full_at_end']:.3f}"
               + (f"  tok/s vs Full {speed:.2f}" if speed else ""))
     return 0
 

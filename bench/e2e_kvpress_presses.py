@@ -116,7 +116,8 @@ def main(argv=None) -> int:
         windows = fidelity_examples(tokenizer, args.prompt_len, args.cont_len, args.examples,
                                     source=f"{domain}:evaluation")
         for index in range(args.examples):
-            prompt, continuation = windows[index:index + 1, :args.prompt_len], windows[index:index + 1, args.prompt_len:]
+            window = windows[index:index + 1]
+            prompt, continuation = window[:, :args.prompt_len], window[:, args.prompt_len:]
             full = continuation_logits(model, None, prompt, continuation, [])
             for retention in retentions:
                 for method, press in presses(retention, profile, args.window).items():
@@ -133,7 +134,8 @@ def main(argv=None) -> int:
         row = summary.setdefault(f"{domain}@{retention}", {})
         row[method] = sum(values) / len(values)
         if method != "kvpress-snapkv":
-            row[f"{method} vs kvpress-snapkv"] = paired_kl_comparison(values, kl[f"{domain}/kvpress-snapkv@{retention}"])
+            baseline = kl[f"{domain}/kvpress-snapkv@{retention}"]
+            row[f"{method} vs kvpress-snapkv"] = paired_kl_comparison(values, baseline)
     steps = {key: sorted(v)[len(v) // 2] for key, v in step_seconds.items()}
     result = {"figure": "ripplekv presses inside kvpress", "model": name, "profile": portable_path(profile),
               "settings": {k: v for k, v in vars(args).items() if k != "out"}, "threads": 1, "kl": kl,

@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import statistics
+import sys
 import time
 from typing import Optional, Sequence
 
@@ -118,7 +119,8 @@ def prefill(model, ids: torch.Tensor, policy=None) -> dict:
         t0 = time.perf_counter()
         out = model(ids, use_cache=True, logits_to_keep=1)
         seconds = time.perf_counter() - t0
-    return {"seconds": seconds, "cache": out.cache, "logits": out.logits[0, -1], "compress_seconds": session.compress_seconds if session else 0.0,
+    return {"seconds": seconds, "cache": out.cache, "logits": out.logits[0, -1],
+            "compress_seconds": session.compress_seconds if session else 0.0,
             "budgets": dict(session.last_budgets) if session else {}}
 
 
@@ -286,6 +288,7 @@ def measure_decode(model, tokenizer, n_tokens: int = 8192, new_tokens: int = 64,
         res = greedy_decode(model, ids, new_tokens, _policy(m, retention, profile))
         agree = sum(a == b for a, b in zip(res["tokens"], full["tokens"])) / new_tokens
         rows[m] = {"tokens_per_s": res["tokens_per_s"], "seconds": res["seconds"],
-                   "speedup": ratio_or_none(res["tokens_per_s"], full["tokens_per_s"]), "cache_bytes": res["cache_bytes"],
+                   "speedup": ratio_or_none(res["tokens_per_s"], full["tokens_per_s"]),
+                   "cache_bytes": res["cache_bytes"],
                    "agree_with_full": agree}
     return {"n_tokens": n_tokens, "new_tokens": new_tokens, "retention": retention, "rows": rows}

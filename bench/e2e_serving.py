@@ -390,7 +390,8 @@ def print_tables(result):
         print(f"{'method':<16}{'KL':>9}{'stderr':>9}{'x exact':>9}{'- exact (paired)':>19}")
         for name, row in kl["methods"].items():
             print(f"{name:<16}{row['kl']:>9.4f}{row['kl_stderr']:>9.4f}{row['kl_vs_exact']:>9.2f}"
-                  f"{row.get('kl_minus_exact', float('nan')):>+11.4f} +- {row.get('kl_minus_exact_stderr', float('nan')):.4f}")
+                  f"{row.get('kl_minus_exact', float('nan')):>+11.4f} "
+                  f"+- {row.get('kl_minus_exact_stderr', float('nan')):.4f}")
 
 
 if __name__ == "__main__":

@@ -18,7 +18,6 @@ device for a reason a CPU could have caught.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys

@@ -1,8 +1,9 @@
 """At which prompt length does SmolLM2-135M-Instruct (full cache, greedy) still solve each synthetic task?
 
 Sets ripplekv_ext.eval.synthetic.DEFAULT_LENGTHS: a task the full model fails says nothing about compression.
-Lengths are tried in increasing order (all tasks at one length, then the next); at each length the seeded examples run one by one and the
-length is decided as soon as the outcome is certain (``--threshold`` of ``--examples`` reached, or too many
+Lengths are tried in increasing order (all tasks at one length, then the next); at each length the seeded examples run
+one by one and the length is decided as soon as the outcome is certain (``--threshold`` of ``--examples`` reached, or
+too many
 failures to reach it), which saves most of the cost of the long prompts. A failed length ends the task (longer
 prompts are not easier). Not a test: it takes minutes to an hour on a CPU.
 

@@ -190,7 +190,8 @@ def main(argv=None):
             row["cache_tokens"].append(cache_tokens)  # layer 0's kept tokens after the continuation
         print(f"peer example {i + 1}/{examples.shape[0]} done", file=sys.stderr, flush=True)
 
-    out = {"kvpress_version": importlib.metadata.version("kvpress"), "transformers_version": transformers.__version__, "torch_version": torch.__version__,
+    out = {"kvpress_version": importlib.metadata.version("kvpress"), "transformers_version": transformers.__version__,
+           "torch_version": torch.__version__,
            "threads": torch.get_num_threads(), "prefill_s": median(plain_s), "prefill_s_all": plain_s, "rows": {}}
     for m, row in rows.items():
         out["rows"][m] = {"prefill_s": median(row["prefill_s"]), "compress_s": median(row["compress_s"]),

@@ -5,13 +5,15 @@ The question is asked after the context was compressed alone (``compress_context
 (``passkey_text``: held-out KJV or essays running text, 5 depths) and the needle-in-a-haystack grid, for each
 ``compress_context`` scoring (``probe``: "Repeat the text above." as the window; ``surprisal``: half of each
 layer's context slots by the probe, half by the context's most surprising spans; ``reconstruction``: KVzip's
-context reconstruction; ``tail``: the context's own last tokens; ``probe:NAME``: another question-agnostic instruction of ``PROBES`` as the
-window; ``h2o``: H2O's attention accumulated over every context query, no window of its own, under the same
+context reconstruction; ``tail``: the context's own last tokens; ``probe:NAME``: another question-agnostic
+instruction of ``PROBES`` as the window; ``h2o``: H2O's attention accumulated over every context query, no window of
+its own, under the same
 budgets) beside Full; Wilson intervals. Also each scoring's
 cost: the seconds of ``compress_context``. ``--seed 0`` is the calibration set,
 ``--seed 1`` the held-out one (other passkeys, and the needle at other lengths and depths). With ``--fidelity N``:
-the text-fidelity KL of contexts compressed this way (N held-out KJV and N essay windows of 2,048 + 64 tokens, as the report's fidelity part; KL(Full || compressed) at the
-continuation's positions 2-64, teacher-forced after ``compress_context``) beside ``tail``, the context's own last
+the text-fidelity KL of contexts compressed this way (N held-out KJV and N essay windows of 2,048 + 64 tokens, as the
+report's fidelity part; KL(Full || compressed) at the continuation's positions 2-64, teacher-forced after
+``compress_context``) beside ``tail``, the context's own last
 tokens, which is what one-shot compression of a prefix does. Results after every cell to ``--out``; a rerun resumes.
 One thread.
 
@@ -119,7 +121,8 @@ def main(argv=None) -> int:
             cells[key] = {"score_sum": found, "examples": len(scores), "wilson_low": low, "wilson_high": high,
                           "scores": scores, "compress_seconds_median": sorted(seconds)[len(seconds) // 2]}
             write_json_atomic(out, results)
-            print(f"{task} {scoring}: {found:.1f}/{len(scores)}  compress_context {cells[key]['compress_seconds_median']:.1f}s",
+            print(f"{task} {scoring}: {found:.1f}/{len(scores)}  compress_context "
+                  f"{cells[key]['compress_seconds_median']:.1f}s",
                   flush=True)
     if args.fidelity:
         fidelity(args, model, tokenizer, policy, cells, results, out)

@@ -24,13 +24,15 @@ depths and 16 passkey prompts (``CALIBRATION_ANSWERS``; neither the report's len
 
     OMP_NUM_THREADS=1 .venv/bin/python bench/select_selector.py --examples 8
     OMP_NUM_THREADS=1 .venv/bin/python bench/select_selector.py --model gemma3-270m --prompt-len 1024 --examples 8
-    OMP_NUM_THREADS=1 .venv/bin/python bench/select_selector.py --answer-kl --out bench/results/select_selector_smollm2_answers.json
+    OMP_NUM_THREADS=1 .venv/bin/python bench/select_selector.py --answer-kl \
+        --out bench/results/select_selector_smollm2_answers.json
 
 ``--compare-profile`` scores RippleKV's default on a second profile beside the first, on the same prompts (how
 gemma-3-270m's Fisher profile was chosen over its perturbation one; add ``--answer-kl`` for retrieval):
 
     OMP_NUM_THREADS=1 .venv/bin/python bench/select_selector.py --model gemma3-270m --prompt-len 1024 --examples 16 \
-        --splits select-kjv,select-essays --only streamingllm,snapkv,pyramidkv,uniform+adaptive-recent,ripplekv+adaptive-recent \
+        --splits select-kjv,select-essays \
+        --only streamingllm,snapkv,pyramidkv,uniform+adaptive-recent,ripplekv+adaptive-recent \
         --compare-profile ripplekv_ext/eval/profiles/gemma3-270m_profile_P1024_T64_n6.json \
         --out bench/results/select_selector_gemma3_profiles.json
 
@@ -117,7 +119,8 @@ def parse_args(argv=None):
     if args.answer_length is None:
         args.answer_length = 1792 if args.model == "smollm2" else 896
     if args.answer_length <= 600:
-        p.error(f"--answer-length must exceed 600 (the shorter needle prompt is 512 tokens less), got {args.answer_length}")
+        p.error(f"--answer-length must exceed 600 (the shorter needle prompt is 512 tokens less), got "
+                f"{args.answer_length}")
     args.out = args.out or RESULTS / f"select_selector_{args.model}.json"
     args.window = DEFAULT_WINDOW
     return args

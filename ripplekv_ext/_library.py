@@ -71,7 +71,7 @@ def build_report() -> str:
     gpu = torch.cuda.is_available()
     lines = [
         f"ripplekv_ext: torch {torch.__version__} (built against {'.'.join(map(str, BUILD_INFO['torch_version']))})",
-        f"  CPU kernels:  yes",
+        "  CPU kernels:  yes",
         f"  CUDA kernels: {'yes, CUDA ' + cuda_version() if cuda_built() else 'no (CPU-only build)'}",
         f"  GPU present:  {torch.cuda.get_device_name() if gpu else 'no'}",
         f"  ops:          {', '.join(registered_ops())}",

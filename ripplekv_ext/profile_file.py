@@ -55,9 +55,9 @@ class Profile:
 
     def to_dict(self) -> dict:
         """A deep copy: editing it never changes the profile."""
-        return copy.deepcopy({"format": self.format, "version": self.version, "model": self.model, "method": self.method,
-                "calibration": self.calibration, "layers": self.layers, "sensitivity": self.sensitivity,
-                "stderr": self.stderr, "per_example": self.per_example,
+        return copy.deepcopy({"format": self.format, "version": self.version, "model": self.model,
+                "method": self.method, "calibration": self.calibration, "layers": self.layers,
+                "sensitivity": self.sensitivity, "stderr": self.stderr, "per_example": self.per_example,
                 "compressible_layers": self.compressible_layers, "stability": self.stability,
                 "cost": self.cost, "extra": self.extra})
 

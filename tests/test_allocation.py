@@ -9,8 +9,7 @@ from hypothesis import assume, given, settings, strategies as st
 
 from ripplekv_ext.allocation import (DEFAULT_EXPONENT, DEFAULT_RATIO, PyramidKVAllocator, RippleKVAllocator,
                                      UniformAllocator, average_budget, integer_budgets, power_budgets, power_weights,
-                                     pyramidkv_budgets, pyramidkv_schedule, ripplekv_budgets, ripplekv_weights,
-                                     uniform_budgets)
+                                     pyramidkv_budgets, pyramidkv_schedule, ripplekv_budgets, ripplekv_weights)
 
 sensitivities = st.lists(st.floats(0.0, 10.0, allow_nan=False, allow_infinity=False), min_size=1, max_size=40)
 
@@ -129,7 +128,8 @@ def test_ripplekv_weights_known_values():
     z = math.sqrt(1.5)
     raw = [2 ** -z, 1.0, 2 ** z]
     mean = sum(raw) / 3
-    assert ripplekv_weights([1, 2, 3], ratio=2, normalize="zscore", clip=False) == pytest.approx([r / mean for r in raw], rel=1e-12)
+    expected = [r / mean for r in raw]
+    assert ripplekv_weights([1, 2, 3], ratio=2, normalize="zscore", clip=False) == pytest.approx(expected, rel=1e-12)
     # minmax maps to [-1, 0, 1]: 2**z = [0.5, 1, 2], mean 7/6.
     assert ripplekv_weights([5, 6, 7], ratio=2, normalize="minmax", clip=False) == \
         pytest.approx([3 / 7, 6 / 7, 12 / 7], rel=1e-12)

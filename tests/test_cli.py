@@ -4,7 +4,6 @@ Every option's refusal, as tables: test_cli_options.py."""
 import json
 
 import pytest
-import torch
 
 from ripplekv_ext import cli
 from ripplekv_ext.eval.models import load_smollm2, tiny_model

@@ -332,7 +332,8 @@ def _compress_with(policy, q, k, v, layer=0):
 BAD_INPUTS = [
     Case("policy str", lambda c: KVCompressor("snapkv", 4), TypeError, "policy must be a ripplekv_ext.Policy"),
     Case("policy None", lambda c: KVCompressor(None, 4), TypeError, "got NoneType"),
-    Case("num_layers 0", lambda c: KVCompressor(Policy.snapkv(0.2), 0), ValueError, "num_layers must be an integer >= 1"),
+    Case("num_layers 0", lambda c: KVCompressor(Policy.snapkv(0.2), 0), ValueError,
+         "num_layers must be an integer >= 1"),
     Case("num_layers True", lambda c: KVCompressor(Policy.snapkv(0.2), True), ValueError, "got True"),
     Case("num_layers 2.0", lambda c: KVCompressor(Policy.snapkv(0.2), 2.0), ValueError, "got 2.0"),
     Case("compressible out of range", lambda c: KVCompressor(Policy.snapkv(0.2), 4, [4]), ValueError,

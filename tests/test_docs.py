@@ -1,4 +1,4 @@
-"""The README and docs/ as a reader meets them: every relative link resolves, and the README's quick start runs as
+"""The README, docs/ and the lab's notes (experiments/) as a reader meets them: every relative link resolves, and the README's quick start runs as
 written (its first Python block, in a fresh interpreter, outside the checkout, on the bundled model)."""
 
 import re
@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")), ROOT / "bench" / "README.md"]
+DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")), ROOT / "bench" / "README.md",
+        *sorted((ROOT / "experiments").glob("**/*.md"))]
 if not (ROOT / "README.md").is_file() or not (ROOT / "docs").is_dir():
     pytest.skip("needs the source checkout", allow_module_level=True)
 

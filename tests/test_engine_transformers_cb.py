@@ -159,7 +159,9 @@ def test_pages_held_drop_to_the_tier_budgets(model, policies):
     with cb.serve(model, policy) as session:
         run_staggered(model)
     assert session.events
-    blocks_per_tier = lambda tokens: math.ceil(tokens / PAGE_SIZE)
+    def blocks_per_tier(tokens):
+        return math.ceil(tokens / PAGE_SIZE)
+
     for event in session.events:
         n = event.prompt_tokens
         per_layer = session.compressor.budgets(n)

@@ -134,7 +134,8 @@ def test_longbench_errors(longbench_folder, tmp_path, tokenizer):
         load_longbench(tmp_path / "missing", tokenizer, 300)
     bad = tmp_path / "bad"
     bad.mkdir()
-    write_jsonl(bad / "qasper.jsonl", [{"input": "q", "context": "c", "answers": ["a"]}, {"input": "q", "context": "c"}])
+    write_jsonl(bad / "qasper.jsonl", [{"input": "q", "context": "c", "answers": ["a"]},
+                                       {"input": "q", "context": "c"}])
     with pytest.raises(ValueError, match=r"qasper.jsonl:2: missing field\(s\) \['answers'\]"):
         load_longbench(bad, tokenizer, 300)
 

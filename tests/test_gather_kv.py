@@ -124,7 +124,8 @@ def _bad_calls(device):
         "keys dtype": ((k.double(), v.double(), i), r"keys must be float32, float16 or bfloat16, got Double"),
         "values dtype": ((k, v.half(), i), r"values must have the dtype of keys \(Float\), got Half"),
         "indices dtype": ((k, v, i.int()), r"indices must be Long, got Int"),
-        "shape mismatch": ((k, v[:, :, :5], i), r"values must have the shape of keys \[1, 2, 10, 4\], got \[1, 2, 5, 4\]"),
+        "shape mismatch": ((k, v[:, :, :5], i),
+                           r"values must have the shape of keys \[1, 2, 10, 4\], got \[1, 2, 5, 4\]"),
         "batch mismatch": ((k, v, torch.cat([i, i])), r"indices dim 0 \(B\) must be 1, got 2"),
         "head mismatch": ((k, v, i[:, :1]), r"indices dim 1 \(H_kv\) must be 2, got 1"),
     }
@@ -140,7 +141,8 @@ def test_bad_input_errors(case, device):
 @requires_cuda
 def test_bad_device_mix():
     k, v, i = make_inputs(1, 2, 10, 4, 3, torch.float32, "cuda")
-    with pytest.raises(RuntimeError, match=r"every tensor must be on one device, got keys on cuda:0, values on cuda:0, indices on cpu"):
+    with pytest.raises(RuntimeError, match=r"every tensor must be on one device, got keys on cuda:0, values on "
+                                           r"cuda:0, indices on cpu"):
         ripplekv_ext.gather_kv(k, v, i.cpu())
 
 
@@ -149,7 +151,8 @@ def test_index_out_of_range(bad_index, device):
     # On CUDA too: checked before the launch (no device trap that would poison the CUDA context).
     k, v, i = make_inputs(1, 2, 10, 4, 3, torch.float32, device)
     i[0, 1, 2] = bad_index
-    with pytest.raises(RuntimeError, match=re.escape(f"indices must lie in [0, N) = [0, 10) or be -1 (a pad slot, written "
+    with pytest.raises(RuntimeError, match=re.escape(f"indices must lie in [0, N) = [0, 10) or be -1 (a pad slot, "
+                                                     f"written "
                                                      f"with zeros), got {bad_index} at [0, 1, 2]")):
         ripplekv_ext.gather_kv(k, v, i)
     # The process (and on CUDA the context) is still usable.
@@ -160,7 +163,8 @@ def test_index_out_of_range(bad_index, device):
 def test_bad_output_buffers():
     k, v, i = make_inputs(1, 2, 10, 4, 3, torch.float32, "cpu")
     good = torch.empty(1, 2, 3, 4)
-    with pytest.raises(RuntimeError, match=r"keys_out must have shape \[1, 2, 3, 4\] \[B, H_kv, C, D\], got \[1, 2, 4, 4\]"):
+    with pytest.raises(RuntimeError, match=r"keys_out must have shape \[1, 2, 3, 4\] \[B, H_kv, C, D\], got \[1, 2, "
+                                           r"4, 4\]"):
         ripplekv_ext.gather_kv(k, v, i, out=(torch.empty(1, 2, 4, 4), good))
     with pytest.raises(RuntimeError, match=r"values_out must have the dtype of keys \(Float\), got Half"):
         ripplekv_ext.gather_kv(k, v, i, out=(good, good.half()))
@@ -176,7 +180,8 @@ def test_minus_one_writes_zeros(dtype, device):
     expected = ripplekv_ref.gather_kv(k, v, i)
     assert bool((expected[0][0, 1, :2] == 0).all())
     for got in (ripplekv_ext.gather_kv(k, v, i),
-                ripplekv_ext.gather_kv(k, v, i, out=(torch.full_like(expected[0], 7), torch.full_like(expected[1], 7)))):
+                ripplekv_ext.gather_kv(k, v, i, out=(torch.full_like(expected[0], 7),
+                                                     torch.full_like(expected[1], 7)))):
         assert torch.equal(got[0], expected[0]) and torch.equal(got[1], expected[1])
 
 

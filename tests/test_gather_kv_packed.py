@@ -6,7 +6,6 @@ import torch
 
 import ripplekv_ext
 import ripplekv_ref
-from conftest import DEVICES
 from op_samples import FLOAT_DTYPES, bnhd, idx, rand
 from op_tables import Case, op_tests, other_device
 from test_select_topk_packed import make
@@ -28,7 +27,8 @@ def test_bad_input(device):
     flat, offsets = ripplekv_ext.select_topk_packed(scores, [6, 8], 4)
     with pytest.raises(RuntimeError, match=r"values must hold as many layers as keys \(2\), got 1"):
         ripplekv_ext.gather_kv_packed(keys, values[:1], flat, offsets)
-    with pytest.raises(RuntimeError, match=r"keys\[1\] must have the shape of keys\[0\] \[1, 2, 20, 8\], got \[1, 2, 19, 8\]"):
+    with pytest.raises(RuntimeError, match=r"keys\[1\] must have the shape of keys\[0\] \[1, 2, 20, 8\], got \[1, "
+                                           r"2, 19, 8\]"):
         ripplekv_ext.gather_kv_packed([keys[0], keys[1][:, :, :19]], values, flat, offsets)
     with pytest.raises(RuntimeError, match=r"values\[0\] must have the dtype of keys\[0\] \(Float\), got Half"):
         ripplekv_ext.gather_kv_packed(keys, [values[0].half(), values[1]], flat, offsets)

@@ -89,7 +89,8 @@ def test_opcheck(device):
 
 def test_torch_compile_fullgraph(device):
     q, k = make(1, 2, 1, 30, 8, torch.float32, device)
-    fn = torch.compile(lambda q, k: ripplekv_ext.h2o_scores(q, k, 8)[..., :-4] + 0, fullgraph=True, backend=COMPILE_BACKEND)
+    fn = torch.compile(lambda q, k: ripplekv_ext.h2o_scores(q, k, 8)[..., :-4] + 0, fullgraph=True,
+                       backend=COMPILE_BACKEND)
     torch.testing.assert_close(fn(q, k), ripplekv_ref.h2o_scores(q, k)[..., :-4], **TOL)
 
 

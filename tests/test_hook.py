@@ -217,7 +217,8 @@ def test_half_precision_models(dtype):
     # The positions each layer keeps are the reference's, exactly.
     for layer in range(4):
         n, idx = masked.keep[layer]
-        kept = full_cache.layers[layer].keys[:, :, :n].gather(2, idx[..., None].expand(-1, -1, -1, model.config.head_dim))
+        index = idx[..., None].expand(-1, -1, -1, model.config.head_dim)
+        kept = full_cache.layers[layer].keys[:, :, :n].gather(2, index)
         assert torch.equal(cache.layers[layer].keys[:, :, :idx.shape[2]], kept), layer
     # The outputs, within the dtype's own rounding (the half model's masked reference against the fp32 model's), and
     # compression changed them by far more than that.

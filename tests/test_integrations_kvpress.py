@@ -1,7 +1,7 @@
 """RippleKV inside kvpress (ripplekv_ext.integrations.kvpress), in kvpress's own stack (`make test-min` and
-`make test-kvpress`, .venv-min): kvpress's pipeline with our presses gives the tokens of ``compress_context`` + ``continue_context`` with
-the equivalent policy; a kvpress scorer under our budgets keeps kvpress's uniform total and its own ranking; and
-every refusal. Elsewhere the module is reported as skipped."""
+`make test-kvpress`, .venv-min): kvpress's pipeline with our presses gives the tokens of ``compress_context`` +
+``continue_context`` with the equivalent policy; a kvpress scorer under our budgets keeps kvpress's uniform total and
+its own ranking; and every refusal. Elsewhere the module is reported as skipped."""
 
 import pytest
 

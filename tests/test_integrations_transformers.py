@@ -61,7 +61,8 @@ def test_compress_refuses_unsupported_transformers(model, monkeypatch, version):
 @pytest.mark.parametrize("version", ["2.9.1", "2.12.0+cpu", "1.13.1"])
 def test_compress_refuses_unsupported_torch(model, monkeypatch, version):
     monkeypatch.setattr(torch, "__version__", version)
-    with pytest.raises(RuntimeError, match=re.escape(f"torch {version} is installed, ripplekv_ext supports torch>=2.13")):
+    message = f"torch {version} is installed, ripplekv_ext supports torch>=2.13"
+    with pytest.raises(RuntimeError, match=re.escape(message)):
         with compress(model, Policy.snapkv(0.3)):
             pass
 
@@ -102,8 +103,10 @@ def test_declared_ranges_match_pyproject():
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
     # The dependencies are setup.py's: a source install's range, a build's own torch release (tests/test_dist.py).
     assert "dependencies" in project["dynamic"]
-    (source_requirements,) = [ast.literal_eval(node.value) for node in ast.parse((ROOT / "setup.py").read_text()).body
-                              if isinstance(node, ast.Assign) and getattr(node.targets[0], "id", "") == "SOURCE_REQUIREMENTS"]
+    body = ast.parse((ROOT / "setup.py").read_text()).body
+    (source_requirements,) = [ast.literal_eval(node.value) for node in body
+                              if isinstance(node, ast.Assign)
+                              and getattr(node.targets[0], "id", "") == "SOURCE_REQUIREMENTS"]
     assert _compat.SUPPORTED_TORCH_TEXT in source_requirements
     assert _compat.SUPPORTED_TRANSFORMERS_TEXT in project["optional-dependencies"]["eval"]
 

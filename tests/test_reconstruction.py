@@ -6,7 +6,7 @@ import torch
 
 from ripplekv_ext import Policy, compress_context, continue_context
 from ripplekv_ext.eval.models import tiny_model
-from ripplekv_ext.integrations.transformers import cache_argument, output_cache, reconstruction_scores
+from ripplekv_ext.integrations.transformers import output_cache, reconstruction_scores
 from ripplekv_ext.model_info import compressible_layers
 
 GREEDY = dict(do_sample=False, pad_token_id=0)

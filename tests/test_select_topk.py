@@ -7,7 +7,7 @@ from hypothesis import given, settings, strategies as st
 
 import ripplekv_ext
 import ripplekv_ref
-from conftest import COMPILE_BACKEND, DEVICES, requires_cuda
+from conftest import COMPILE_BACKEND, requires_cuda
 from op_samples import nan_at, rand
 from op_tables import Case, I64_MAX, op_tests
 
@@ -95,7 +95,8 @@ def test_torch_compile_fullgraph(device):
     def pick(s):
         return ripplekv_ext.select_topk(s * 2, 16, 4) + 0
 
-    assert torch.equal(torch.compile(pick, fullgraph=True, backend=COMPILE_BACKEND)(s), ripplekv_ref.select_topk(s, 16, 4))
+    compiled = torch.compile(pick, fullgraph=True, backend=COMPILE_BACKEND)
+    assert torch.equal(compiled(s), ripplekv_ref.select_topk(s, 16, 4))
 
 
 def test_bad_input(device):

@@ -6,7 +6,7 @@ import torch
 
 import ripplekv_ext
 import ripplekv_ref
-from conftest import COMPILE_BACKEND, DEVICES
+from conftest import COMPILE_BACKEND
 from op_samples import nan_at, rand
 from op_tables import Case, I64_MAX, op_tests
 
@@ -61,7 +61,8 @@ def test_torch_compile_fullgraph(device):
 
 def test_bad_input(device):
     scores, keys, values = make(2, 1, 2, 20, 8, 4, torch.float32, device)
-    with pytest.raises(RuntimeError, match=r"select_topk_packed: budgets must have L = 2 entries \(scores dim 0\), got 3"):
+    with pytest.raises(RuntimeError, match=r"select_topk_packed: budgets must have L = 2 entries \(scores dim 0\), "
+                                           r"got 3"):
         ripplekv_ext.select_topk_packed(scores, [6, 6, 6], 4)
     with pytest.raises(RuntimeError, match=r"budgets\[1\] must be >= window \(4\) when compressing \(N = 20\), got 2"):
         ripplekv_ext.select_topk_packed(scores, [6, 2], 4)

@@ -6,7 +6,7 @@ import torch
 
 import ripplekv_ext
 import ripplekv_ref
-from conftest import DEVICES, requires_cuda
+from conftest import requires_cuda
 from op_samples import nan_at, rand
 from op_tables import Case, op_tests
 
@@ -37,7 +37,8 @@ def rows_alone(scores, budgets, window, lengths):
         if n_b <= c:
             out[b, :, c_max - c_b:] = torch.arange(n - n_b, n)
         else:
-            out[b:b + 1, :, c_max - c_b:] = ripplekv_ref.select_topk(scores[b:b + 1, :, n - n_b:].cpu(), c, window) + n - n_b
+            kept = ripplekv_ref.select_topk(scores[b:b + 1, :, n - n_b:].cpu(), c, window)
+            out[b:b + 1, :, c_max - c_b:] = kept + n - n_b
     return out
 
 
@@ -99,7 +100,8 @@ def test_nan_in_a_compressed_row_names_the_row(device):
 BAD = {
     "budget below window": (([30, 20], [8, 3]), r"budgets\[1\] must be >= window \(4\) when row 1 is compressed"),
     "negative budget": (([30, 20], [8, -1]), r"budgets\[1\] must be a non-negative number of tokens, got -1"),
-    "length above N": (([31, 20], [8, 8]), r"lengths\[0\] \(real tokens of row 0\) must be in \[0, N\] = \[0, 30\], got 31"),
+    "length above N": (([31, 20], [8, 8]),
+                       r"lengths\[0\] \(real tokens of row 0\) must be in \[0, N\] = \[0, 30\], got 31"),
     "negative length": (([30, -2], [8, 8]), r"lengths\[1\] .* must be in \[0, N\] = \[0, 30\], got -2"),
     "lengths size": (([30], [8, 8]), r"lengths dim 0 \(B\) must be 2, got 1"),
     "budgets size": (([30, 20], [8]), r"budgets dim 0 \(B\) must be 2, got 1"),

@@ -1,7 +1,7 @@
 """The selectors (ripplekv_ext.selectors) on their own: hand-worked selections and what each needs of its queries;
-RecentSnapKVSelector, AdaptiveRecentSelector, PeakSpanSelector and KeyNormSelector against their references (ripplekv_ref.selectors, written position by
-position) and against independent facts. Every selector under every allocator, against the reference ops:
-test_policies.py."""
+RecentSnapKVSelector, AdaptiveRecentSelector, PeakSpanSelector and KeyNormSelector against their references
+(ripplekv_ref.selectors, written position by position) and against independent facts. Every selector under every
+allocator, against the reference ops: test_policies.py."""
 
 import math
 

@@ -7,7 +7,6 @@ from hypothesis import given, settings, strategies as st
 
 import ripplekv_ext
 import ripplekv_ref
-from conftest import DEVICES
 from op_samples import FLOAT_DTYPES, bnhd, nan_at, rand
 from op_tables import Case, I64_MAX, op_tests, other_device
 from ripplekv_ref.comparison import SCORE_TOL, assert_same_selection
@@ -81,7 +80,8 @@ def test_property_compress_matches_reference(B, H_kv, G, W, extra, D, budget_fra
 
 def test_compress_bad_input(device):
     q, k, v = make_window(1, 4, 2, 4, 10, 8, torch.float32, device)
-    with pytest.raises(RuntimeError, match=r"snapkv_compress: values must have the shape of keys \[1, 2, 10, 8\], got \[1, 2, 9, 8\]"):
+    with pytest.raises(RuntimeError, match=r"snapkv_compress: values must have the shape of keys \[1, 2, 10, 8\], "
+                                           r"got \[1, 2, 9, 8\]"):
         ripplekv_ext.snapkv_compress(q, k, v[:, :, :9], 6)
     with pytest.raises(RuntimeError, match=r"budget must be >= window \(4\) when compressing \(N = 10\), got 3"):
         ripplekv_ext.snapkv_compress(q, k, v, 3)
@@ -99,7 +99,7 @@ def test_compress_bad_input(device):
         ripplekv_ext.snapkv_compress(bad_q, k, v, 6)
 
 
-# ---- samples: every float dtype, budgets from the window to above N, options, bnhd, an empty batch; opcheck over each 
+# ---- samples: every float dtype, budgets from the window to above N, options, bnhd, an empty batch; opcheck over each
 
 def snapkv_compress_samples(device):
     out = []

@@ -6,7 +6,7 @@ import torch
 
 import ripplekv_ext
 import ripplekv_ref
-from conftest import COMPILE_BACKEND, DEVICES, requires_cuda
+from conftest import COMPILE_BACKEND, requires_cuda
 from op_samples import FLOAT_DTYPES, bnhd, nan_at, rand
 from op_tables import Case, op_tests
 from ripplekv_ref.comparison import assert_same_selection
@@ -73,7 +73,8 @@ def test_rows_match_reference_and_each_row_alone(case, dtype, device):
     assert_same_selection(out[2], idx_ref, scores_ref, W)
 
 
-@pytest.mark.parametrize("pooling, group_reduce, kernel_size, scale", [("avg", "max", 3, 0.5), ("max", "mean", 1, None)])
+@pytest.mark.parametrize("pooling, group_reduce, kernel_size, scale",
+                         [("avg", "max", 3, 0.5), ("max", "mean", 1, None)])
 def test_options(pooling, group_reduce, kernel_size, scale, device):
     lengths, budgets = [50, 31], [14, 11]
     q, k, v = padded_batch(lengths, 50, torch.float32, device, h_q=6, h_kv=3, seed=4)
@@ -117,7 +118,8 @@ def test_nan_in_a_real_row_names_the_row(device):
     lengths = [40, 30]
     q, k, v = padded_batch(lengths, 40, torch.float32, device)
     k[1, 0, 20] = float("nan")
-    with pytest.raises(RuntimeError, match=r"snapkv_compress_rows: scores must not contain NaN, got NaN in batch row 1"):
+    with pytest.raises(RuntimeError, match=r"snapkv_compress_rows: scores must not contain NaN, got NaN in batch "
+                                           r"row 1"):
         ripplekv_ext.snapkv_compress_rows(q, k, v, [10, 10], lengths)
 
 
@@ -148,7 +150,8 @@ def test_torch_compile_fullgraph(device):
         return k_c + 0, idx, ripplekv_ext.select_topk_rows(ripplekv_ext.snapkv_scores(q, k, lengths=lengths), budgets,
                                                             W, lengths)
 
-    k_c, idx, idx_from_scores = torch.compile(compress, fullgraph=True, backend=COMPILE_BACKEND)(q, k, v, budgets, lengths)
+    compiled = torch.compile(compress, fullgraph=True, backend=COMPILE_BACKEND)
+    k_c, idx, idx_from_scores = compiled(q, k, v, budgets, lengths)
     expected = ripplekv_ref.snapkv_compress_rows(q, k, v, budgets, lengths)
     assert torch.equal(idx, idx_from_scores) and torch.equal(k_c, ripplekv_ref.gather_kv(k, v, idx)[0])
     assert_same_selection(idx, expected[2], ripplekv_ref.snapkv_scores(q, k, lengths=lengths), W)

@@ -7,7 +7,6 @@ import sys
 
 import pytest
 import torch
-from hypothesis import given, settings, strategies as st
 
 import ripplekv_ext
 import ripplekv_ref
@@ -130,7 +129,8 @@ def test_scores_with_lengths_non_contiguous_and_lists(device):
 
 def test_scores_with_bad_lengths(device):
     q, k, _ = make_window(2, 4, 2, 5, 50, 16, torch.float32, device)
-    with pytest.raises(RuntimeError, match=r"lengths\[1\] \(real tokens of row 1\) must be in \[0, N\] = \[0, 50\], got 51"):
+    with pytest.raises(RuntimeError, match=r"lengths\[1\] \(real tokens of row 1\) must be in \[0, N\] = \[0, 50\], "
+                                           r"got 51"):
         ripplekv_ext.snapkv_scores(q, k, lengths=[50, 51])
     with pytest.raises(RuntimeError, match=r"lengths dim 0 \(B\) must be 2, got 3"):
         ripplekv_ext.snapkv_scores(q, k, lengths=[50, 5, 5])
@@ -164,7 +164,8 @@ def _bad_scores_calls(device):
         "keys rank": ((q, k[0]), r"keys must be a 4-D tensor \[B, H_kv, N, D\], got 3-D"),
         "dtype": ((q.double(), k.double()), r"q_window must be float32, float16 or bfloat16, got Double"),
         "dtype mix": ((q, k.half()), r"keys must have the dtype of q_window \(Float\), got Half"),
-        "heads": ((q[:, :3], k), r"q_window heads \(H_q = 3\) must be a positive multiple of the keys heads \(H_kv = 2\)"),
+        "heads": ((q[:, :3], k),
+                  r"q_window heads \(H_q = 3\) must be a positive multiple of the keys heads \(H_kv = 2\)"),
         "head dim": ((q, k[..., :4]), r"keys dim 3 \(D\) must be 8, got 4"),
         "batch": ((q, torch.cat([k, k])), r"keys dim 0 \(B\) must be 1, got 2"),
         "W >= N": ((q, k[:, :, :4]), r"window W \(q_window dim 2\) must be in \[1, N\) = \[1, 4\), got 4"),

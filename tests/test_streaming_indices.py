@@ -35,7 +35,8 @@ def test_matches_the_stated_rule_and_the_reference(n, budget, sink, device):
 
 
 def test_bad_input():
-    with pytest.raises(ValueError, match=r"streaming_indices: budget must be >= sink \(4\) when compressing \(N = 10\), got 3"):
+    with pytest.raises(ValueError, match=r"streaming_indices: budget must be >= sink \(4\) when compressing \(N = "
+                                         r"10\), got 3"):
         ripplekv_ext.streaming_indices(10, 3)
     with pytest.raises(ValueError, match=r"budget must be >= 0, got -1"):
         ripplekv_ext.streaming_indices(10, -1)

@@ -37,7 +37,8 @@ def main():
         major = version[0]
         wheel_include_dirs, lib_dirs = nvidia_wheel_dirs(major)
         include_dirs = toolkit_gap_headers(root, wheel_include_dirs, Path(args.build_dir) / "cuda-toolkit-gaps")
-        nvrtc = next((Path(d) / f"libnvrtc.so.{major}" for d in lib_dirs if (Path(d) / f"libnvrtc.so.{major}").exists()), None)
+        candidates = [Path(d) / f"libnvrtc.so.{major}" for d in lib_dirs]
+        nvrtc = next((path for path in candidates if path.exists()), None)
         cmake_args += [f"-DCUDA_TOOLKIT_ROOT_DIR={root}", f"-DCUDAToolkit_ROOT={root}",
                        f"-DCMAKE_CUDA_COMPILER={root / 'bin' / 'nvcc'}"]
         if nvrtc is not None:

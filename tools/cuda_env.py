@@ -103,5 +103,7 @@ def nvidia_wheel_dirs(cuda_major):
             # CUDA 13 wheels put everything under nvidia/cu13; CUDA 12 wheels use one folder per library.
             found[kind] += sorted(glob.glob(os.path.join(base, f"cu{cuda_major}", kind)))
             found[kind] += sorted(glob.glob(os.path.join(base, "*", kind)))
-    unique = lambda dirs: list(dict.fromkeys(d for d in dirs if os.path.isdir(d)))
+    def unique(dirs):
+        return list(dict.fromkeys(d for d in dirs if os.path.isdir(d)))
+
     return unique(found["include"]), unique(found["lib"])

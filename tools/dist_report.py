@@ -12,8 +12,8 @@ import zipfile
 from pathlib import Path
 
 # Shipped: the compiled library (one stable-ABI module), the bundled model's profile, LongBench's protocol data.
-REQUIRED = [r"ripplekv_ext/_C\.abi3\.so", r"ripplekv_ext/eval/profiles/.+\.json", r"ripplekv_ext/eval/longbench_config/.+\.json",
-            r"ripplekv_ref/__init__\.py"]
+REQUIRED = [r"ripplekv_ext/_C\.abi3\.so", r"ripplekv_ext/eval/profiles/.+\.json",
+            r"ripplekv_ext/eval/longbench_config/.+\.json", r"ripplekv_ref/__init__\.py"]
 # Never shipped: build folders, tests, benchmarks and their results, sources of the compiled code.
 FORBIDDEN = r"(^|/)(build|tests|bench|csrc|include|cmake-build)/|\.(cpp|cu|cuh|o)$"
 
@@ -31,8 +31,9 @@ def wheel_facts(path):
     torch_pin = [r for r in requires if r.startswith("torch")]
     if not torch_pin or "<" not in torch_pin[0]:
         problems.append(f"does not pin one torch release: {torch_pin}")
-    return {"file": path.name, "bytes": path.stat().st_size, "version": metadata.split("\nVersion: ", 1)[1].split("\n")[0],
-            "tags": tags, "requires": requires, "files": len(names), "problems": problems}
+    version = metadata.split("\nVersion: ", 1)[1].split("\n")[0]
+    return {"file": path.name, "bytes": path.stat().st_size, "version": version, "tags": tags, "requires": requires,
+            "files": len(names), "problems": problems}
 
 
 # What torch provides beside a wheel that requires it (its libgomp too: torch ships one under that name and loads it

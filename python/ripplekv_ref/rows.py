@@ -1,9 +1,9 @@
 """Reference per-row ops for left-padded batches (docs/design.md §4, "Batches"): a Python loop over rows calling the
 single-call reference ops on each row's real tokens.
 
-Row ``b``'s ``n_b = lengths[b]`` real tokens are positions ``[N - n_b, N)``. Row ``b`` keeps ``C_b = min(budget_b, n_b)``
-tokens; the outputs are padded to ``C_max = max_b C_b`` with the row's kept positions (ascending, absolute) in its last
-``C_b`` slots and ``-1`` (zero keys and values) in the first ``C_max - C_b``.
+Row ``b``'s ``n_b = lengths[b]`` real tokens are positions ``[N - n_b, N)``. Row ``b`` keeps
+``C_b = min(budget_b, n_b)`` tokens; the outputs are padded to ``C_max = max_b C_b`` with the row's kept positions
+(ascending, absolute) in its last ``C_b`` slots and ``-1`` (zero keys and values) in the first ``C_max - C_b``.
 """
 
 import torch

@@ -100,7 +100,8 @@ def build_tasks(args, tokenizer):
         settings["longbench_dir"] = str(Path(args.longbench_dir).resolve())
     if "user" in args.tasks:
         if not args.user_jsonl or not Path(args.user_jsonl).is_file():
-            raise CliError(f"--user-jsonl must be a JSONL file of {{context, question, answers}}, got {args.user_jsonl!r}")
+            raise CliError(f"--user-jsonl must be a JSONL file of {{context, question, answers}}, got "
+                           f"{args.user_jsonl!r}")
         examples += load_user_jsonl(args.user_jsonl, tokenizer, args.max_prompt_tokens, limit=args.examples)
         settings["user_jsonl"] = str(Path(args.user_jsonl).resolve())
     return fidelity_ids, examples, settings
@@ -183,8 +184,8 @@ def cmd_eval(args) -> int:
 
 # ---- demo --------------------------------------------------------------------------------------------
 
-# Sized to finish in about 10 minutes on a 2-core CPU (see docs/results.md): a short profile when none is cached, then the
-# results report (``ripplekv report``) at its prompt lengths on fewer examples: ``eval.report.DEMO_SIZES``.
+# Sized to finish in about 10 minutes on a 2-core CPU (see docs/results.md): a short profile when none is cached, then
+# the results report (``ripplekv report``) at its prompt lengths on fewer examples: ``eval.report.DEMO_SIZES``.
 DEMO_PROFILE = dict(prefix_len=512, cont_len=32, num_examples=4)
 
 

@@ -157,7 +157,6 @@ def percent_list(text: str) -> list[float]:
 
 
 def part_list(text: str) -> list[str]:
-    from ripplekv_ext.eval.report import PARTS
 
     return names_among(text, PARTS, "part")
 
@@ -217,7 +216,7 @@ def _add_eval_options(p, *, examples: int, prefix_len: int):
 
 
 def _add_report_options(p):
-    from ripplekv_ext.eval.report import PARTS, REPORT_SIZES as R
+    from ripplekv_ext.eval.report import REPORT_SIZES as R
 
     def listed(values):
         return ",".join(f"{v:g}" for v in values)

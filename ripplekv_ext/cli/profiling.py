@@ -1,4 +1,5 @@
-"""`ripplekv profile`, `ripplekv allocate`, `ripplekv diagnose`: a model's sensitivity profile and what follows from it."""
+"""`ripplekv profile`, `ripplekv allocate`, `ripplekv diagnose`: a model's sensitivity profile and what follows from
+it."""
 
 from __future__ import annotations
 

@@ -118,7 +118,7 @@ def cmd_report(args) -> int:
         profile = known_profile(args.model, model, log=console.print)
         if profile is None:
             raise CliError(f"no usable profile for {args.model}: run `ripplekv profile --model {args.model}`")
-    path = run_report(model, tokenizer, name, profile, out_dir, sizes, parts=args.parts, command=command_line(args, sizes),
-                      log=console.print)
+    path = run_report(model, tokenizer, name, profile, out_dir, sizes, parts=args.parts,
+                      command=command_line(args, sizes), log=console.print)
     console.print(f"report finished in {(time.perf_counter() - start) / 60:.1f} min: {path}")
     return 0

@@ -159,8 +159,9 @@ def run_diagnostic(model, profile: Profile, examples: torch.Tensor, prefix_len: 
     start = time.perf_counter()
     damage = compression_damage(model, examples, prefix_len, profile.layers, retentions, window, progress=progress)
     report = damage_report(profile, damage, {
-        "num_examples": int(examples.shape[0]), "prefix_len": prefix_len, "cont_len": int(examples.shape[1]) - prefix_len,
-        "window": window, "selector": "snapkv", "seconds": time.perf_counter() - start})
+        "num_examples": int(examples.shape[0]), "prefix_len": prefix_len,
+        "cont_len": int(examples.shape[1]) - prefix_len, "window": window, "selector": "snapkv",
+        "seconds": time.perf_counter() - start})
     if out_path:
         write_json_atomic(out_path, report)
     return report

@@ -8,6 +8,7 @@ every cell; a rerun with the same settings picks up where an interrupted one sto
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import math
 import time
@@ -143,7 +144,7 @@ def run_grid(model, tokenizer, methods: Sequence[str], retentions: Sequence[floa
             log(f"[{i}/{len(plan)}] {key}: already in {out_path}, skipped")
             continue
         log(f"[{i}/{len(plan)}] {key}" + ("" if saved is None else f": {', '.join(to_run)} only"))
-        compression = (lambda p=policy: compress(model, p))
+        compression = functools.partial(compress, model, policy)
         start = time.perf_counter()
         cell = (dict(saved) if saved is not None else
                 {"method": method, "retention": retention, "policy": policy.name, "policy_repr": repr(policy)})

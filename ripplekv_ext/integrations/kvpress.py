@@ -36,7 +36,6 @@ from ripplekv_ext.selectors import ScoredSelector
 SUPPORTED_KVPRESS = ("0.5.5",)
 
 try:
-    import kvpress
     from kvpress.presses.prefill_decoding_press import PrefillDecodingPress
     from kvpress.presses.scorer_press import ScorerPress
     from kvpress.utils import compute_n_kept

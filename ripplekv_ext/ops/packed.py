@@ -61,7 +61,8 @@ def _(scores, budgets, window):
 @torch.library.register_fake("ripplekv::gather_kv_packed")
 def _(keys, values, indices_flat, offsets):
     check_one_device("gather_kv_packed", indices_flat=indices_flat, offsets=offsets,
-                     **{f"keys[{i}]": k for i, k in enumerate(keys)}, **{f"values[{i}]": v for i, v in enumerate(values)})
+                     **{f"keys[{i}]": k for i, k in enumerate(keys)},
+                     **{f"values[{i}]": v for i, v in enumerate(values)})
     torch._check(len(keys) > 0, lambda: "gather_kv_packed: keys must hold at least one layer")
     b, h, _, d = keys[0].shape
     shape = (b, h, indices_flat.shape[2], d)

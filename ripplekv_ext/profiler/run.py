@@ -193,7 +193,8 @@ def profile_model(model, *, examples: torch.Tensor, prefix_len: int = 1024, cont
               "tokens_processed": tokens_processed(n, prefix_len, cont_len, layers, draws,
                                                    text_config(model).num_hidden_layers, reused_flags,
                                                    estimator=estimator, antithetic=antithetic),
-              "device": str(transformers_integration().input_device(model)), "reuse_hidden_states": bool(all(reused_flags))},
+              "device": str(transformers_integration().input_device(model)),
+              "reuse_hidden_states": bool(all(reused_flags))},
     )
     if out_path:
         save_profile(profile, out_path)

@@ -1,7 +1,8 @@
 """Every vLLM internal the plugin touches, in one table, and the code that wraps them.
 
-The plugin extends vLLM 0.32.0 (``release.SUPPORTED_VLLM``, the release every entry was read from) at these points; ``tests/vllm/test_patches.py`` checks that each
-target still exists with the parameters listed, so a vLLM change fails ``make test-vllm`` rather than a server.
+The plugin extends vLLM 0.32.0 (``release.SUPPORTED_VLLM``, the release every entry was read from) at these points;
+``tests/vllm/test_patches.py`` checks that each target still exists with the parameters listed, so a vLLM change
+fails ``make test-vllm`` rather than a server.
 
 - wrapped: ``EngineArgs.create_engine_config`` (other vLLM releases only): an engine asking for the plugin under a
   release it was not written for fails with one error naming both releases.

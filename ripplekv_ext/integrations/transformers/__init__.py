@@ -41,6 +41,6 @@ from ripplekv_ext.integrations.transformers.versions import cache_argument, chec
 __all__ = ["CompressedLayer", "attention_implementation", "base_attention", "block_on", "cache_argument",
            "cache_classes", "cache_device", "check_versions", "close_block", "compress_layer", "compressed_cache",
            "decoder_layers", "drop_probe", "eager_attention", "forwards_replaced", "input_device", "is_prefill",
-           "layer_at", "new_cache", "open_block", "output_cache", "probe_cache", "reconstructed_cache", "reconstruction_scores",
-           "surprisal_cache",
+           "layer_at", "new_cache", "open_block", "output_cache", "probe_cache", "reconstructed_cache",
+           "reconstruction_scores", "surprisal_cache",
            "registered_attention", "reselect_layer", "unique_attention_name"]

@@ -20,8 +20,8 @@ from ripplekv_ext.compressor import KVCompressor
 from ripplekv_ext.integrations.transformers.compressed_layer import CompressedLayer
 from ripplekv_ext.model_info import text_config
 
-__all__ = ["cache_classes", "cache_device", "compress_layer", "compressed_cache", "drop_probe", "is_prefill", "layer_at",
-           "new_cache", "probe_cache", "reselect_layer"]
+__all__ = ["cache_classes", "cache_device", "compress_layer", "compressed_cache", "drop_probe", "is_prefill",
+           "layer_at", "new_cache", "probe_cache", "reselect_layer"]
 
 
 def cache_classes() -> list:

@@ -93,7 +93,8 @@ def engine_classes():
             tables = self.tables.get(request_id)
             dropped = self.dropped.get(request_id, [0] * len(self.tiers))
             ps = self.tokens_per_page
-            return [max(0, math.ceil((past_length - dropped[t] + query_length) / ps) - (len(tables[t]) if tables else 0))
+            held = [len(tables[t]) if tables else 0 for t in range(len(self.tiers))]
+            return [max(0, math.ceil((past_length - dropped[t] + query_length) / ps) - held[t])
                     for t in range(len(self.tiers))]
 
         def needs_new_blocks(self, request_id, past_length, query_length):
@@ -166,7 +167,7 @@ def engine_classes():
     class RippleKVPagedCache(cb_cache.PagedAttentionCache):
         """The engine's paged cache, with tiered allocation and compression after each request's prefill."""
 
-        session: "ServingSession"  # set on the per-session subclass
+        session: object  # the engine's ServingSession (engines.transformers_cb), set on the per-session subclass
 
         def __init__(self, config, continuous_batching_config, device, distributed_helper, dtype=torch.float16,
                      model_supports_logits_to_keep=False):

@@ -2,9 +2,10 @@
 
 Imports only torch at its top (transformers lazily), so the package can name the supported range when
 transformers is missing. Supported: the ranges below (also declared in pyproject.toml and docs/install.md).
-``check_versions()`` runs when a ``compress(...)`` block opens and raises one ``RuntimeError`` naming the installed and the supported versions,
-instead of a traceback from deep inside transformers. ``RIPPLEKV_ALLOW_UNSUPPORTED=1`` turns that error into a
-warning, for trying a stack outside the ranges (a GPU image with an older torch, say) at one's own risk.
+``check_versions()`` runs when a ``compress(...)`` block opens and raises one ``RuntimeError`` naming the installed and
+the supported versions, instead of a traceback from deep inside transformers. ``RIPPLEKV_ALLOW_UNSUPPORTED=1`` turns
+that error into a warning, for trying a stack outside the ranges (a GPU image with an older torch, say) at one's own
+risk.
 
 Within the range, the cache and attention APIs the hook uses changed in three places; each is detected from the
 installed transformers itself (not from its version number), so a release in between works whichever side of a
