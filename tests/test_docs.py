@@ -1,5 +1,6 @@
-"""The README, docs/ and the lab's notes (experiments/) as a reader meets them: every relative link resolves, and the README's quick start runs as
-written (its first Python block, in a fresh interpreter, outside the checkout, on the bundled model)."""
+"""The README, docs/ and the lab's notes (experiments/) as a reader meets them: every relative link resolves, and
+the README's quick start runs as written (its first Python block, in a fresh interpreter, outside the checkout, on the
+bundled model)."""
 
 import re
 import subprocess

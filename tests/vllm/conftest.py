@@ -37,6 +37,13 @@ def load_reference_model(path):
     return model
 
 
+def save_given_profile(model, sensitivity, name, folder) -> str:
+    """A RippleKV profile of ``model`` with the given (made-up) sensitivities: the mechanics are under test."""
+    path = folder / f"{name}.json"
+    save_profile(Profile.from_sensitivity(model, sensitivity, name), path)
+    return str(path)
+
+
 @pytest.fixture(scope="session")
 def model_dir(tmp_path_factory):
     return save_tiny_llama(tmp_path_factory.mktemp("tiny_llama"))
@@ -49,7 +56,4 @@ def hf_model(model_dir):
 
 @pytest.fixture(scope="session")
 def profile_path(hf_model, tmp_path_factory):
-    """A RippleKV profile of the tiny model with unequal sensitivities (made up: the mechanics are under test)."""
-    path = tmp_path_factory.mktemp("profile") / "tiny.json"
-    save_profile(Profile.from_sensitivity(hf_model, [0.5, 0.05, 0.2, 0.01], "tiny-llama"), path)
-    return str(path)
+    return save_given_profile(hf_model, [0.5, 0.05, 0.2, 0.01], "tiny-llama", tmp_path_factory.mktemp("profile"))

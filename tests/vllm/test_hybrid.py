@@ -20,12 +20,11 @@ from vllm import LLM  # noqa: E402
 from vllm.distributed import cleanup_dist_env_and_memory  # noqa: E402
 from vllm.v1.kv_cache_interface import SlidingWindowSpec  # noqa: E402
 
-from conftest import load_reference_model  # noqa: E402
+from conftest import load_reference_model, save_given_profile  # noqa: E402
 from harness import BLOCK, engine, greedy, prompts, reference, scheduler  # noqa: E402
 from ripplekv_ext.engines.vllm.kv_cache import RippleKVManager, RippleKVSpec  # noqa: E402
 from ripplekv_ext.engines.vllm.settings import Settings, plan_for  # noqa: E402
 from ripplekv_ext.eval.models import shipped_profile_path  # noqa: E402
-from ripplekv_ext.profile_file import Profile, save_profile  # noqa: E402
 
 GEMMA3_CONFIG = dict(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=6,
                      num_attention_heads=4, num_key_value_heads=2, head_dim=32, query_pre_attn_scalar=32,
@@ -54,9 +53,7 @@ def gemma3_model(gemma3_dir):
 
 @pytest.fixture(scope="module")
 def gemma3_profile(gemma3_model, tmp_path_factory):
-    path = tmp_path_factory.mktemp("profile") / "tiny_gemma3.json"
-    save_profile(Profile.from_sensitivity(gemma3_model, [0.5, 0.02], "tiny-gemma3"), path)
-    return str(path)
+    return save_given_profile(gemma3_model, [0.5, 0.02], "tiny-gemma3", tmp_path_factory.mktemp("profile"))
 
 
 @pytest.mark.parametrize("ripplekv", [{"method": "snapkv", "retention": 0.2},

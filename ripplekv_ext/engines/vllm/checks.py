@@ -52,13 +52,13 @@ def _check_blocks(vllm_config, settings: Settings) -> None:
     if settings.prefill_chunk is not None:
         per_tier = max(-(-plan.held_tokens_bound(t, max_len, vllm_config.max_in_flight_tokens) // block_size)
                        for t in range(plan.num_tiers))
-    needed = per_tier * plan.num_tiers
+    needed = per_tier * plan.num_tiers + 1  # and the null block vLLM's pool keeps back
     if blocks < needed:
         raise UnsupportedConfigError(
             f"ripplekv vLLM plugin: num_gpu_blocks_override={blocks} cannot hold one sequence of max_model_len="
-            f"{max_len} in each of the engine's {plan.num_tiers} tiers (needs {needed}: a tier's block holds 1/"
-            f"{plan.num_tiers} of a stock block's layers); multiply the blocks of a stock engine by the tiers "
-            f"({plan.num_tiers}), or size the cache in bytes (kv_cache_memory_bytes)")
+            f"{max_len} in each of the engine's {plan.num_tiers} tiers (needs {needed} with vLLM's null block: a "
+            f"tier's block holds 1/{plan.num_tiers} of a stock block's layers); multiply the blocks of a stock engine "
+            f"by the tiers ({plan.num_tiers}), or size the cache in bytes (kv_cache_memory_bytes)")
 
 
 def validate(vllm_config) -> None:
