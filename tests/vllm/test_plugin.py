@@ -319,6 +319,16 @@ def test_refusals_by_name(model_dir, overrides, message):
         config(model_dir, **overrides)
 
 
+def test_tiers_must_spread_over_the_pipeline_stages(model_dir, profile_path):
+    # PyramidKV's 2 tiers are layers [0, 1] and [2, 3]: one per stage of 2. RippleKV's profile puts the most sensitive
+    # layers 0 and 2 in one tier, one on each stage: accepted.
+    parallel = dict(pipeline_parallel_size=2, enforce_eager=False, distributed_executor_backend="mp")
+    with pytest.raises(ValueError, match=r"tiers=2 with pipeline_parallel_size=2 when the tiers \[\[0, 1\], \[2, 3\]\] "
+                                         r"do not put as many layers of each tier on every stage .*one of \[1\]"):
+        config(model_dir, {"method": "pyramidkv", "retention": 0.2, "tiers": 2}, **parallel)
+    config(model_dir, {"method": "ripplekv", "retention": 0.2, "tiers": 2, "profile": profile_path}, **parallel)
+
+
 def test_the_v2_model_runner_is_refused_by_name(model_dir, monkeypatch):
     # The plugin hooks the V1 runner's attention metadata: under the V2 runner its scheduler would free blocks that
     # attention still reads.

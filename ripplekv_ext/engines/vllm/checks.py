@@ -61,6 +61,31 @@ def _check_blocks(vllm_config, settings: Settings) -> None:
             f"by the tiers ({plan.num_tiers}), or size the cache in bytes (kv_cache_memory_bytes)")
 
 
+def _check_stages(settings: Settings, text_config, block_size: int, stages: int) -> None:
+    """Each pipeline stage must hold as many layers of every tier: a worker's blocks hold a page of each KV cache
+    group, so a stage without a tier's layers would reserve memory for that tier's blocks and never use it."""
+    from vllm.distributed.utils import get_pp_indices
+
+    plan = plan_for_model(settings, text_config, block_size)
+    bounds = [get_pp_indices(plan.num_layers, rank, stages) for rank in range(stages)]
+
+    def balanced(tiers) -> bool:
+        return all(len({sum(begin <= layer < end for layer in tier) for tier in tiers}) == 1 for begin, end in bounds)
+
+    if balanced(plan.tiers):
+        return
+    from ripplekv_ext.engines.tiers import tier_counts
+
+    choices = [t for t in tier_counts(len(plan.layers))
+               if balanced(plan_for_model(Settings(**{**settings.__dict__, "tiers": t}), text_config,
+                                          block_size).tiers)]
+    stage_layers = [list(range(begin, end)) for begin, end in bounds]
+    _refuse(f"tiers={plan.num_tiers} with pipeline_parallel_size={stages} when the tiers {plan.tiers} do not put as "
+            f"many layers of each tier on every stage (stages hold layers {stage_layers}; a worker would reserve "
+            "blocks for tiers it holds no layer of)", f'set additional_config["{CONFIG_KEY}"]["tiers"] to one of '
+            f"{choices}")
+
+
 def validate(vllm_config) -> None:
     """Raise ``UnsupportedConfigError`` (or ``ValueError`` for bad settings) unless the plugin can run this engine
     exactly as configured. No-op for engines that do not ask for the plugin."""
@@ -148,6 +173,8 @@ def validate(vllm_config) -> None:
 
         # Weights are not loaded yet: the profile's fingerprint cannot be checked, its shape can.
         load_profile(settings.profile).check_shape(model_shape(text), way_out=f"measure a profile of {model.model}")
+    if parallel.pipeline_parallel_size > 1:
+        _check_stages(settings, text, cache.block_size, parallel.pipeline_parallel_size)
     _check_blocks(vllm_config, settings)
     # Builds the plan: bad tiers or an unreadable profile fail here, not in a worker.
     plan_for_model(settings, text, cache.block_size)
