@@ -54,8 +54,9 @@ def engine_kwargs(model_dir, ripplekv=None, blocks=64, model_config=LLAMA_CONFIG
 
 
 @contextlib.contextmanager
-def engine(model_dir, ripplekv=None, blocks=64, **overrides):
-    llm = LLM(**engine_kwargs(model_dir, ripplekv, blocks, **overrides))
+def running(**llm_kwargs):
+    """An ``LLM`` of these arguments, shut down (its workers too) on exit."""
+    llm = LLM(**llm_kwargs)
     try:
         yield llm
     finally:
@@ -63,6 +64,11 @@ def engine(model_dir, ripplekv=None, blocks=64, **overrides):
         del llm
         gc.collect()
         cleanup_dist_env_and_memory()
+
+
+def engine(model_dir, ripplekv=None, blocks=64, **overrides):
+    """``running`` the engine of ``engine_kwargs``."""
+    return running(**engine_kwargs(model_dir, ripplekv, blocks, **overrides))
 
 
 def config(model_dir, ripplekv=None, **overrides):

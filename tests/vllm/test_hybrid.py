@@ -16,12 +16,10 @@ pytest.importorskip("vllm.entrypoints.llm", reason="vLLM is not installed here: 
                     ".venv-vllm")
 
 import torch  # noqa: E402
-from vllm import LLM  # noqa: E402
-from vllm.distributed import cleanup_dist_env_and_memory  # noqa: E402
 from vllm.v1.kv_cache_interface import SlidingWindowSpec  # noqa: E402
 
 from conftest import load_reference_model, save_given_profile  # noqa: E402
-from harness import BLOCK, engine, greedy, prompts, reference, scheduler  # noqa: E402
+from harness import BLOCK, engine, greedy, prompts, reference, running, scheduler  # noqa: E402
 from ripplekv_ext.engines.vllm.kv_cache import RippleKVManager, RippleKVSpec  # noqa: E402
 from ripplekv_ext.engines.vllm.settings import Settings, plan_for  # noqa: E402
 from ripplekv_ext.eval.models import shipped_profile_path  # noqa: E402
@@ -104,11 +102,6 @@ def test_gemma3_270m_tokens_equal_the_hook_tokens():
     params = dict(model=str(GEMMA3_270M), skip_tokenizer_init=True, dtype="float32", enforce_eager=True,
                   block_size=BLOCK, max_model_len=2048, kv_cache_memory_bytes=kv_cache_bytes(config, 200, BLOCK, 4),
                   max_num_batched_tokens=512, additional_config={"ripplekv": ripplekv})
-    llm = LLM(**params)
-    try:
+    with running(**params) as llm:
         tokens = greedy(llm, token_lists)
-    finally:
-        llm.llm_engine.engine_core.shutdown()
-        del llm
-        cleanup_dist_env_and_memory()
     assert tokens == reference(load_reference_model(GEMMA3_270M), plan.policy, token_lists)

@@ -17,11 +17,10 @@ import pytest
 pytest.importorskip("vllm.entrypoints.llm", reason="vLLM is not installed here: `make test-vllm` runs these tests in "
                     ".venv-vllm")
 
-from vllm import LLM, SamplingParams  # noqa: E402
-from vllm.distributed import cleanup_dist_env_and_memory  # noqa: E402
+from vllm import SamplingParams  # noqa: E402
 
 from conftest import LLAMA_CONFIG, save_tiny_llama  # noqa: E402
-from harness import BLOCK, prompts  # noqa: E402
+from harness import BLOCK, prompts, running  # noqa: E402
 from ripplekv_ext.engines.vllm.settings import kv_cache_bytes  # noqa: E402
 
 RIPPLEKV = {"method": "snapkv", "retention": 0.2}
@@ -117,16 +116,11 @@ def offline_answers(model, ripplekv=True):
     arguments = engine_arguments(model)
     if not ripplekv:
         del arguments["additional_config"]
-    llm = LLM(**arguments)
     params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
-    try:
+    with running(**arguments) as llm:
         completions = [o.outputs[0].text for o in llm.generate(texts(), params, use_tqdm=False)]
         chats = [llm.chat([{"role": "user", "content": text}], params, use_tqdm=False)[0].outputs[0].text
                  for text in texts()]
-    finally:
-        llm.llm_engine.engine_core.shutdown()
-        del llm
-        cleanup_dist_env_and_memory()
     return completions, chats
 
 

@@ -6,6 +6,7 @@ has settled its own defaults), so ``LLM(...)`` or ``vllm serve`` fails before an
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Optional
 
 from ripplekv_ext.engines.vllm.release import SUPPORTED_VLLM
@@ -77,8 +78,7 @@ def _check_stages(settings: Settings, text_config, block_size: int, stages: int)
     from ripplekv_ext.engines.tiers import tier_counts
 
     choices = [t for t in tier_counts(len(plan.layers))
-               if balanced(plan_for_model(Settings(**{**settings.__dict__, "tiers": t}), text_config,
-                                          block_size).tiers)]
+               if balanced(plan_for_model(dataclasses.replace(settings, tiers=t), text_config, block_size).tiers)]
     stage_layers = [list(range(begin, end)) for begin, end in bounds]
     _refuse(f"tiers={plan.num_tiers} with pipeline_parallel_size={stages} when the tiers {plan.tiers} do not put as "
             f"many layers of each tier on every stage (stages hold layers {stage_layers}; a worker would reserve "

@@ -34,8 +34,8 @@ class RippleKVSpec(FullAttentionSpec):
     tier: int
     settings: str
     num_layers: int
-    # The layers the engine compresses (a hybrid model's full-attention ones); empty: every layer.
-    layers: tuple = ()
+    # The layers the engine compresses (every layer, or a hybrid model's full-attention ones).
+    layers: tuple
     # Bounded prefill (settings.prefill_chunk): the most tokens a request of the engine's max_model_len holds in this
     # tier at once (EnginePlan.held_tokens_bound); None: as stock vLLM, its whole sequence.
     held_tokens: Optional[int] = None
@@ -78,13 +78,12 @@ def tier_spec(spec: FullAttentionSpec, plan: EnginePlan, layer: int, max_model_l
     held = None
     if plan.settings.prefill_chunk is not None:
         held = plan.held_tokens_bound(tier, max_model_len, max_in_flight_tokens)
-    layers = () if len(plan.layers) == plan.num_layers else tuple(plan.layers)
     return RippleKVSpec(**_attention_fields(spec), tier=tier, settings=plan.settings.to_json(),
-                        num_layers=plan.num_layers, layers=layers, held_tokens=held)
+                        num_layers=plan.num_layers, layers=tuple(plan.layers), held_tokens=held)
 
 
 def plan_of_spec(spec: RippleKVSpec) -> EnginePlan:
-    return plan_for(Settings.from_json(spec.settings), spec.num_layers, spec.block_size, spec.layers or None)
+    return plan_for(Settings.from_json(spec.settings), spec.num_layers, spec.block_size, spec.layers)
 
 
 class RippleKVManager(FullAttentionManager):

@@ -187,6 +187,7 @@ class EnginePlan:
         self.tier_of = {layer: t for t, tier in enumerate(self.tiers) for layer in tier}
         self.compressor = KVCompressor(self.policy, num_layers, layers)
         self._held_bounds: dict[tuple[int, int], list[int]] = {}
+        self._pristine: dict[tuple[int, int], int] = {}
         # Profile problems (a profile for another layer count) surface here, when the engine starts.
         self.compressor.budgets(max(4 * settings.window, 1024))
 
@@ -251,11 +252,12 @@ class EnginePlan:
         """The first slots of an ``n_tokens`` prompt that ``tier`` never rewrites: what its first compaction frees
         (later ones write above it), or the whole prompt when no compaction drops anything. Their keys and values
         are the uncompressed prompt's, so prefix caching may share them; the slots after them are rewritten."""
-        for boundary in self.boundaries(n_tokens):
-            dropped = self.dropped_blocks(tier, n_tokens, boundary)
-            if dropped:
-                return dropped * self.block_size
-        return n_tokens
+        # Read by the scheduler for every running request at every step (prefix caching): computed once per length.
+        key = (tier, n_tokens)
+        if key not in self._pristine:
+            dropped = (self.dropped_blocks(tier, n_tokens, b) for b in self.boundaries(n_tokens))
+            self._pristine[key] = next((d * self.block_size for d in dropped if d), n_tokens)
+        return self._pristine[key]
 
     def blocks_held(self, n_tokens: int, generated: int = 0) -> int:
         """Blocks (summed over tiers) a request holds after an ``n_tokens`` prompt and ``generated`` new tokens."""
@@ -272,7 +274,10 @@ def plan_for(settings: Settings, num_layers: int, block_size: int,
              layers: Optional[Sequence[int]] = None) -> EnginePlan:
     """The (cached) plan of an engine: every process of one engine builds the same one. ``layers``: the layers it
     compresses (default all; a hybrid model's full-attention layers)."""
-    return _plan(settings.to_json(), num_layers, block_size, None if layers is None else tuple(sorted(layers)))
+    layers = None if layers is None else tuple(sorted(layers))
+    if layers == tuple(range(num_layers)):
+        layers = None  # every layer: one cached plan, however the caller names them
+    return _plan(settings.to_json(), num_layers, block_size, layers)
 
 
 def plan_for_model(settings: Settings, text_config, block_size: int) -> EnginePlan:
@@ -280,9 +285,7 @@ def plan_for_model(settings: Settings, text_config, block_size: int) -> EnginePl
     layers are the ones compressed (all of them, but for a hybrid model's sliding-window layers)."""
     from ripplekv_ext.model_info import compressible_layers
 
-    num_layers = text_config.num_hidden_layers
-    layers = compressible_layers(text_config)
-    return plan_for(settings, num_layers, block_size, None if len(layers) == num_layers else layers)
+    return plan_for(settings, text_config.num_hidden_layers, block_size, compressible_layers(text_config))
 
 
 def kv_cache_bytes(model_config, blocks: int, block_size: int, dtype_bytes: int, tensor_parallel_size: int = 1,
