@@ -17,6 +17,9 @@ if not (PACKAGE / "__init__.py").is_file() or not (ROOT / "bench").is_dir():
 
 PACKAGE_FILES = sorted(PACKAGE.rglob("*.py"))
 BENCH_FILES = sorted((ROOT / "bench").glob("*.py"))
+# The lab: each decision experiment's script, results and note under experiments/<topic>/.
+EXPERIMENTS = ROOT / "experiments"
+EXPERIMENT_FILES = sorted(EXPERIMENTS.rglob("*.py"))
 TEST_FILES = sorted((ROOT / "tests").rglob("*.py"))
 
 
@@ -35,7 +38,8 @@ DOOR_ONLY = ("_attn_implementation_internal", "cache.layers[", ".forward =", "Pa
 
 @pytest.mark.parametrize("needle", DOOR_ONLY)
 def test_transformers_internals_are_touched_only_by_the_integration(needle):
-    found = [f"{_relative(path)}:{number}" for path in PACKAGE_FILES + BENCH_FILES if DOOR not in path.parents
+    found = [f"{_relative(path)}:{number}" for path in PACKAGE_FILES + BENCH_FILES + EXPERIMENT_FILES
+             if DOOR not in path.parents
              for number, line in enumerate(path.read_text().splitlines(), 1) if needle in line]
     assert found == []
 
@@ -120,7 +124,7 @@ def _private_names_defined_here() -> set[str]:
 def test_no_private_reach_ins_in_the_package_or_benchmarks():
     private = _private_names_defined_here()
     found = []
-    for path in _outside_the_door(PACKAGE_FILES) + BENCH_FILES:
+    for path in _outside_the_door(PACKAGE_FILES) + BENCH_FILES + EXPERIMENT_FILES:
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("ripplekv_ext"):
                 found += [f"{_relative(path)}:{node.lineno} from {node.module} import {alias.name}"
@@ -145,7 +149,7 @@ def test_no_module_level_getattr():
 
 def test_no_issue_numbers_in_code_tests_or_benchmarks():
     pattern = re.compile(r"\bissues? #?\d+", re.IGNORECASE)
-    found = [f"{_relative(path)}:{number}" for path in PACKAGE_FILES + BENCH_FILES + TEST_FILES
+    found = [f"{_relative(path)}:{number}" for path in PACKAGE_FILES + BENCH_FILES + EXPERIMENT_FILES + TEST_FILES
              for number, line in enumerate(path.read_text().splitlines(), 1) if pattern.search(line)]
     assert found == []
 
@@ -162,7 +166,13 @@ def test_committed_results_record_no_machine_paths():
     # Results name files relative to the checkout (bench/e2e_paths.portable_path), not as on the machine they ran on.
     import json
 
-    found = {_relative(path): paths for path in sorted((ROOT / "bench" / "results").rglob("*.json"))
-             if (paths := _absolute_paths(json.loads(path.read_text())))}
+    results = sorted((ROOT / "bench" / "results").rglob("*.json")) + sorted(EXPERIMENTS.rglob("results/**/*.json"))
+    found = {_relative(path): paths for path in results if (paths := _absolute_paths(json.loads(path.read_text())))}
     assert found == {}
     assert _absolute_paths({"a": ["/root/.cache/x"], "b": "bench/results/y.json"}) == ["/root/.cache/x"]
+
+
+def test_each_experiment_has_its_note():
+    # A topic's README.md says what it decided and the command that reproduces it.
+    topics = [path for path in sorted(EXPERIMENTS.iterdir()) if path.is_dir() and path.name != "__pycache__"]
+    assert topics and [_relative(topic) for topic in topics if not (topic / "README.md").is_file()] == []

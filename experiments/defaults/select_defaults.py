@@ -16,7 +16,7 @@ run resumes where it stopped (a file written with other settings is refused, not
   with the shipped profile's larger run), each scored with RippleKV at the library's default R and normalisation.
   Profiles are cached under ``$RIPPLEKV_CACHE_DIR/select_defaults/`` and resume too.
 
-    OMP_NUM_THREADS=1 .venv/bin/python bench/select_defaults.py --examples 3 --profile-examples 3
+    OMP_NUM_THREADS=1 .venv/bin/python experiments/defaults/select_defaults.py --examples 3 --profile-examples 3
 
 Runs with one thread (the machine is shared); the results file records the load average at each cell.
 """

@@ -22,19 +22,20 @@ way fidelity scores text: the KL(Full || compressed) over Full's own greedy answ
 depths and 16 passkey prompts (``CALIBRATION_ANSWERS``; neither the report's lengths nor its seed), at
 ``--retrieval-retention``. Every prompt is prefilled once for all candidates.
 
-    OMP_NUM_THREADS=1 .venv/bin/python bench/select_selector.py --examples 8
-    OMP_NUM_THREADS=1 .venv/bin/python bench/select_selector.py --model gemma3-270m --prompt-len 1024 --examples 8
-    OMP_NUM_THREADS=1 .venv/bin/python bench/select_selector.py --answer-kl \
-        --out bench/results/select_selector_smollm2_answers.json
+    OMP_NUM_THREADS=1 .venv/bin/python experiments/defaults/select_selector.py --examples 8
+    OMP_NUM_THREADS=1 .venv/bin/python experiments/defaults/select_selector.py --model gemma3-270m --prompt-len 1024 \
+        --examples 8
+    OMP_NUM_THREADS=1 .venv/bin/python experiments/defaults/select_selector.py --answer-kl \
+        --out experiments/defaults/results/select_selector_smollm2_answers.json
 
 ``--compare-profile`` scores RippleKV's default on a second profile beside the first, on the same prompts (how
 gemma-3-270m's Fisher profile was chosen over its perturbation one; add ``--answer-kl`` for retrieval):
 
-    OMP_NUM_THREADS=1 .venv/bin/python bench/select_selector.py --model gemma3-270m --prompt-len 1024 --examples 16 \
-        --splits select-kjv,select-essays \
+    OMP_NUM_THREADS=1 .venv/bin/python experiments/defaults/select_selector.py --model gemma3-270m --prompt-len 1024 \
+        --examples 16 --splits select-kjv,select-essays \
         --only streamingllm,snapkv,pyramidkv,uniform+adaptive-recent,ripplekv+adaptive-recent \
         --compare-profile ripplekv_ext/eval/profiles/gemma3-270m_profile_P1024_T64_n6.json \
-        --out bench/results/select_selector_gemma3_profiles.json
+        --out experiments/defaults/results/select_selector_gemma3_profiles.json
 
 Runs with one thread unless ``--threads`` says more (the machine is shared); the results file records the load
 average at each cell.
@@ -56,7 +57,7 @@ from ripplekv_ext import (AdaptiveRecentSelector, PeakSpanSelector, Policy, Rece
 from ripplekv_ext.allocation import DEFAULT_RATIO
 from ripplekv_ext.policies import DEFAULT_WINDOW
 
-from select_defaults import Scorer, cut_examples
+from select_defaults import Scorer, cut_examples  # experiments/defaults/select_defaults.py, beside this file
 
 RESULTS = Path(__file__).resolve().parent / "results"
 FORMAT = "ripplekv-select-selector"
@@ -94,7 +95,8 @@ def parse_args(argv=None):
                    help="--answer-kl's prompt length (default: 1792 for smollm2, 896 otherwise)")
     p.add_argument("--retrieval-retention", type=float, default=0.2)
     p.add_argument("--threads", type=int, default=1, help="torch CPU threads (default 1)")
-    p.add_argument("--out", type=Path, default=None, help="default bench/results/select_selector_<model>.json")
+    p.add_argument("--out", type=Path, default=None,
+                   help="default experiments/defaults/results/select_selector_<model>.json")
     args = p.parse_args(argv)
     for name in ("examples", "prompt_len", "cont_len", "threads"):
         if getattr(args, name) < 1:
