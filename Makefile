@@ -129,14 +129,15 @@ test-vllm: cpu-wheel $(VLLM_DEPS_STAMP)
 		print('testing', ripplekv_ext.__file__, 'with torch', torch.__version__, 'vllm', vllm.__version__)"
 	cd $(MIN_SRC) && OMP_NUM_THREADS=1 ../../$(VLLM_VENV)/bin/pytest -q -p no:cacheprovider tests/vllm tests/test_engine_vllm_settings.py
 
-# Wheels: `make dist` writes the sdist, a CPU wheel and a CUDA wheel (torch 2.15, every GPU architecture nvcc 13.0
-# has for users) to dist/ and checks them (tools/make_dist.sh, tools/dist_report.py); `make test-dist` installs
-# them into fresh environments of each Python with no compiler on the PATH and runs the library tests against
-# them (tools/test_dist.sh; a wheel not built yet is built first). DIST_PYTHONS / DIST_KINDS narrow either;
-# .ci/run tests the CPU wheel on the oldest and newest Python with DIST_QUICK=1 (the four slowest tests left out).
+# Wheels: `make dist` writes the sdist and a CPU and a CUDA wheel for each supported torch release (2.13, 2.14, 2.15;
+# requirements/torch-releases.txt; CUDA wheels for every GPU architecture nvcc 13.0 has for users) to dist/ and checks
+# them (tools/make_dist.sh, tools/dist_report.py); `make test-dist` installs them into fresh environments of each
+# Python with no compiler on the PATH and runs the library tests against them (tools/test_dist.sh; a wheel not built
+# yet is built first). DIST_PYTHONS / DIST_KINDS narrow either; .ci/run tests the torch 2.15 CPU wheel on the oldest
+# and newest Python with DIST_QUICK=1 (the four slowest tests left out). `make test-vllm` tests the torch 2.13 CPU one.
 DIST_TOOLS_STAMP := $(VENV)/.ripplekv-dist-tools
-DIST_PYTHONS ?= 3.11 3.12 3.13
-DIST_KINDS ?= cpu cuda
+DIST_PYTHONS ?= 3.10 3.11 3.12 3.13
+DIST_KINDS ?= cpu-torch2.15 cuda-torch2.15 cpu-torch2.14 cuda-torch2.14 cpu-torch2.13 cuda-torch2.13
 DIST_QUICK ?= 0
 
 $(DIST_TOOLS_STAMP): requirements/dist.txt $(DEPS_STAMP)
@@ -144,7 +145,7 @@ $(DIST_TOOLS_STAMP): requirements/dist.txt $(DEPS_STAMP)
 	touch $@
 
 dist: $(DIST_TOOLS_STAMP) $(MIN_DEPS_STAMP)
-	DIST_KINDS="$(DIST_KINDS) cpu-torch2.13" tools/make_dist.sh
+	DIST_KINDS="$(DIST_KINDS)" tools/make_dist.sh
 
 test-dist: $(DIST_TOOLS_STAMP)
 	DIST_PYTHONS="$(DIST_PYTHONS)" DIST_KINDS="$(DIST_KINDS)" DIST_QUICK="$(DIST_QUICK)" tools/test_dist.sh

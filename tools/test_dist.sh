@@ -1,16 +1,22 @@
 #!/usr/bin/env bash
-# `make test-dist`: each wheel in dist/ (`make dist`) installed into a fresh environment beside the torch it names,
-# with no compiler on the PATH, and the library tests (ops, hook, policies, selectors, compressor, context, rolling
-# prefill, the CLI's options) run against the installed package from a folder outside the checkout. The CPU wheel
-# on every Python in DIST_PYTHONS (3.11-3.13: torch 2.15's); the CUDA wheel on the first of them that is 3.11 (its kernels load here; with no
-# GPU its CUDA tests report themselves skipped).
+# `make test-dist`: each wheel in dist/ (`make dist`) installed into a fresh environment beside the torch release it
+# names (requirements/torch-releases.txt), with no compiler on the PATH, and the library tests (ops, hook, policies,
+# selectors, compressor, context, rolling prefill, the CLI's options) run against the installed package from a
+# folder outside the checkout. Which Python each kind is tested on:
+#   the CPU wheel of .venv's torch (2.15)  every Python in DIST_PYTHONS that torch has (3.11-3.13: no 3.10 build)
+#   the CPU wheels of older releases      the oldest of DIST_PYTHONS they have: 3.10 (the newest torch with cp310
+#                                         wheels is 2.14, so a 3.10 user gets that wheel)
+#   every CUDA wheel                      3.11 (its kernels load here; with no GPU its CUDA tests report themselves
+#                                         skipped)
+# The test environment's packages: requirements/dist-test.txt, or dist-test-py310.txt on Python 3.10 (the same
+# packages at the newest releases that still install there), with torch overridden by the wheel's release.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$PWD
 UV="$ROOT/.venv/bin/uv"
-PYTHONS=${DIST_PYTHONS:-3.11 3.12 3.13}  # torch 2.15 has no 3.10 wheels
-KINDS=${DIST_KINDS:-cpu cuda}
-TORCH_RELEASE=$("$ROOT/.venv/bin/python" -c "import torch; print('.'.join(torch.__version__.split('.')[:2]))")
+PYTHONS=${DIST_PYTHONS:-3.10 3.11 3.12 3.13}
+KINDS=${DIST_KINDS:-cpu-torch2.15 cuda-torch2.15 cpu-torch2.14 cuda-torch2.14 cpu-torch2.13 cuda-torch2.13}
+VENV_RELEASE=$("$ROOT/.venv/bin/python" -c "import torch; print('.'.join(torch.__version__.split('.')[:2]))")
 WORK=${DIST_TEST_DIR:-$(mktemp -d /tmp/ripplekv-test-dist.XXXXXX)}
 TESTS=(test_ops.py test_allocation.py test_library.py test_gather_kv.py test_gather_kv_packed.py test_select_topk.py
        test_select_topk_packed.py test_select_topk_rows.py test_snapkv_scores.py test_snapkv_compress.py
@@ -39,20 +45,24 @@ mkdir -p "$NO_CC"
 for tool in sh bash env uname cat ls rm mkdir readelf; do ln -sf "$(command -v $tool)" "$NO_CC/$tool"; done
 
 run_one() {  # kind python-version
-    local kind=$1 version=$2 wheel env tests
-    # .venv's torch release: dist/ also holds the torch 2.13 CPU wheel for vLLM (`make test-vllm` tests that one).
-    local pattern="$ROOT/dist/ripplekv_ext-*+$([ "$kind" = cpu ] && echo cpu || echo cu)*.torch$TORCH_RELEASE-*.whl"
+    local kind=$1 version=$2 wheel env tests requirements
+    local kernels=${kind%-torch*} release=${kind#*-torch}
+    local pattern="$ROOT/dist/ripplekv_ext-*+$([ "$kernels" = cpu ] && echo cpu || echo cu)*.torch$release-*.whl"
     # shellcheck disable=SC2086  # the pattern is a glob
     ls $pattern >/dev/null 2>&1 || DIST_KINDS=$kind "$ROOT/tools/make_dist.sh"  # no wheel yet: `make dist` it
     wheel=$(ls $pattern)
     env="$WORK/$kind-py$version"
     tests="$WORK/$kind-py$version-tests"
+    requirements="$ROOT/requirements/dist-test.txt"
+    [ "$version" = 3.10 ] && requirements="$ROOT/requirements/dist-test-py310.txt"
+    grep -E "^torch==$release\.[0-9]+$" "$ROOT/requirements/torch-releases.txt" > "$WORK/override-$kind.txt"
     echo "== $kind wheel on Python $version: $(basename "$wheel")"
     rm -rf "$env" "$tests"
     "$UV" venv -q --python "$(find_python "$version")" "$env"
-    "$UV" pip install -q --python "$env/bin/python" -r "$ROOT/requirements/dist-test.txt"
+    "$UV" pip install -q --python "$env/bin/python" -r "$requirements" --override "$WORK/override-$kind.txt"
     "$UV" pip install -q --python "$env/bin/python" --no-deps -r "$ROOT/requirements/no-deps.txt"
-    "$UV" pip install -q --python "$env/bin/python" "$wheel[eval]"  # the CLI's dependencies come with [eval]
+    # the CLI's dependencies come with [eval]
+    "$UV" pip install -q --python "$env/bin/python" "$wheel[eval]" --override "$WORK/override-$kind.txt"
     mkdir -p "$tests"
     cp "$ROOT"/tests/*.py "$tests/"  # the selected tests import helpers and each other's samples
     local bare_path="$env/bin:$NO_CC" status=0
@@ -61,7 +71,8 @@ run_one() {  # kind python-version
     done
     (cd "$tests" && PATH=$bare_path python -c "import ripplekv_ext, torch, sys; f = ripplekv_ext.__file__; \
 assert f.startswith(sys.prefix), f; \
-assert ripplekv_ext.cuda_built() == ('$kind' == 'cuda'), ripplekv_ext.build_report(); \
+assert ripplekv_ext.cuda_built() == ('$kernels' == 'cuda'), ripplekv_ext.build_report(); \
+assert torch.__version__.startswith('$release.'), torch.__version__; \
 print('testing', f, 'Python', sys.version.split()[0], 'torch', torch.__version__)")
     (cd "$tests" && PATH=$bare_path python -m pytest -q -p no:cacheprovider -ra --durations=25 -k "$DESELECT" "${TESTS[@]}") \
         > "$WORK/$kind-py$version.log" 2>&1 || status=$?
@@ -71,10 +82,26 @@ print('testing', f, 'Python', sys.version.split()[0], 'torch', torch.__version__
     return "$status"
 }
 
+pythons_for() {  # kind -> the Pythons of DIST_PYTHONS it is tested on (the table at the top)
+    local kernels=${1%-torch*} release=${1#*-torch} version have=()
+    for version in $PYTHONS; do
+        # torch 2.15 publishes no 3.10 wheels
+        if [ "$release" = 2.15 ] && [ "$version" = 3.10 ]; then continue; fi
+        have+=("$version")
+    done
+    [ ${#have[@]} -gt 0 ] || return 0
+    if [ "$kernels" = cuda ]; then
+        for version in "${have[@]}"; do [ "$version" = 3.11 ] && echo 3.11; done
+    elif [ "$release" = "$VENV_RELEASE" ]; then
+        echo "${have[@]}"
+    else
+        echo "${have[0]}"
+    fi
+}
+
 rm -f "$WORK/summary.txt"
 for kind in $KINDS; do
-    for version in $PYTHONS; do
-        if [ "$kind" = cuda ] && [ "$version" != 3.11 ]; then continue; fi
+    for version in $(pythons_for "$kind"); do
         run_one "$kind" "$version"
     done
 done
