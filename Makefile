@@ -35,15 +35,16 @@ build: $(EDITABLE_STAMP)
 # recomputing logits instead of reading the exps the first pass kept (what rows too long for the
 # store budget get; the first line covers the store). Only the numerical tests: the schema, fake-kernel and argument
 # checks (opcheck, the bad-input tables) do not depend on the kernel.
-# ruff (configured in pyproject.toml) over every Python file of the project.
+# ruff (configured in pyproject.toml) over every Python file of the project (the lab's experiments too).
 lint: $(DEPS_STAMP)
-	$(PY) -m ruff check ripplekv_ext python tests bench tools
+	$(PY) -m ruff check ripplekv_ext python tests bench tools experiments
 
 test: lint build cpp-test
 	$(PY) -m pytest tests/
 	RIPPLEKV_DISABLE_AVX2=1 RIPPLEKV_SNAPKV_STORE_MIB=0 $(PY) -m pytest -q tests/test_snapkv_scores.py tests/test_snapkv_compress.py tests/test_h2o_scores.py \
 		-k "not opcheck and not bad_input_table and not reference_agrees"
 	$(PY) -m pytest bench/ --benchmark-disable -q
+	$(PY) -m pytest experiments/ -q
 	$(MAKE) --no-print-directory test-min test-vllm
 
 # The oldest supported stack (pyproject.toml's lower bounds: requirements/min.txt, the torch and transformers a

@@ -5,9 +5,8 @@ from ripplekv_ext.ops import gather_kv
 from ripplekv_ext.ops import (gather_kv_packed, h2o_scores, select_topk, select_topk_packed, select_topk_rows,
                               snapkv_compress, snapkv_compress_rows, snapkv_scores, streaming_indices)
 from ripplekv_ext.allocation import Allocator, PyramidKVAllocator, RippleKVAllocator, UniformAllocator
-from ripplekv_ext.selectors import (AdaptiveRecentSelector, H2OSelector, KeyNormSelector, PeakSpanSelector,
-                                    RecentSnapKVSelector, ScoredSelector, Selector, SnapKVSelector,
-                                    StreamingLLMSelector)
+from ripplekv_ext.selectors import (H2OSelector, KeyNormSelector, PeakSpanSelector, ScoredSelector, Selector,
+                                    SnapKVSelector, StreamingLLMSelector)
 from ripplekv_ext.policies import Policy
 from ripplekv_ext.compressor import CompressionStep, KVCompressor
 from ripplekv_ext.hook import compress
@@ -19,7 +18,7 @@ __all__ = ["build_report", "cuda_built", "cuda_version", "gather_kv", "gather_kv
            "select_topk_packed", "select_topk_rows", "snapkv_compress", "snapkv_compress_rows", "snapkv_scores",
            "streaming_indices",
            "Allocator", "UniformAllocator", "PyramidKVAllocator", "RippleKVAllocator", "Policy", "Selector",
-           "ScoredSelector", "SnapKVSelector", "RecentSnapKVSelector", "AdaptiveRecentSelector", "PeakSpanSelector",
+           "ScoredSelector", "SnapKVSelector", "PeakSpanSelector",
            "KeyNormSelector", "H2OSelector", "StreamingLLMSelector",
            "KVCompressor", "CompressionStep", "compress",
            "compress_context", "continue_context", "load_context"]

@@ -89,12 +89,11 @@ def _saved_classes() -> list:
     allocators and selectors (and a RippleKV profile)."""
     from ripplekv_ext.allocation import PyramidKVAllocator, RippleKVAllocator, UniformAllocator
     from ripplekv_ext.profile_file import Profile
-    from ripplekv_ext.selectors import (AdaptiveRecentSelector, H2OSelector, KeyNormSelector, PeakSpanSelector,
-                                        RecentSnapKVSelector, SnapKVSelector, StreamingLLMSelector)
+    from ripplekv_ext.selectors import (H2OSelector, KeyNormSelector, PeakSpanSelector, SnapKVSelector,
+                                        StreamingLLMSelector)
 
     return [*_door().cache_classes(), ContextStamp, Policy, UniformAllocator, PyramidKVAllocator, RippleKVAllocator,
-            Profile, SnapKVSelector, RecentSnapKVSelector, AdaptiveRecentSelector, PeakSpanSelector, KeyNormSelector,
-            H2OSelector, StreamingLLMSelector]
+            Profile, SnapKVSelector, PeakSpanSelector, KeyNormSelector, H2OSelector, StreamingLLMSelector]
 
 
 def load_context(path, *, map_location=None):

@@ -8,13 +8,12 @@ allocator and selector is written once, there. Any other allocator x selector pa
 from __future__ import annotations
 
 import dataclasses
-import functools
 from typing import Optional
 
 from ripplekv_ext.allocation import PyramidKVAllocator, RippleKVAllocator, UniformAllocator
 from ripplekv_ext.policies import DEFAULT_WINDOW, Policy
-from ripplekv_ext.selectors import (AdaptiveRecentSelector, H2OSelector, KeyNormSelector, PeakSpanSelector,
-                                    RecentSnapKVSelector, SnapKVSelector, StreamingLLMSelector)
+from ripplekv_ext.selectors import (H2OSelector, KeyNormSelector, PeakSpanSelector, SnapKVSelector,
+                                    StreamingLLMSelector)
 
 __all__ = ["PUBLISHED", "DEFAULT_METHODS", "ALLOCATORS", "SELECTORS", "check_method", "is_full", "needs_profile",
            "make_allocator", "make_policy"]
@@ -24,11 +23,8 @@ PUBLISHED = {"streamingllm": Policy.streamingllm, "h2o": Policy.h2o, "snapkv": P
              "pyramidkv": Policy.pyramidkv, "ripplekv": Policy.ripplekv}
 DEFAULT_METHODS = ("full", *PUBLISHED)
 ALLOCATORS = ("uniform", "pyramidkv", "ripplekv")
-SELECTORS = {"snapkv": SnapKVSelector, "recent-snapkv": RecentSnapKVSelector, "adaptive-recent": AdaptiveRecentSelector,
-             "peak-span": PeakSpanSelector,
-             # PeakSpan's scores by attention mass alone (RippleKV's selector before value weighting was chosen).
-             "peak-span-unweighted": functools.partial(PeakSpanSelector, value_weighted=False),
-             "keynorm": KeyNormSelector, "h2o": H2OSelector, "streamingllm": StreamingLLMSelector}
+SELECTORS = {"snapkv": SnapKVSelector, "peak-span": PeakSpanSelector, "keynorm": KeyNormSelector, "h2o": H2OSelector,
+             "streamingllm": StreamingLLMSelector}
 
 
 def check_method(method: str) -> str:

@@ -20,13 +20,9 @@ from ripplekv_ext.checks import check_bool, check_choice, check_fraction, check_
 from ripplekv_ext.equality import SettingsEquality
 from ripplekv_ext.ops import h2o_scores, select_topk, select_topk_rows, snapkv_scores, streaming_indices
 
-__all__ = ["Selector", "ScoredSelector", "SnapKVSelector", "RecentSnapKVSelector", "AdaptiveRecentSelector",
-           "PeakSpanSelector", "KeyNormSelector", "H2OSelector", "StreamingLLMSelector", "DEFAULT_RECENT_FRACTION",
-           "DEFAULT_PEAK_SHARE", "DEFAULT_VALUE_WEIGHTED"]
+__all__ = ["Selector", "ScoredSelector", "SnapKVSelector", "PeakSpanSelector", "KeyNormSelector", "H2OSelector",
+           "StreamingLLMSelector", "DEFAULT_PEAK_SHARE", "DEFAULT_VALUE_WEIGHTED"]
 
-# The share of a layer's slots beyond the window and the sinks that RecentSnapKVSelector keeps for the most recent
-# positions: chosen on calibration text of two domains at 10, 20 and 30% retention (docs/defaults.md).
-DEFAULT_RECENT_FRACTION = 0.75
 # The share of PeakSpanSelector's scored slots that go to max-pooled peaks (the rest to averaged spans): chosen on
 # calibration text and retrieval prompts of both models (docs/defaults.md).
 DEFAULT_PEAK_SHARE = 0.5
@@ -118,6 +114,37 @@ def _pool(scores: Tensor, kernel_size: int, pooling: str) -> Tensor:
     return F.avg_pool1d(scores.masked_fill(pad, 0.0), k, 1, k // 2).masked_fill(pad, -math.inf)
 
 
+def _window_scores(selector, queries: Tensor, keys: Tensor, window: int, scale: Optional[float],
+                   lengths: Optional[Tensor], kernel_size: int, pooling: str, values: Optional[Tensor]) -> Tensor:
+    """SnapKV's scores of the positions before the window, for ``selector``'s ``group_reduce`` and ``value_weighted``
+    (``SnapKVSelector`` says what each means), pooled over ``kernel_size`` positions (1: unpooled)."""
+    # More queries than the window are accepted and cut to it.
+    _check_queries(queries, keys)
+    if queries.shape[2] < window:
+        raise ValueError(f"queries must hold at least window = {window} positions, got {queries.shape[2]}")
+    if not selector.value_weighted:
+        return snapkv_scores(queries[:, :, -window:], keys, kernel_size=kernel_size, pooling=pooling,
+                             group_reduce=selector.group_reduce, scale=scale, lengths=lengths)
+    if values is None or values.shape != keys.shape:
+        got = None if values is None else list(values.shape)
+        raise ValueError(f"{selector!r} weighs each position by its value's norm: values= must have the keys' "
+                         f"shape {list(keys.shape)}, got {got}")
+    mass = snapkv_scores(queries[:, :, -window:], keys, kernel_size=1, group_reduce=selector.group_reduce,
+                         scale=scale, lengths=lengths)
+    norms = torch.linalg.vector_norm(values[:, :, :mass.shape[-1]], dim=-1, dtype=torch.float32)
+    # Pad positions keep their -inf (a pad value's norm may be 0, and -inf * 0 is NaN).
+    weighted = (mass * norms).masked_fill(mass.isneginf(), -math.inf)
+    return weighted if kernel_size == 1 else _pool(weighted, kernel_size, pooling)
+
+
+def _check_snapkv_options(kernel_size: int, group_reduce: str, value_weighted: bool) -> None:
+    # Checked when the selector is built, so a bad option fails with the policy, not at the first prefill.
+    if check_int("kernel_size", kernel_size, 1) % 2 == 0:
+        raise ValueError(f"kernel_size must be odd (pooling keeps the length), got {kernel_size}")
+    check_choice("group_reduce", group_reduce, ("mean", "max"))
+    check_bool("value_weighted", value_weighted)
+
+
 class SnapKVSelector(ScoredSelector):
     """Top tokens by attention mass from the last ``window`` queries, pooled along positions (SnapKV).
 
@@ -131,124 +158,62 @@ class SnapKVSelector(ScoredSelector):
 
     def __init__(self, kernel_size: int = 7, pooling: str = "max", group_reduce: str = "mean",
                  value_weighted: bool = False):
-        # Checked here, so a bad option fails when the policy is built, not at the first prefill.
-        if check_int("kernel_size", kernel_size, 1) % 2 == 0:
-            raise ValueError(f"kernel_size must be odd (pooling keeps the length), got {kernel_size}")
+        _check_snapkv_options(kernel_size, group_reduce, value_weighted)
+        self.kernel_size, self.group_reduce, self.value_weighted = kernel_size, group_reduce, value_weighted
         check_choice("pooling", pooling, ("max", "avg"))
-        check_choice("group_reduce", group_reduce, ("mean", "max"))
-        self.kernel_size, self.pooling, self.group_reduce = kernel_size, pooling, group_reduce
-        self.value_weighted = check_bool("value_weighted", value_weighted)
+        self.pooling = pooling
 
     needs_values = property(lambda self: self.value_weighted)
 
     def score(self, queries: Tensor, keys: Tensor, window: int, scale: Optional[float] = None,
               lengths: Optional[Tensor] = None, values: Optional[Tensor] = None) -> Tensor:
-        return self._window_scores(queries, keys, window, scale, lengths, self.kernel_size, self.pooling, values)
+        return _window_scores(self, queries, keys, window, scale, lengths, self.kernel_size, self.pooling, values)
 
-    def _window_scores(self, queries: Tensor, keys: Tensor, window: int, scale: Optional[float],
-                       lengths: Optional[Tensor], kernel_size: int, pooling: str,
-                       values: Optional[Tensor] = None) -> Tensor:
-        # More queries than the window are accepted and cut to it.
-        _check_queries(queries, keys)
-        if queries.shape[2] < window:
-            raise ValueError(f"queries must hold at least window = {window} positions, got {queries.shape[2]}")
-        if not self.value_weighted:
-            return snapkv_scores(queries[:, :, -window:], keys, kernel_size=kernel_size, pooling=pooling,
-                                 group_reduce=self.group_reduce, scale=scale, lengths=lengths)
-        if values is None or values.shape != keys.shape:
-            got = None if values is None else list(values.shape)
-            raise ValueError(f"{self!r} weighs each position by its value's norm: values= must have the keys' "
-                             f"shape {list(keys.shape)}, got {got}")
-        mass = snapkv_scores(queries[:, :, -window:], keys, kernel_size=1, group_reduce=self.group_reduce,
-                             scale=scale, lengths=lengths)
-        norms = torch.linalg.vector_norm(values[:, :, :mass.shape[-1]], dim=-1, dtype=torch.float32)
-        # Pad positions keep their -inf (a pad value's norm may be 0, and -inf * 0 is NaN).
-        weighted = (mass * norms).masked_fill(mass.isneginf(), -math.inf)
-        return weighted if kernel_size == 1 else _pool(weighted, kernel_size, pooling)
-
-    def _options_repr(self, pooling: bool = True) -> str:
+    def __repr__(self):
         # Only a value-weighted selector names the option: the reprs of the others stay what results recorded.
-        return (f"kernel_size={self.kernel_size}, " + (f"pooling={self.pooling!r}, " if pooling else "")
-                + f"group_reduce={self.group_reduce!r}" + (", value_weighted=True" if self.value_weighted else ""))
-
-    def __repr__(self):
-        return f"SnapKVSelector({self._options_repr()})"
+        return (f"SnapKVSelector(kernel_size={self.kernel_size}, pooling={self.pooling!r}, "
+                f"group_reduce={self.group_reduce!r}" + (", value_weighted=True" if self.value_weighted else "") + ")")
 
 
-class RecentSnapKVSelector(SnapKVSelector):
-    """SnapKV with attention sinks and a recent region kept by position: of a layer's ``budget - window`` slots, the
-    first ``sink`` go to the first positions, ``floor(recent_fraction * (budget - window - sink))`` to the positions
-    just before the window, and the rest to the best SnapKV scores in between.
+class PeakSpanSelector(ScoredSelector):
+    """Attention sinks, a recent region each KV head sizes from its own window's attention, and the scored slots
+    split between isolated peaks and contiguous spans. RippleKV's default selector.
 
-    Running text leans on recent tokens far beyond a 32-token window (StreamingLLM's recency alone beats SnapKV on
-    continuation KL), retrieval on scored ones (StreamingLLM cannot find a needle): this keeps both. ``1.0`` is
-    StreamingLLM plus the window, ``0`` SnapKV with sinks.
-    """
-
-    name = "recent-snapkv"
-
-    def __init__(self, recent_fraction: float = DEFAULT_RECENT_FRACTION, sink: int = 4, kernel_size: int = 7,
-                 pooling: str = "max", group_reduce: str = "mean", value_weighted: bool = False):
-        super().__init__(kernel_size, pooling, group_reduce, value_weighted)
-        self.recent_fraction = check_fraction("recent_fraction", recent_fraction)
-        self.sink = check_int("sink", sink, 0)
-
-    def protected(self, budget: int, window: int) -> tuple[int, int]:
-        """(sinks, recent positions) kept by position under ``budget`` (window included)."""
-        free = max(budget - window, 0)
-        sink = min(self.sink, free)
-        return sink, math.floor(self.recent_fraction * (free - sink))
-
-    def select(self, queries: Tensor, keys: Tensor, budget: int, window: int,
-               scale: Optional[float] = None, values: Optional[Tensor] = None) -> Tensor:
-        scores = self.score(queries, keys, window, scale, values=values)
-        sink, recent = self.protected(budget, window)
-        # Protected positions outrank every score (select_topk keeps them all: they never exceed the free slots).
-        scores[..., :sink] = math.inf
-        if recent:
-            scores[..., scores.shape[-1] - recent:] = math.inf
-        return select_topk(scores, budget, window)
-
-    def select_rows(self, queries: Tensor, keys: Tensor, budgets: Tensor, lengths: Tensor, window: int,
-                    scale: Optional[float] = None, values: Optional[Tensor] = None) -> Tensor:
-        scores = self.score(queries, keys, window, scale, lengths, values)
-        n_prefix = scores.shape[-1]
-        free = (budgets.to(scores.device) - window).clamp(min=0)
-        sink = free.clamp(max=self.sink)
-        recent = torch.floor(self.recent_fraction * (free - sink).double()).long()
-        start = keys.shape[2] - lengths.to(scores.device)  # each row's first real position
-        position = torch.arange(n_prefix, device=scores.device)[None, :]
-        protected = (((position >= start[:, None]) & (position < (start + sink)[:, None]))
-                     | (position >= (n_prefix - recent)[:, None]))
-        # Rows kept whole (n_b <= budget) never read their scores; compressed rows' protected slots are real ones.
-        return select_topk_rows(scores.masked_fill(protected[:, None, :], math.inf), budgets, window, lengths)
-
-    def __repr__(self):
-        return (f"RecentSnapKVSelector(recent_fraction={self.recent_fraction:g}, sink={self.sink}, "
-                f"{self._options_repr()})")
-
-
-class AdaptiveRecentSelector(SnapKVSelector):
-    """SnapKV with attention sinks and a recent region whose size each KV head reads off its own window's attention:
-    of a head's ``budget - window - sink`` slots beyond the window and the sinks, the share kept by position (just
-    before the window) is the share of the head's SnapKV score mass (after the sinks) that falls on those most
-    recent ``budget - window - sink`` positions; the best scores in between take the rest.
+    Of a head's ``budget - window`` slots beyond the window: the first ``sink`` go to the first positions; of the
+    ``rest`` after them, the share kept by position (just before the window) is the share of the head's max-pooled
+    SnapKV score mass (after the sinks) that falls on its ``rest`` most recent positions; of the slots left,
+    ``floor(peak_share * slots)`` go to the best max-pooled scores (an isolated peak, such as a passkey, keeps its
+    height) and the others to the best scores average-pooled over the same ``kernel_size`` (a run of tokens a
+    continuation reads together outranks one token between unread ones). ``value_weighted`` (on by default) weighs
+    each position's attention by its value's norm, as ``SnapKVSelector``'s option does.
 
     A head whose window reads mostly the newest tokens (running text) keeps them by position, which beats SnapKV's
     scores on continuation fidelity; a head whose window reads far back (a question about a needle) keeps what it
-    reads. ``RecentSnapKVSelector`` fixes one share for every head and prompt, and its recency costs retrieval.
+    reads. Every choice here was measured against the alternatives on calibration prompts of both models
+    (experiments/defaults/).
     """
 
-    name = "adaptive-recent"
+    name = "peak-span"
+    value_weighted = False  # what a selector saved (pickled) before the option existed did
 
-    def __init__(self, sink: int = 4, kernel_size: int = 7, pooling: str = "max", group_reduce: str = "mean",
-                 value_weighted: bool = False):
-        super().__init__(kernel_size, pooling, group_reduce, value_weighted)
+    def __init__(self, peak_share: float = DEFAULT_PEAK_SHARE, sink: int = 4, kernel_size: int = 7,
+                 group_reduce: str = "mean", value_weighted: bool = DEFAULT_VALUE_WEIGHTED):
+        _check_snapkv_options(kernel_size, group_reduce, value_weighted)
+        self.kernel_size, self.group_reduce, self.value_weighted = kernel_size, group_reduce, value_weighted
+        self.peak_share = check_fraction("peak_share", peak_share)
         self.sink = check_int("sink", sink, 0)
 
-    def _protected(self, scores: Tensor, free: Tensor, start: Tensor) -> Tensor:
-        """Bool ``[B, H_kv, P]``: each row's protected positions under ``scores``: its first ``sink`` real positions
-        (row ``b``'s start at ``start[b]``) and its adaptive recent region, under ``free[b]`` slots."""
+    needs_values = property(lambda self: self.value_weighted)
+
+    def score(self, queries: Tensor, keys: Tensor, window: int, scale: Optional[float] = None,
+              lengths: Optional[Tensor] = None, values: Optional[Tensor] = None) -> Tensor:
+        """The max-pooled scores (the peaks' ranking, and the mass the recent region is sized from)."""
+        return _window_scores(self, queries, keys, window, scale, lengths, self.kernel_size, "max", values)
+
+    def protected_positions(self, scores: Tensor, free: Tensor, start: Tensor) -> Tensor:
+        """Bool ``[B, H_kv, P]``: the positions kept by position, not by score: each row's first ``sink`` real
+        positions (row ``b``'s first real position is ``start[b]``) and its recent region, sized from ``scores``
+        (``[B, H_kv, P]``, -inf at pad positions) under ``free[b]`` slots beyond the window (int64 ``[B]``)."""
         n_prefix = scores.shape[-1]
         sink = free.clamp(max=self.sink)
         rest = (free - sink).clamp(min=0)
@@ -261,22 +226,29 @@ class AdaptiveRecentSelector(SnapKVSelector):
         return ((position >= start[:, None, None]) & (position < (start + sink)[:, None, None])) | (
             position >= n_prefix - recent[..., None])
 
-    @staticmethod
-    def _rows(keys: Tensor, budgets, window: int, lengths: Optional[Tensor]) -> tuple[Tensor, Tensor]:
-        """(free slots beyond the window, first real position) of each row: ``budgets`` an int without ``lengths``,
-        else int64 ``[B]`` for a left-padded batch."""
-        b = keys.shape[0]
-        if lengths is None:
-            return (torch.full((b,), max(budgets - window, 0), dtype=torch.int64, device=keys.device),
-                    torch.zeros(b, dtype=torch.int64, device=keys.device))
-        return (budgets.to(keys.device) - window).clamp(min=0), keys.shape[2] - lengths.to(keys.device)
-
     def _ranking(self, queries: Tensor, keys: Tensor, window: int, scale: Optional[float], budgets,
                  lengths: Optional[Tensor] = None, values: Optional[Tensor] = None) -> Tensor:
-        """Scores for ``select_topk`` (``select_topk_rows`` with ``lengths``): protected positions at ``+inf``."""
-        scores = self.score(queries, keys, window, scale, lengths, values)
-        # Protected positions outrank every score (select_topk keeps them all: they never exceed the free slots).
-        return scores.masked_fill(self._protected(scores, *self._rows(keys, budgets, window, lengths)), math.inf)
+        """Scores for ``select_topk`` (``select_topk_rows`` with ``lengths``; ``budgets`` an int without them, else
+        int64 ``[B]``): the protected positions and each head's peaks at ``+inf``, every other position at its span
+        score. Pad positions score -inf in both: never protected, never a peak (a row's real positions outnumber its
+        slots whenever it is compressed), never kept."""
+        # One scoring of the window (group reduction first), pooled both ways as the op pools.
+        unpooled = _window_scores(self, queries, keys, window, scale, lengths, 1, "max", values)
+        peaks, spans = _pool(unpooled, self.kernel_size, "max"), _pool(unpooled, self.kernel_size, "avg")
+        b = keys.shape[0]
+        if lengths is None:  # free slots beyond the window, and each row's first real position
+            free = torch.full((b,), max(budgets - window, 0), dtype=torch.int64, device=keys.device)
+            start = torch.zeros(b, dtype=torch.int64, device=keys.device)
+        else:
+            free, start = (budgets.to(keys.device) - window).clamp(min=0), keys.shape[2] - lengths.to(keys.device)
+        protected = self.protected_positions(peaks, free, start)
+        slots = (free[:, None] - protected.sum(-1)).clamp(min=0)
+        n_peaks = torch.floor(self.peak_share * slots.double()).long()  # [B, H_kv]
+        # Rank of each unprotected position by its peak score; a stable sort gives ties to the lower position.
+        order = torch.sort(peaks.masked_fill(protected, -math.inf), dim=-1, descending=True, stable=True).indices
+        rank = torch.empty_like(order).scatter_(-1, order, torch.arange(order.shape[-1], device=order.device)
+                                                .expand_as(order))
+        return spans.masked_fill(protected | (rank < n_peaks[..., None]), math.inf)
 
     def select(self, queries: Tensor, keys: Tensor, budget: int, window: int,
                scale: Optional[float] = None, values: Optional[Tensor] = None) -> Tensor:
@@ -289,50 +261,8 @@ class AdaptiveRecentSelector(SnapKVSelector):
                                 window, lengths)
 
     def __repr__(self):
-        return f"AdaptiveRecentSelector(sink={self.sink}, {self._options_repr()})"
-
-
-class PeakSpanSelector(AdaptiveRecentSelector):
-    """``AdaptiveRecentSelector``'s sinks and recent region, with the scored slots split between isolated peaks and
-    contiguous spans: of a head's slots left after the sinks and its recent region, ``floor(peak_share * slots)``
-    go to the best SnapKV scores max-pooled (SnapKV's: an isolated peak, such as a passkey, keeps its height), the
-    rest to the best scores average-pooled over the same ``kernel_size`` (a run of tokens a continuation reads
-    together outranks one token between unread ones). The recent region is sized from the max-pooled scores.
-
-    Averaged scores alone fit running text better but divide a passkey's lone peak by up to ``kernel_size``, below
-    a filler span's even scores; max pooling alone spends slots on lone peaks a continuation does not read. Both
-    ``peak_share`` and the split were chosen on calibration prompts (docs/defaults.md), and so was
-    ``value_weighted`` (``SnapKVSelector``'s; on by default here): lower KL on running text and on retrieval
-    answers on both models.
-    """
-
-    name = "peak-span"
-
-    def __init__(self, peak_share: float = DEFAULT_PEAK_SHARE, sink: int = 4, kernel_size: int = 7,
-                 group_reduce: str = "mean", value_weighted: bool = DEFAULT_VALUE_WEIGHTED):
-        super().__init__(sink, kernel_size, "max", group_reduce, value_weighted)
-        self.peak_share = check_fraction("peak_share", peak_share)
-
-    def _ranking(self, queries: Tensor, keys: Tensor, window: int, scale: Optional[float], budgets,
-                 lengths: Optional[Tensor] = None, values: Optional[Tensor] = None) -> Tensor:
-        """The protected positions and each head's peaks at ``+inf``, every other position at its span score. Pad
-        positions score -inf in both: never protected, never a peak (a row's real positions outnumber its slots
-        whenever it is compressed), never kept."""
-        # One scoring of the window (group reduction first), pooled both ways as the op pools.
-        unpooled = self._window_scores(queries, keys, window, scale, lengths, 1, "max", values)
-        peaks, spans = _pool(unpooled, self.kernel_size, "max"), _pool(unpooled, self.kernel_size, "avg")
-        free, start = self._rows(keys, budgets, window, lengths)
-        protected = self._protected(peaks, free, start)
-        slots = (free[:, None] - protected.sum(-1)).clamp(min=0)
-        n_peaks = torch.floor(self.peak_share * slots.double()).long()  # [B, H_kv]
-        # Rank of each unprotected position by its peak score; a stable sort gives ties to the lower position.
-        order = torch.sort(peaks.masked_fill(protected, -math.inf), dim=-1, descending=True, stable=True).indices
-        rank = torch.empty_like(order).scatter_(-1, order, torch.arange(order.shape[-1], device=order.device)
-                                                .expand_as(order))
-        return spans.masked_fill(protected | (rank < n_peaks[..., None]), math.inf)
-
-    def __repr__(self):
-        return f"PeakSpanSelector(peak_share={self.peak_share:g}, sink={self.sink}, {self._options_repr(False)})"
+        return (f"PeakSpanSelector(peak_share={self.peak_share:g}, sink={self.sink}, kernel_size={self.kernel_size}, "
+                f"group_reduce={self.group_reduce!r}" + (", value_weighted=True" if self.value_weighted else "") + ")")
 
 
 class KeyNormSelector(ScoredSelector):

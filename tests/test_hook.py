@@ -25,9 +25,8 @@ from ripplekv_ext.allocation import average_budget
 from ripplekv_ext.eval.models import TINY_ARCHS, tiny_model
 from ripplekv_ext.model_info import compressible_layers
 from ripplekv_ext.policies import PromptTooShortWarning
-from ripplekv_ext.selectors import (AdaptiveRecentSelector, H2OSelector, PeakSpanSelector, RecentSnapKVSelector,
-                                    SnapKVSelector)
-from ripplekv_ref.selectors import adaptive_recent_select, peak_span_select, recent_snapkv_select, window_scores
+from ripplekv_ext.selectors import H2OSelector, PeakSpanSelector, SnapKVSelector
+from ripplekv_ref.selectors import peak_span_select, window_scores
 
 transformers = pytest.importorskip("transformers")
 from transformers import AttentionInterface  # noqa: E402
@@ -62,8 +61,8 @@ def _policies(num_compressible):
         "h2o": Policy.h2o(0.3, window=WINDOW),
         "streamingllm": Policy.streamingllm(0.3, window=WINDOW),
         "pyramidkv+h2o": Policy(Policy.pyramidkv(0.3).allocator, H2OSelector(), 0.3, WINDOW),
-        "ripplekv+recent-snapkv": Policy.ripplekv(_sensitivity(num_compressible), 0.3, window=WINDOW,
-                                                  selector=RecentSnapKVSelector()),
+        "ripplekv+snapkv": Policy.ripplekv(_sensitivity(num_compressible), 0.3, window=WINDOW,
+                                           selector=SnapKVSelector()),
     }
 
 
@@ -83,14 +82,9 @@ def _reference_indices(policy, query, key, value, budget, scaling):
         return None
     selector = policy.selector
     values = value if selector.needs_values else None
-    if isinstance(selector, RecentSnapKVSelector):
-        return recent_snapkv_select(query[:, :, -w:], key, budget, w, selector.recent_fraction, selector.sink,
-                                    scale=scaling, values=values)
     if isinstance(selector, PeakSpanSelector):
         return peak_span_select(query[:, :, -w:], key, budget, w, selector.peak_share, selector.sink, scale=scaling,
                                 values=values)
-    if isinstance(selector, AdaptiveRecentSelector):
-        return adaptive_recent_select(query[:, :, -w:], key, budget, w, selector.sink, scale=scaling, values=values)
     if isinstance(selector, SnapKVSelector):
         return ripplekv_ref.select_topk(window_scores(query[:, :, -w:], key, values, scale=scaling), budget, w)
     if isinstance(policy.selector, H2OSelector):

@@ -1,7 +1,7 @@
 """The selectors (ripplekv_ext.selectors) on their own: hand-worked selections and what each needs of its queries;
-RecentSnapKVSelector, AdaptiveRecentSelector, PeakSpanSelector and KeyNormSelector against their references
-(ripplekv_ref.selectors, written position by position) and against independent facts. Every selector under every
-allocator, against the reference ops: test_policies.py."""
+PeakSpanSelector and KeyNormSelector against their references (ripplekv_ref.selectors, written position by position)
+and against independent facts. Every selector under every allocator, against the reference ops: test_policies.py.
+The variants the default was chosen against are tested where they live, in experiments/defaults/."""
 
 import math
 
@@ -10,13 +10,10 @@ import torch
 
 from ripplekv_ext import KVCompressor, Policy, UniformAllocator
 from ripplekv_ext.methods import make_policy
-from ripplekv_ext.ops import streaming_indices
-from ripplekv_ext.selectors import (AdaptiveRecentSelector, H2OSelector, KeyNormSelector, PeakSpanSelector,
-                                    RecentSnapKVSelector, SnapKVSelector, StreamingLLMSelector)
+from ripplekv_ext.selectors import H2OSelector, KeyNormSelector, PeakSpanSelector, SnapKVSelector, StreamingLLMSelector
 from ripplekv_ref import select_topk, select_topk_rows
-from ripplekv_ref.selectors import (adaptive_recent_select, adaptive_recent_select_rows, key_norm_scores,
-                                   peak_span_select, peak_span_select_rows, recent_snapkv_select,
-                                   recent_snapkv_select_rows, window_scores)
+from ripplekv_ref.selectors import (adaptive_recent_select, key_norm_scores, peak_span_select, peak_span_select_rows,
+                                   window_scores)
 from test_policies import _qkv
 
 
@@ -63,7 +60,7 @@ def test_snapkv_needs_the_window():
         SnapKVSelector().select(q[:, :, -4:], k, budget=16, window=8)
 
 
-# ---- RecentSnapKVSelector: sinks + a recent region + SnapKV ------------------------------------------------------
+# ---- PeakSpanSelector: sinks, a recent region sized by each head's window attention, peaks and spans ----------
 
 RECENT_WINDOW = 8
 
@@ -71,80 +68,6 @@ RECENT_WINDOW = 8
 def _inputs(batch=2, n=96, h_q=4, h_kv=2, d=16, seed=0):
     g = torch.Generator().manual_seed(seed)
     return (torch.randn(batch, h_q, RECENT_WINDOW, d, generator=g), torch.randn(batch, h_kv, n, d, generator=g))
-
-
-@pytest.mark.parametrize("budget", [RECENT_WINDOW, RECENT_WINDOW + 1, RECENT_WINDOW + 3, 20, 47, 95])
-@pytest.mark.parametrize("recent_fraction,sink", [(0.0, 0), (0.0, 4), (0.3, 4), (0.5, 4), (0.5, 0), (1.0, 4),
-                                                  (0.75, 2)])
-def test_select_matches_the_reference(budget, recent_fraction, sink):
-    q, k = _inputs(seed=budget)
-    got = RecentSnapKVSelector(recent_fraction, sink).select(q, k, budget, RECENT_WINDOW)
-    assert torch.equal(got, recent_snapkv_select(q, k, budget, RECENT_WINDOW, recent_fraction, sink))
-
-
-def test_sinks_and_recent_positions_are_always_kept():
-    q, k = _inputs(n=200, seed=3)
-    selector = RecentSnapKVSelector(0.5, sink=4)
-    budget = 60
-    kept = selector.select(q, k, budget, RECENT_WINDOW)
-    sink, recent = selector.protected(budget, RECENT_WINDOW)
-    assert (sink, recent) == (4, 24)  # floor(0.5 * (60 - 8 - 4))
-    protected = set(range(4)) | set(range(200 - RECENT_WINDOW - recent, 200))
-    for row in kept.reshape(-1, budget).tolist():
-        assert protected <= set(row) and len(set(row)) == budget and row == sorted(row)
-
-
-def test_all_recent_is_streamingllm_and_nothing_protected_is_snapkv():
-    q, k = _inputs(seed=5)
-    for budget in (RECENT_WINDOW + 4, 30, 60):
-        streaming = streaming_indices(k.shape[2], budget, sink=4, batch=2, heads=2)
-        assert torch.equal(RecentSnapKVSelector(1.0, sink=4).select(q, k, budget, RECENT_WINDOW), streaming)
-        assert torch.equal(RecentSnapKVSelector(0.0, sink=0).select(q, k, budget, RECENT_WINDOW),
-                           SnapKVSelector().select(q, k, budget, RECENT_WINDOW))
-
-
-def test_select_rows_matches_the_reference_for_a_left_padded_batch():
-    lengths = torch.tensor([96, 70, 9, 0, 40, 25])
-    budgets = torch.tensor([30, 30, 30, 30, 12, 25])
-    q, k = _inputs(batch=len(lengths), seed=7)
-    selector = RecentSnapKVSelector(0.5, sink=4)
-    got = selector.select_rows(q, k, budgets, lengths, RECENT_WINDOW)
-    assert torch.equal(got, recent_snapkv_select_rows(q, k, budgets, lengths, RECENT_WINDOW, 0.5, 4))
-    # A row alone gives its own selection: the batch is each row as if alone.
-    for row in (0, 1, 4):
-        n = int(lengths[row])
-        alone = selector.select(q[row:row + 1], k[row:row + 1, :, 96 - n:], int(budgets[row]), RECENT_WINDOW) + 96 - n
-        assert torch.equal(got[row:row + 1, :, got.shape[2] - alone.shape[2]:], alone)
-
-
-def test_through_a_policy_and_the_compressor():
-    policy = make_policy("uniform+recent-snapkv", 0.25, window=RECENT_WINDOW)
-    assert isinstance(policy.selector, RecentSnapKVSelector) and policy.name == "uniform+recent-snapkv@0.25"
-    q, k = _inputs(seed=9)
-    comp = KVCompressor(Policy(UniformAllocator(), RecentSnapKVSelector(), 0.25, RECENT_WINDOW), num_layers=1)
-    keys_c, values_c = comp.compress(0, q, k, k.clone())
-    assert keys_c.shape[2] == comp.budgets(96)[0] == 24
-
-
-@pytest.mark.parametrize("options,match", [({"recent_fraction": 1.5}, "recent_fraction must be a number in"),
-                                           ({"recent_fraction": -0.1}, "recent_fraction must be a number in"),
-                                           ({"recent_fraction": True}, "recent_fraction must be a number in"),
-                                           ({"sink": -1}, "sink"), ({"kernel_size": 4}, "kernel_size must be odd")])
-def test_bad_options_are_refused_when_built(options, match):
-    with pytest.raises((ValueError, TypeError), match=match):
-        RecentSnapKVSelector(**options)
-
-
-# ---- AdaptiveRecentSelector: sinks + a recent region sized by each head's window attention + SnapKV ------------
-
-@pytest.mark.parametrize("budget", [RECENT_WINDOW, RECENT_WINDOW + 1, RECENT_WINDOW + 3, 20, 47, 95])
-@pytest.mark.parametrize("sink", [0, 4])
-@pytest.mark.parametrize("sharpness", [0.5, 3.0])
-def test_adaptive_select_matches_the_reference(budget, sink, sharpness):
-    q, k = _inputs(seed=budget + sink)
-    q = q * sharpness  # flat and peaked window attention: small and large recent shares
-    got = AdaptiveRecentSelector(sink).select(q, k, budget, RECENT_WINDOW)
-    assert torch.equal(got, adaptive_recent_select(q, k, budget, RECENT_WINDOW, sink))
 
 
 def _window_reading(positions, n=120, d=8):
@@ -156,60 +79,6 @@ def _window_reading(positions, n=120, d=8):
     return q, k
 
 
-def test_a_head_reading_its_newest_tokens_keeps_them_by_position():
-    # The window reads only the 20 positions before it: nearly all its mass lies in the last 28 (= 40 - 8 - 4)
-    # prefix positions, so the head keeps the sinks and 27 of those 28 by position, down to positions the window
-    # barely reads (84..91 score ~1e-5, like every position before them); SnapKV's scores would fill those slots
-    # from the lowest positions instead (ties go to the lower position).
-    n, budget = 120, 40
-    q, k = _window_reading(list(range(n - RECENT_WINDOW - 20, n - RECENT_WINDOW)), n)
-    got = AdaptiveRecentSelector(sink=4).select(q, k, budget, RECENT_WINDOW)[0, 0].tolist()
-    assert set(range(4)) | set(range(n - RECENT_WINDOW - 27, n)) <= set(got)
-    assert torch.equal(RecentSnapKVSelector(27 / 28, sink=4).select(q, k, budget, RECENT_WINDOW)[0, 0],
-                       torch.tensor(got))
-    assert not set(range(85, 92)) <= set(SnapKVSelector().select(q, k, budget, RECENT_WINDOW)[0, 0].tolist())
-
-
-def test_a_head_reading_far_back_keeps_what_it_reads():
-    # The window reads only positions 30..39, far from the recent region: no recent slot is protected, and every
-    # position it reads is kept (what RecentSnapKVSelector's fixed share of 0.75 gives away).
-    n, budget = 120, 40
-    far = list(range(30, 40))
-    q, k = _window_reading(far, n)
-    got = AdaptiveRecentSelector(sink=4).select(q, k, budget, RECENT_WINDOW)[0, 0].tolist()
-    assert set(far) <= set(got) and set(range(4)) <= set(got)
-    fixed = RecentSnapKVSelector(0.75, sink=4).select(q, k, budget, RECENT_WINDOW)[0, 0].tolist()
-    assert not set(far) <= set(fixed)
-
-
-@pytest.mark.parametrize("selector,reference", [
-    (AdaptiveRecentSelector(sink=4), lambda *a: adaptive_recent_select_rows(*a, 4)),
-    (PeakSpanSelector(0.5, sink=4, value_weighted=False), lambda *a: peak_span_select_rows(*a, 0.5, 4))],
-    ids=["adaptive", "peak-span"])
-def test_adaptive_select_rows_match_the_reference_for_a_left_padded_batch(selector, reference):
-    lengths = torch.tensor([96, 70, 9, 0, 40, 25])
-    budgets = torch.tensor([30, 30, 30, 30, 12, 25])
-    q, k = _inputs(batch=len(lengths), seed=11)
-    got = selector.select_rows(q * 2, k, budgets, lengths, RECENT_WINDOW)
-    assert torch.equal(got, reference(q * 2, k, budgets, lengths, RECENT_WINDOW))
-    for row in (0, 1, 4):  # a row alone gives its own selection
-        n = int(lengths[row])
-        alone = selector.select(q[row:row + 1] * 2, k[row:row + 1, :, 96 - n:], int(budgets[row]),
-                                RECENT_WINDOW) + 96 - n
-        assert torch.equal(got[row:row + 1, :, got.shape[2] - alone.shape[2]:], alone)
-
-
-def test_adaptive_through_a_policy_and_its_options():
-    policy = make_policy("uniform+adaptive-recent", 0.25, window=RECENT_WINDOW)
-    assert isinstance(policy.selector, AdaptiveRecentSelector) and policy.name == "uniform+adaptive-recent@0.25"
-    for options, match in (({"sink": -1}, "sink"), ({"kernel_size": 4}, "kernel_size must be odd"),
-                           ({"pooling": "min"}, "pooling must be one of")):
-        with pytest.raises((ValueError, TypeError), match=match):
-            AdaptiveRecentSelector(**options)
-
-
-# ---- PeakSpanSelector: AdaptiveRecent's protection, then max-pooled peaks and average-pooled spans ---------------
-
 @pytest.mark.parametrize("budget", [RECENT_WINDOW, RECENT_WINDOW + 1, RECENT_WINDOW + 3, 20, 47, 95])
 @pytest.mark.parametrize("peak_share", [0.0, 0.5, 0.8, 1.0])
 @pytest.mark.parametrize("sharpness", [0.5, 3.0])
@@ -220,12 +89,26 @@ def test_peak_span_select_matches_the_reference(budget, peak_share, sharpness):
     assert torch.equal(got, peak_span_select(q, k, budget, RECENT_WINDOW, peak_share, sink=4))
 
 
+def test_peak_span_select_rows_match_the_reference_for_a_left_padded_batch():
+    selector = PeakSpanSelector(0.5, sink=4, value_weighted=False)
+    lengths = torch.tensor([96, 70, 9, 0, 40, 25])
+    budgets = torch.tensor([30, 30, 30, 30, 12, 25])
+    q, k = _inputs(batch=len(lengths), seed=11)
+    got = selector.select_rows(q * 2, k, budgets, lengths, RECENT_WINDOW)
+    assert torch.equal(got, peak_span_select_rows(q * 2, k, budgets, lengths, RECENT_WINDOW, 0.5, 4))
+    for row in (0, 1, 4):  # a row alone gives its own selection
+        n = int(lengths[row])
+        alone = selector.select(q[row:row + 1] * 2, k[row:row + 1, :, 96 - n:], int(budgets[row]),
+                                RECENT_WINDOW) + 96 - n
+        assert torch.equal(got[row:row + 1, :, got.shape[2] - alone.shape[2]:], alone)
+
+
 @pytest.mark.parametrize("budget", [20, 47])
-def test_peak_span_at_its_ends_is_the_adaptive_selector_or_averaged_snapkv(budget):
+def test_peak_span_at_its_ends_is_protection_plus_snapkv_or_averaged_snapkv(budget):
     q, k = _inputs(seed=3)
-    # Every scored slot a peak: AdaptiveRecentSelector's selection, position for position.
+    # Every scored slot a peak: the recent region and SnapKV's max-pooled scores for the rest, position for position.
     assert torch.equal(PeakSpanSelector(1.0, value_weighted=False).select(q, k, budget, RECENT_WINDOW),
-                       AdaptiveRecentSelector().select(q, k, budget, RECENT_WINDOW))
+                       adaptive_recent_select(q, k, budget, RECENT_WINDOW, 4))
     # No peaks, no sinks, and a window that reads only far back (no recent region): SnapKV with averaged scores.
     far_q, far_k = _window_reading(list(range(30, 40)))
     assert torch.equal(PeakSpanSelector(0.0, sink=0, value_weighted=False).select(far_q, far_k, budget, RECENT_WINDOW),
@@ -236,8 +119,8 @@ def test_peak_span_through_a_policy_and_its_options():
     policy = make_policy("ripplekv+peak-span", 0.25, window=RECENT_WINDOW, profile=[1.0, 2.0, 3.0])
     assert isinstance(policy.selector, PeakSpanSelector) and policy.name == "ripplekv+peak-span@0.25"
     assert policy.selector.needs_values and repr(policy.selector).endswith("value_weighted=True)")
-    unweighted = make_policy("uniform+peak-span-unweighted", 0.25, window=RECENT_WINDOW).selector
-    assert isinstance(unweighted, PeakSpanSelector) and not unweighted.needs_values
+    unweighted = PeakSpanSelector(value_weighted=False)
+    assert not unweighted.needs_values
     assert repr(unweighted) == "PeakSpanSelector(peak_share=0.5, sink=4, kernel_size=7, group_reduce='mean')"
     for options, match in (({"peak_share": 1.5}, "peak_share must be a number in"),
                            ({"peak_share": True}, "peak_share must be a number in"),
@@ -263,12 +146,6 @@ VALUE_WEIGHTED = {  # kind: (weighted selector, its reference, the same selector
     "snapkv-avg": (SnapKVSelector(pooling="avg", value_weighted=True),
                    lambda q, k, budget, v: select_topk(window_scores(q, k, v, pooling="avg"), budget, RECENT_WINDOW),
                    SnapKVSelector(pooling="avg")),
-    "recent-snapkv": (RecentSnapKVSelector(0.5, value_weighted=True),
-                      lambda q, k, budget, v: recent_snapkv_select(q, k, budget, RECENT_WINDOW, 0.5, values=v),
-                      RecentSnapKVSelector(0.5)),
-    "adaptive-recent": (AdaptiveRecentSelector(value_weighted=True),
-                        lambda q, k, budget, v: adaptive_recent_select(q, k, budget, RECENT_WINDOW, values=v),
-                        AdaptiveRecentSelector()),
     "peak-span": (PeakSpanSelector(0.5, value_weighted=True),
                   lambda q, k, budget, v: peak_span_select(q, k, budget, RECENT_WINDOW, 0.5, values=v),
                   PeakSpanSelector(0.5, value_weighted=False)),

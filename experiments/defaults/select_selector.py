@@ -52,11 +52,11 @@ from pathlib import Path
 
 import torch
 
-from ripplekv_ext import (AdaptiveRecentSelector, PeakSpanSelector, Policy, RecentSnapKVSelector, RippleKVAllocator,
-                          SnapKVSelector, UniformAllocator)
+from ripplekv_ext import PeakSpanSelector, Policy, RippleKVAllocator, SnapKVSelector, UniformAllocator
 from ripplekv_ext.allocation import DEFAULT_RATIO
 from ripplekv_ext.policies import DEFAULT_WINDOW
 
+from variant_selectors import AdaptiveRecentSelector, RecentSnapKVSelector  # beside this file
 from select_defaults import Scorer, cut_examples  # experiments/defaults/select_defaults.py, beside this file
 
 RESULTS = Path(__file__).resolve().parent / "results"
