@@ -17,7 +17,7 @@ report's fidelity part; KL(Full || compressed) at the continuation's positions 2
 tokens, which is what one-shot compression of a prefix does. Results after every cell to ``--out``; a rerun resumes.
 One thread.
 
-    .venv/bin/python bench/select_question_agnostic.py --model smollm2 --seed 0
+    .venv/bin/python experiments/question_agnostic/select_question_agnostic.py --model smollm2 --seed 0
 """
 
 from __future__ import annotations
@@ -47,7 +47,8 @@ HELD_OUT_NEEDLES = dict(lengths=(1280, 1792), depths=(10, 35, 60, 85))
 
 
 def build_parser():
-    p = argparse.ArgumentParser(prog="bench/select_question_agnostic.py", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="experiments/question_agnostic/select_question_agnostic.py",
+                                description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="smollm2")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--retention", type=float, default=0.2)
