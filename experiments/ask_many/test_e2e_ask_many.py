@@ -1,7 +1,7 @@
-"""The ask-many benchmark's prompts: the needle goes into the passkey context far from the pass key, and each
+"""The ask-many experiment's prompts: the needle goes into the passkey context far from the pass key, and each
 question part is the passkey question's turn with only the question changed."""
 
-import e2e_ask_many
+import e2e_ask_many  # experiments/ask_many/e2e_ask_many.py, beside this file
 
 
 def test_each_context_holds_both_needles_and_three_questions():

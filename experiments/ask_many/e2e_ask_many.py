@@ -11,7 +11,7 @@ same question (identical text, and token F1). The first context is also saved an
 ``load_context``) and asked again: its answers must be those of the cache in memory. One thread; results after every
 context to ``--out``; a rerun resumes.
 
-    .venv/bin/python bench/e2e_ask_many.py --model smollm2 --contexts 10
+    .venv/bin/python experiments/ask_many/e2e_ask_many.py --model smollm2 --contexts 10
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ NEEDLE_DEPTHS = (0.15, 0.85)  # the needle goes to the one of these farther from
 
 
 def build_parser():
-    p = argparse.ArgumentParser(prog="bench/e2e_ask_many.py", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="experiments/ask_many/e2e_ask_many.py", description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="smollm2")
     p.add_argument("--contexts", type=int, default=10)
     p.add_argument("--seed", type=int, default=1, help="passkey_text seed (1: the held-out set)")
