@@ -46,7 +46,7 @@ import ripplekv_ext
 from ripplekv_ext import Policy
 from ripplekv_ext._jsonio import write_json_atomic
 from ripplekv_ext.cli.parser import OneLineErrorParser, non_negative_int, one_retention, positive_int
-from ripplekv_ext.engines import TieredAllocator
+from ripplekv_ext import TieredAllocator
 from ripplekv_ext.eval.corpus import kjv_text
 from ripplekv_ext.eval.fidelity import SharedPrefill, continuation_logits_fn, kl_per_position
 from ripplekv_ext.eval.models import load_smollm2

@@ -4,10 +4,12 @@ from ripplekv_ext._library import build_report, cuda_built, cuda_version
 from ripplekv_ext.ops import gather_kv
 from ripplekv_ext.ops import (gather_kv_packed, h2o_scores, select_topk, select_topk_packed, select_topk_rows,
                               snapkv_compress, snapkv_compress_rows, snapkv_scores, streaming_indices)
-from ripplekv_ext.allocation import Allocator, PyramidKVAllocator, RippleKVAllocator, UniformAllocator
+from ripplekv_ext.allocation import (Allocator, PyramidKVAllocator, RippleKVAllocator, RippleKVRatioAllocator,
+                                     UniformAllocator)
 from ripplekv_ext.selectors import (H2OSelector, KeyNormSelector, PeakSpanSelector, ScoredSelector, Selector,
                                     SnapKVSelector, StreamingLLMSelector)
 from ripplekv_ext.policies import Policy
+from ripplekv_ext.tiers import TieredAllocator, tier_counts
 from ripplekv_ext.compressor import CompressionStep, KVCompressor
 from ripplekv_ext.hook import compress
 from ripplekv_ext.context import compress_context, continue_context, load_context
@@ -16,9 +18,7 @@ __version__ = "0.1.0"
 
 __all__ = ["build_report", "cuda_built", "cuda_version", "gather_kv", "gather_kv_packed", "h2o_scores", "select_topk",
            "select_topk_packed", "select_topk_rows", "snapkv_compress", "snapkv_compress_rows", "snapkv_scores",
-           "streaming_indices",
-           "Allocator", "UniformAllocator", "PyramidKVAllocator", "RippleKVAllocator", "Policy", "Selector",
-           "ScoredSelector", "SnapKVSelector", "PeakSpanSelector",
-           "KeyNormSelector", "H2OSelector", "StreamingLLMSelector",
-           "KVCompressor", "CompressionStep", "compress",
-           "compress_context", "continue_context", "load_context"]
+           "streaming_indices", "Allocator", "UniformAllocator", "PyramidKVAllocator", "RippleKVAllocator",
+           "RippleKVRatioAllocator", "TieredAllocator", "tier_counts", "Policy", "Selector", "ScoredSelector",
+           "SnapKVSelector", "PeakSpanSelector", "KeyNormSelector", "H2OSelector", "StreamingLLMSelector",
+           "KVCompressor", "CompressionStep", "compress", "compress_context", "continue_context", "load_context"]

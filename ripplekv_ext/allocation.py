@@ -1,9 +1,9 @@
 """Per-layer KV-cache budgets: RippleKV, uniform and PyramidKV (docs/design.md §4).
 
-RippleKV turns a sensitivity profile into weights in one of two ways: by default budgets proportional to a power
-of the sensitivity (`power_weights`, square root: chosen on calibration text of two models, docs/defaults.md), or
-docs/design.md's `R ** z` (`ripplekv_weights`: the paper's formula, clipped to `[1/R, R]`) when a ratio or a
-normalisation is asked for.
+RippleKV turns a sensitivity profile into weights in one of two ways, one allocator each: `RippleKVAllocator`,
+budgets proportional to a power of the sensitivity (`power_weights`, square root: the default, chosen on calibration
+text of two models, docs/defaults.md), and `RippleKVRatioAllocator`, docs/design.md's `R ** z` (`ripplekv_weights`:
+the paper's formula, clipped to `[1/R, R]`).
 
 Every allocator only produces *weights*; one shared routine, `integer_budgets`, turns weights into
 integer per-layer budgets with an exact total, so all methods are compared at exactly the same memory.
@@ -24,7 +24,7 @@ from ripplekv_ext.equality import SettingsEquality
 __all__ = [
     "average_budget", "integer_budgets", "uniform_budgets", "pyramidkv_schedule", "pyramidkv_budgets",
     "ripplekv_weights", "ripplekv_budgets", "power_weights", "power_budgets", "Allocator", "UniformAllocator",
-    "PyramidKVAllocator", "RippleKVAllocator",
+    "PyramidKVAllocator", "ProfileAllocator", "RippleKVAllocator", "RippleKVRatioAllocator",
 ]
 
 # The defaults of docs/design.md's `R ** z` weighting (used when a ratio or a normalisation is asked for): the
@@ -298,27 +298,22 @@ class PyramidKVAllocator(Allocator):
         return f"PyramidKVAllocator(beta={self.beta})"
 
 
-class RippleKVAllocator(Allocator):
-    """Budgets from a sensitivity profile.
+class ProfileAllocator(Allocator):
+    """Budgets from a sensitivity profile, by weights a subclass computes from it (``weights_of``).
 
-    `profile_or_sensitivity` is a loaded profile (anything with `sensitivity` and `layers` lists, e.g.
-    `ripplekv_ext.profile_file.Profile`: each sensitivity belongs to the layer listed at the same position, in
+    ``profile_or_sensitivity`` is a loaded profile (anything with ``sensitivity`` and ``layers`` lists, e.g.
+    ``ripplekv_ext.profile_file.Profile``: each sensitivity belongs to the layer listed at the same position, in
     whatever order the file lists them) or a plain list of scores, one per compressible layer in ascending layer
     order.
 
-    A profile may cover only some of the compressible layers: the profiled layers share their RippleKV weights
-    (mean 1 among themselves) and every compressible layer the profile does not cover gets weight 1, i.e. the
-    average budget, so the total stays `L_c * B_avg`. A profiled layer that is not compressible is an error.
-
-    Weights: `s ** exponent` (`power_weights`; the default, exponent `DEFAULT_EXPONENT`), or docs/design.md's clipped
-    `R ** z` (`ripplekv_weights`) as soon as `ratio`, `normalize` or `clip` is given (the others then take
-    `DEFAULT_RATIO` / `DEFAULT_NORMALIZE` / `(1/R, R)`); giving both kinds is an error.
+    A profile may cover only some of the compressible layers: the profiled layers share their weights (mean 1 among
+    themselves) and every compressible layer the profile does not cover gets weight 1, i.e. the average budget, so
+    the total stays ``L_c * B_avg``. A profiled layer that is not compressible is an error.
     """
 
     name = "ripplekv"
 
-    def __init__(self, profile_or_sensitivity, ratio: Optional[float] = None, normalize: Optional[str] = None,
-                 clip=None, *, exponent: Optional[float] = None):
+    def __init__(self, profile_or_sensitivity):
         sensitivity = getattr(profile_or_sensitivity, "sensitivity", profile_or_sensitivity)
         self.profile = profile_or_sensitivity if sensitivity is not profile_or_sensitivity else None
         values = _check_sensitivity(sensitivity)
@@ -334,23 +329,15 @@ class RippleKVAllocator(Allocator):
         # Ascending layer order from here on; `layers` None means "the compressible layers, in order".
         self.layers = layers
         self.sensitivity = values
-        r_pow_z = ratio is not None or normalize is not None or clip is not None
-        if r_pow_z and exponent is not None:
-            raise ValueError("pass either exponent (weights s ** exponent) or ratio / normalize / clip (weights "
-                             "R ** z), not both")
-        if r_pow_z:
-            self.ratio = DEFAULT_RATIO if ratio is None else ratio
-            self.normalize = DEFAULT_NORMALIZE if normalize is None else normalize
-            self.clip, self.exponent = clip, None
-            self.weights = ripplekv_weights(self.sensitivity, self.ratio, self.normalize, clip)  # validates them now
-        else:
-            self.ratio = self.normalize = self.clip = None
-            self.exponent = DEFAULT_EXPONENT if exponent is None else exponent
-            self.weights = power_weights(self.sensitivity, self.exponent)
+        self.weights = self.weights_of(self.sensitivity)  # validates the weighting's settings now
+
+    @abc.abstractmethod
+    def weights_of(self, sensitivity: list[float]) -> list[float]:
+        """One weight per profiled layer (ascending layer order), from their sensitivities."""
 
     def budgets(self, num_layers: int, n_tokens: int, avg_budget: int, window: int,
                 layers: Sequence[int] | None = None) -> list[int]:
-        """Budgets of `num_layers` compressible layers; `layers` names them (ascending layer indices), so that a
+        """Budgets of ``num_layers`` compressible layers; ``layers`` names them (ascending layer indices), so that a
         profile's sensitivities land on the layers they were measured on."""
         if layers is None and self.layers is not None:
             layers = self.layers
@@ -372,9 +359,39 @@ class RippleKVAllocator(Allocator):
         return integer_budgets([weight.get(layer, 1.0) for layer in layers], n_tokens, avg_budget, window,
                                priority=[priority.get(layer, mean_priority) for layer in layers])
 
-    def __repr__(self):
+    def _repr(self, weighting: str) -> str:
         # The sensitivities' digest tells two profiles apart (a saved result is reused only for its own).
         digest = hashlib.sha256(repr((self.layers, self.sensitivity)).encode()).hexdigest()[:12]
-        weighting = (f"exponent={self.exponent}" if self.exponent is not None else
-                     f"ratio={self.ratio}, normalize={self.normalize!r}, clip={self.clip!r}")
-        return f"RippleKVAllocator({len(self.sensitivity)} layers, {weighting}, profile={digest})"
+        return f"{type(self).__name__}({len(self.sensitivity)} layers, {weighting}, profile={digest})"
+
+
+class RippleKVAllocator(ProfileAllocator):
+    """RippleKV's budgets: proportional to ``sensitivity ** exponent`` (``power_weights``; square root by default,
+    ``DEFAULT_EXPONENT``)."""
+
+    def __init__(self, profile_or_sensitivity, exponent: float = DEFAULT_EXPONENT):
+        self.exponent = exponent
+        super().__init__(profile_or_sensitivity)
+
+    def weights_of(self, sensitivity: list[float]) -> list[float]:
+        return power_weights(sensitivity, self.exponent)
+
+    def __repr__(self):
+        return self._repr(f"exponent={self.exponent}")
+
+
+class RippleKVRatioAllocator(ProfileAllocator):
+    """The paper's RippleKV budgets: weights ``R ** z`` of the normalised sensitivity ``z``, clipped to
+    ``[1/R, R]`` (``ripplekv_weights``; docs/design.md §4). ``clip``: None for ``(1/R, R)``, False for none, or a
+    ``(low, high)`` pair."""
+
+    def __init__(self, profile_or_sensitivity, ratio: float = DEFAULT_RATIO, normalize: str = DEFAULT_NORMALIZE,
+                 clip=None):
+        self.ratio, self.normalize, self.clip = ratio, normalize, clip
+        super().__init__(profile_or_sensitivity)
+
+    def weights_of(self, sensitivity: list[float]) -> list[float]:
+        return ripplekv_weights(sensitivity, self.ratio, self.normalize, self.clip)
+
+    def __repr__(self):
+        return self._repr(f"ratio={self.ratio}, normalize={self.normalize!r}, clip={self.clip!r}")

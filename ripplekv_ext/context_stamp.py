@@ -87,12 +87,13 @@ def check_context(model, cache) -> ContextStamp:
 def _saved_classes() -> list:
     """The classes a saved context is made of: transformers' cache and layers, this package's layer, stamp, policy,
     allocators and selectors (and a RippleKV profile)."""
-    from ripplekv_ext.allocation import PyramidKVAllocator, RippleKVAllocator, UniformAllocator
+    from ripplekv_ext.allocation import PyramidKVAllocator, RippleKVAllocator, RippleKVRatioAllocator, UniformAllocator
     from ripplekv_ext.profile_file import Profile
     from ripplekv_ext.selectors import (H2OSelector, KeyNormSelector, PeakSpanSelector, SnapKVSelector,
                                         StreamingLLMSelector)
 
     return [*_door().cache_classes(), ContextStamp, Policy, UniformAllocator, PyramidKVAllocator, RippleKVAllocator,
+            RippleKVRatioAllocator,
             Profile, SnapKVSelector, PeakSpanSelector, KeyNormSelector, H2OSelector, StreamingLLMSelector]
 
 

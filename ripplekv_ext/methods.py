@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Optional
 
-from ripplekv_ext.allocation import PyramidKVAllocator, RippleKVAllocator, UniformAllocator
+from ripplekv_ext.allocation import PyramidKVAllocator, RippleKVAllocator, RippleKVRatioAllocator, UniformAllocator
 from ripplekv_ext.policies import DEFAULT_WINDOW, Policy
 from ripplekv_ext.selectors import (H2OSelector, KeyNormSelector, PeakSpanSelector, SnapKVSelector,
                                     StreamingLLMSelector)
@@ -56,7 +56,7 @@ def make_allocator(name: str, profile=None, ratio: Optional[float] = None):
     if name == "ripplekv":
         if profile is None:
             raise ValueError("the ripplekv allocator needs a sensitivity profile (run `ripplekv profile` first)")
-        return RippleKVAllocator(profile, ratio=ratio)
+        return RippleKVAllocator(profile) if ratio is None else RippleKVRatioAllocator(profile, ratio)
     raise ValueError(f"unknown allocator {name!r}: expected one of {ALLOCATORS}")
 
 

@@ -18,7 +18,8 @@ import warnings
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
-from ripplekv_ext.allocation import (Allocator, PyramidKVAllocator, RippleKVAllocator, UniformAllocator,
+from ripplekv_ext.allocation import (DEFAULT_EXPONENT, DEFAULT_NORMALIZE, DEFAULT_RATIO, Allocator,
+                                     PyramidKVAllocator, RippleKVAllocator, RippleKVRatioAllocator, UniformAllocator,
                                      average_budget)
 from ripplekv_ext.checks import check_int, is_integer, shown
 from ripplekv_ext.selectors import (H2OSelector, PeakSpanSelector, Selector, SnapKVSelector,
@@ -242,8 +243,16 @@ class Policy:
         norm), chosen on calibration text and retrieval prompts (docs/defaults.md); ``selector=SnapKVSelector()``
         is the paper's
         pairing. Budgets follow ``sensitivity ** exponent`` (square root by default), or the paper's clipped
-        ``R ** z`` when ``ratio`` or ``normalize`` is given (``RippleKVAllocator``)."""
-        return cls(RippleKVAllocator(profile_or_sensitivity, ratio, normalize, exponent=exponent),
+        ``R ** z`` when ``ratio`` or ``normalize`` is given (``RippleKVAllocator`` and ``RippleKVRatioAllocator``)."""
+        if ratio is not None or normalize is not None:
+            if exponent is not None:
+                raise ValueError("pass either exponent (weights s ** exponent) or ratio / normalize (weights R ** z), "
+                                 "not both")
+            allocator = RippleKVRatioAllocator(profile_or_sensitivity, DEFAULT_RATIO if ratio is None else ratio,
+                                               DEFAULT_NORMALIZE if normalize is None else normalize)
+        else:
+            allocator = RippleKVAllocator(profile_or_sensitivity, DEFAULT_EXPONENT if exponent is None else exponent)
+        return cls(allocator,
                    DEFAULT_RIPPLEKV_SELECTOR() if selector is None else selector, retention, window, decode_every,
                    decode_budget, prefill_chunk)
 

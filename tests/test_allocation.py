@@ -7,9 +7,11 @@ import types
 import pytest
 from hypothesis import assume, given, settings, strategies as st
 
-from ripplekv_ext.allocation import (DEFAULT_EXPONENT, DEFAULT_RATIO, PyramidKVAllocator, RippleKVAllocator,
-                                     UniformAllocator, average_budget, integer_budgets, power_budgets, power_weights,
-                                     pyramidkv_budgets, pyramidkv_schedule, ripplekv_budgets, ripplekv_weights)
+from ripplekv_ext import Policy
+from ripplekv_ext.allocation import (DEFAULT_EXPONENT, DEFAULT_NORMALIZE, DEFAULT_RATIO, PyramidKVAllocator,
+                                     RippleKVAllocator, RippleKVRatioAllocator, UniformAllocator, average_budget,
+                                     integer_budgets, power_budgets, power_weights, pyramidkv_budgets,
+                                     pyramidkv_schedule, ripplekv_budgets, ripplekv_weights)
 
 sensitivities = st.lists(st.floats(0.0, 10.0, allow_nan=False, allow_infinity=False), min_size=1, max_size=40)
 
@@ -257,22 +259,26 @@ def test_allocator_classes():
     assert p.name == "pyramidkv" and p.budgets(4, 1000, 128, 32) == [219, 158, 98, 37]
     r = RippleKVAllocator([1.0, 2.0, 3.0])
     assert r.name == "ripplekv" and r.budgets(3, 1000, 100, 8) == power_budgets([1, 2, 3], 1000, 100, 8)
-    assert r.exponent == DEFAULT_EXPONENT and r.ratio is None
+    assert r.exponent == DEFAULT_EXPONENT
     assert RippleKVAllocator([1.0, 2.0, 3.0], exponent=1).budgets(3, 1000, 100, 8) == \
         power_budgets([1, 2, 3], 1000, 100, 8, exponent=1)
-    # Anything with a `sensitivity` list works as a profile. A ratio, a normalisation or a clip asks for R ** z,
-    # the others at their defaults.
+    # Anything with a `sensitivity` list works as a profile. The paper's R ** z is an allocator of its own.
     profile = types.SimpleNamespace(sensitivity=[3.0, 2.0, 1.0])
-    assert RippleKVAllocator(profile, ratio=2).budgets(3, 1000, 100, 8) == ripplekv_budgets([3, 2, 1], 1000, 100, 8,
-                                                                                            ratio=2)
-    assert RippleKVAllocator(profile, normalize="zscore").budgets(3, 1000, 100, 8) == \
+    paper = RippleKVRatioAllocator(profile)
+    assert paper.name == "ripplekv" and (paper.ratio, paper.normalize) == (DEFAULT_RATIO, DEFAULT_NORMALIZE)
+    assert RippleKVRatioAllocator(profile, 2).budgets(3, 1000, 100, 8) == ripplekv_budgets([3, 2, 1], 1000, 100, 8,
+                                                                                           ratio=2)
+    assert RippleKVRatioAllocator(profile, normalize="zscore").budgets(3, 1000, 100, 8) == \
         ripplekv_budgets([3, 2, 1], 1000, 100, 8, normalize="zscore")
-    assert RippleKVAllocator(profile, clip=False).budgets(3, 1000, 100, 8) == \
+    assert RippleKVRatioAllocator(profile, clip=False).budgets(3, 1000, 100, 8) == \
         ripplekv_budgets([3, 2, 1], 1000, 100, 8, clip=False)
     # The weighting is part of the repr (saved results are reused only for their own policy).
-    assert "exponent=0.5" in repr(r) and "ratio=2, normalize='minmax'" in repr(RippleKVAllocator(profile, ratio=2))
-    with pytest.raises(ValueError, match="pass either exponent .* or ratio / normalize / clip"):
-        RippleKVAllocator(profile, ratio=2, exponent=1)
+    assert "exponent=0.5" in repr(r) and "ratio=2, normalize='minmax'" in repr(RippleKVRatioAllocator(profile, 2))
+    # Policy.ripplekv picks the weighting by the settings it is given, and refuses both at once.
+    assert isinstance(Policy.ripplekv(profile, 0.2, ratio=2).allocator, RippleKVRatioAllocator)
+    assert isinstance(Policy.ripplekv(profile, 0.2, exponent=1).allocator, RippleKVAllocator)
+    with pytest.raises(ValueError, match="pass either exponent .* or ratio / normalize"):
+        Policy.ripplekv(profile, 0.2, ratio=2, exponent=1)
     with pytest.raises(ValueError, match="exponent must be a finite number >= 0"):
         RippleKVAllocator(profile, exponent=-1)
     # Every layer keeps everything when N <= avg budget.
@@ -283,7 +289,7 @@ def test_ripplekv_allocator_checks_layer_count():
     with pytest.raises(ValueError, match="num_layers must match the profile's 3 compressible layers, got 4"):
         RippleKVAllocator([1.0, 2.0, 3.0]).budgets(4, 1000, 100, 8)
     with pytest.raises(ValueError, match="ratio must be"):
-        RippleKVAllocator([1.0, 2.0], ratio=0)
+        RippleKVRatioAllocator([1.0, 2.0], ratio=0)
 
 
 # ---- a profile's layers decide where its sensitivities land; sensitivities out of range ---------------------------

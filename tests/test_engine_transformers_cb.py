@@ -1,6 +1,6 @@
 """RippleKV inside transformers' continuous batching (ripplekv_ext.engines.transformers_cb): each request's greedy
 tokens equal ``generate`` under ``ripplekv_ext.compress(model, session.policy)`` for that prompt alone, whatever the
-batching; and the tier arithmetic of ripplekv_ext.engines.tiers."""
+batching; and the tier arithmetic of ripplekv_ext.tiers."""
 
 import math
 import time
@@ -11,7 +11,7 @@ import torch
 import ripplekv_ext
 from ripplekv_ext import Policy
 from ripplekv_ext.allocation import RippleKVAllocator, UniformAllocator, average_budget, power_budgets
-from ripplekv_ext.engines import TieredAllocator, tier_counts
+from ripplekv_ext import TieredAllocator, tier_counts
 from ripplekv_ext.eval.models import tiny_model
 
 transformers = pytest.importorskip("transformers")

@@ -280,7 +280,7 @@ def test_policies_compare_and_hash_by_value():
     import pickle
 
     from ripplekv_ext import PeakSpanSelector
-    from ripplekv_ext.engines import TieredAllocator
+    from ripplekv_ext import TieredAllocator
 
     made = [Policy.snapkv(0.2), Policy.ripplekv([1.0, 2.0, 3.0], 0.2), Policy.streamingllm(0.3, sink=2),
             Policy.pyramidkv(0.1, decode_every=64), Policy.snapkv(0.2, prefill_chunk=512),

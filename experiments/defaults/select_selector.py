@@ -52,7 +52,8 @@ from pathlib import Path
 
 import torch
 
-from ripplekv_ext import PeakSpanSelector, Policy, RippleKVAllocator, SnapKVSelector, UniformAllocator
+from ripplekv_ext import (PeakSpanSelector, Policy, RippleKVAllocator, RippleKVRatioAllocator, SnapKVSelector,
+                          UniformAllocator)
 from ripplekv_ext.allocation import DEFAULT_RATIO
 from ripplekv_ext.policies import DEFAULT_WINDOW
 
@@ -155,7 +156,7 @@ def candidates(profile, fractions, other=None, exponents=()):
     out["ripplekv+snapkv value-weighted"] = lambda r: Policy(RippleKVAllocator(profile),
                                                              SnapKVSelector(value_weighted=True), r)
     out[f"ripplekv R={DEFAULT_RATIO:g}+adaptive-recent"] = lambda r: Policy(
-        RippleKVAllocator(profile, ratio=DEFAULT_RATIO), AdaptiveRecentSelector(), r)
+        RippleKVRatioAllocator(profile, DEFAULT_RATIO), AdaptiveRecentSelector(), r)
     for e in exponents:
         out[f"ripplekv s^{e:g}+adaptive-recent"] = lambda r, e=e: Policy(RippleKVAllocator(profile, exponent=e),
                                                                         AdaptiveRecentSelector(), r)

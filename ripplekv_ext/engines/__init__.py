@@ -1,11 +1,7 @@
 """Serving-engine integrations.
 
-``ripplekv_ext.engines.tiers``: budget tiers for engines that page layers in lock-step (no transformers needed).
 ``ripplekv_ext.engines.transformers_cb``: RippleKV inside transformers' continuous batching (``generate_batch``),
-pinned to the transformers release it was written for. Imported on demand: ``import ripplekv_ext.engines`` loads
-neither transformers nor the adapter.
+pinned to the transformers release it was written for; ``ripplekv_ext.engines.vllm``: the vLLM plugin. Both page
+layers in lock-step with ``ripplekv_ext.TieredAllocator``'s budget tiers. Imported on demand: ``import
+ripplekv_ext.engines`` loads neither transformers nor vLLM.
 """
-
-from ripplekv_ext.engines.tiers import TieredAllocator, tier_counts
-
-__all__ = ["TieredAllocator", "tier_counts"]

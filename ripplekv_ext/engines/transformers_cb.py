@@ -46,7 +46,7 @@ from typing import Optional
 
 from ripplekv_ext.allocation import UniformAllocator
 from ripplekv_ext.compressor import CompressionObserver, KVCompressor
-from ripplekv_ext.engines.tiers import TieredAllocator
+from ripplekv_ext.tiers import TieredAllocator
 from ripplekv_ext.model_info import compressible_layers, text_config
 from ripplekv_ext.policies import Policy
 

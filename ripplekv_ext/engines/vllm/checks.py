@@ -75,7 +75,7 @@ def _check_stages(settings: Settings, text_config, block_size: int, stages: int)
 
     if balanced(plan.tiers):
         return
-    from ripplekv_ext.engines.tiers import tier_counts
+    from ripplekv_ext.tiers import tier_counts
 
     choices = [t for t in tier_counts(len(plan.layers))
                if balanced(plan_for_model(dataclasses.replace(settings, tiers=t), text_config, block_size).tiers)]

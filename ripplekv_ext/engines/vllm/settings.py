@@ -21,7 +21,7 @@ from typing import Optional, Sequence
 from ripplekv_ext.allocation import Allocator, PyramidKVAllocator, RippleKVAllocator, UniformAllocator
 from ripplekv_ext.checks import check_int, is_integer
 from ripplekv_ext.compressor import KVCompressor
-from ripplekv_ext.engines.tiers import TieredAllocator, tier_counts
+from ripplekv_ext.tiers import TieredAllocator, tier_counts
 from ripplekv_ext.policies import DEFAULT_RIPPLEKV_SELECTOR, DEFAULT_WINDOW, Policy, PromptTooShortWarning
 from ripplekv_ext.selectors import SnapKVSelector, StreamingLLMSelector
 
