@@ -7,7 +7,8 @@ too many
 failures to reach it), which saves most of the cost of the long prompts. A failed length ends the task (longer
 prompts are not easier). Not a test: it takes minutes to an hour on a CPU.
 
-    .venv/bin/python bench/measure_synthetic_lengths.py --threads 1 --out /tmp/synthetic_lengths.json
+    .venv/bin/python experiments/synthetic_lengths/measure_synthetic_lengths.py --threads 1 \
+        --out /tmp/synthetic_lengths.json
 
 On a 2-core machine shared with other jobs, one torch thread was ~4x faster than two (no oversubscription).
 """
