@@ -11,8 +11,8 @@ accuracy, with Wilson intervals.
 Every run is its own prefill (a rolling prefill cannot reuse another's). Results are written after every cell to
 ``--out`` (atomically) and a rerun with the same settings resumes. One thread (``--threads``).
 
-    .venv/bin/python bench/e2e_bounded_prefill_quality.py --model smollm2 \
-        --out bench/results/bounded_prefill_quality_smollm2.json
+    .venv/bin/python experiments/bounded_prefill_quality/e2e_bounded_prefill_quality.py --model smollm2 \
+        --out experiments/bounded_prefill_quality/results/bounded_prefill_quality_smollm2.json
 """
 
 from __future__ import annotations
@@ -27,7 +27,8 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+# bench/e2e_bench.py's machine_description: bench/ is a folder of scripts, not a package, so its folder goes on the path
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
 from e2e_bench import machine_description  # noqa: E402
 from ripplekv_ext import compress  # noqa: E402
 from ripplekv_ext._jsonio import write_json_atomic  # noqa: E402
@@ -40,7 +41,8 @@ RESULTS = Path(__file__).resolve().parent / "results"
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="bench/e2e_bounded_prefill_quality.py", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="experiments/bounded_prefill_quality/e2e_bounded_prefill_quality.py",
+                                description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="smollm2", help="smollm2 or gemma3-270m")
     p.add_argument("--domains", default="kjv,essays")
     p.add_argument("--examples", type=int, default=8, help="windows per domain (default 8)")
@@ -52,7 +54,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--task-examples", type=int, default=10, help="passkey prompts (default 10)")
     p.add_argument("--no-tasks", action="store_true", help="answer KL only")
     p.add_argument("--threads", type=int, default=1)
-    p.add_argument("--out", default=None, help="default: bench/results/bounded_prefill_quality_MODEL.json")
+    p.add_argument("--out", default=None,
+                   help="default: experiments/bounded_prefill_quality/results/bounded_prefill_quality_MODEL.json")
     return p
 
 
