@@ -7,7 +7,8 @@ ratio (retention 10/20/30%): ``KL(P_full || P_press)`` of (a) kvpress's ``SnapKV
 with paired intervals against (a); and each press's compression step (scoring, selection and the cut, summed over
 layers, per prefill): kvpress's ``press.compress`` timed around its call, ours from ``on_compress``. One thread.
 
-    cd .venv-min/src && ../bin/python bench/e2e_kvpress_presses.py --out ../../bench/results/e2e_kvpress_presses.json
+    cd .venv-min/src && ../bin/python experiments/kvpress_presses/e2e_kvpress_presses.py \
+        --out ../../experiments/kvpress_presses/results/e2e_kvpress_presses.json
 """
 
 from __future__ import annotations
@@ -20,7 +21,8 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+# bench/e2e_paths.py's portable_path: bench/ is a folder of scripts, not a package, so its folder goes on the path
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
 from e2e_paths import portable_path  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results" / "e2e_kvpress_presses.json"
@@ -28,7 +30,8 @@ METHODS = ("kvpress-snapkv", "kvpress-snapkv+ripplekv-budgets", "ripplekv-press"
 
 
 def build_parser():
-    p = argparse.ArgumentParser(prog="bench/e2e_kvpress_presses.py", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="experiments/kvpress_presses/e2e_kvpress_presses.py",
+                                description=__doc__.split("\n\n")[0])
     p.add_argument("--domains", default="kjv,essays")
     p.add_argument("--examples", type=int, default=6)
     p.add_argument("--prompt-len", type=int, default=2048)
