@@ -1,6 +1,6 @@
 """The selectors RippleKV can run inside a layer, whole (window scoring + selection), side by side in one run:
-SnapKV's, AdaptiveRecent's (one scoring, a recent region), PeakSpan's (one scoring pooled two ways, a recent
-region, peaks then spans) and PeakSpan's weighted by the values' norms (the default).
+SnapKV's, PeakSpan's (one scoring pooled two ways, a recent region, peaks then spans) and PeakSpan's weighted by
+the values' norms (the default).
 
     .venv/bin/python -m pytest bench/bench_selectors.py --benchmark-group-by=param:shape
 """
@@ -9,17 +9,16 @@ import pytest
 import torch
 
 import ripplekv_ref
-from ripplekv_ext import AdaptiveRecentSelector, PeakSpanSelector, SnapKVSelector
-from ripplekv_ref.selectors import adaptive_recent_select, peak_span_select
+from ripplekv_ext import PeakSpanSelector, SnapKVSelector
+from ripplekv_ref.selectors import peak_span_select
 from conftest import MODEL_SHAPES, synchronize
 
 W = 32
 CASES = [("llama3.1-8b", 16384), ("smollm2-135m", 2048)]
-SELECTORS = {"snapkv": SnapKVSelector(), "adaptive-recent": AdaptiveRecentSelector(),
-             "peak-span": PeakSpanSelector(value_weighted=False), "peak-span-value-weighted": PeakSpanSelector()}
+SELECTORS = {"snapkv": SnapKVSelector(), "peak-span": PeakSpanSelector(value_weighted=False),
+             "peak-span-value-weighted": PeakSpanSelector()}
 REFERENCES = {
     "snapkv": lambda q, k, v, budget: ripplekv_ref.snapkv_compress(q, k, v, budget)[2],
-    "adaptive-recent": lambda q, k, v, budget: adaptive_recent_select(q, k, budget, W),
     "peak-span": lambda q, k, v, budget: peak_span_select(q, k, budget, W, 0.5),
     "peak-span-value-weighted": lambda q, k, v, budget: peak_span_select(q, k, budget, W, 0.5, values=v),
 }

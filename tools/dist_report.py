@@ -14,8 +14,8 @@ from pathlib import Path
 # Shipped: the compiled library (one stable-ABI module), the bundled model's profile, LongBench's protocol data.
 REQUIRED = [r"ripplekv_ext/_C\.abi3\.so", r"ripplekv_ext/eval/profiles/.+\.json",
             r"ripplekv_ext/eval/longbench_config/.+\.json", r"ripplekv_ref/__init__\.py"]
-# Never shipped: build folders, tests, benchmarks and their results, sources of the compiled code.
-FORBIDDEN = r"(^|/)(build|tests|bench|csrc|include|cmake-build)/|\.(cpp|cu|cuh|o)$"
+# Never shipped: build folders, tests, benchmarks and their results, the lab, sources of the compiled code.
+FORBIDDEN = r"(^|/)(build|tests|bench|experiments|csrc|include|cmake-build)/|\.(cpp|cu|cuh|o)$"
 
 
 def wheel_facts(path):

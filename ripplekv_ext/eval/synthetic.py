@@ -30,9 +30,9 @@ from ripplekv_ext.eval.example import (Example, context_token_count, has_chat_te
 SYNTHETIC_TASKS = ("passkey", "passkey_text", "multikey", "kv_retrieval", "variable_tracking")
 
 # Longest tested length (tokens, chat template included) at which SmolLM2-135M-Instruct with the full cache, greedy,
-# solves >= 80% of 10 seeded examples (seed 0), measured with bench/measure_synthetic_lengths.py, e.g.
-#   .venv/bin/python bench/measure_synthetic_lengths.py --threads 1 --lengths 512 1024 2048 4096
-#   .venv/bin/python bench/measure_synthetic_lengths.py --threads 1 \
+# solves >= 80% of 10 seeded examples (seed 0), measured with experiments/synthetic_lengths/, e.g.
+#   .venv/bin/python experiments/synthetic_lengths/measure_synthetic_lengths.py --threads 1 --lengths 512 1024 2048 4096
+#   .venv/bin/python experiments/synthetic_lengths/measure_synthetic_lengths.py --threads 1 \
 #       --tasks multikey kv_retrieval variable_tracking --lengths 256
 # (a length is decided as soon as 8 successes or 3 failures are seen; solved/run):
 #   passkey            512: 8/8  1024: 8/8  2048: 8/8   (4096 not run: ~5 min per example on 2 shared cores)
