@@ -181,7 +181,13 @@ def compress_context(model, context_ids: Tensor, policy: Policy, *, tokenizer=No
     probe_tokens = 0
     prefill_ids, prefill_mask, prefill_policy = context_ids, attention_mask, policy
     if scoring == "tail":
+        if probe_ids is not None:
+            raise ValueError("scoring='tail' scores the context by its own last tokens and would ignore probe_ids: "
+                             "pass scoring='probe' to score by the probe, or leave probe_ids out")
         tokenizer = None
+    elif scoring == "probe" and probe_ids is None and tokenizer is None and not policy.is_full:
+        raise ValueError("scoring='probe' needs a probe: the model's tokenizer (tokenizer=..., for the default "
+                         "probe) or probe_ids=...; scoring='tail' scores by the context's own last tokens")
     if probe_ids is None and tokenizer is not None and not policy.is_full:
         probe_ids = default_probe_ids(tokenizer)
     if probe_ids is not None:
@@ -265,6 +271,8 @@ def _reconstruct(model, context_ids, attention_mask, policy, tokenizer, probe_id
     if why is not None:
         raise ValueError(f"scoring='reconstruction': {why}")
     _whole_context_refusal("reconstruction", attention_mask, policy)
+    for ids in _door().reconstruction_ids(tokenizer):
+        _check_vocab("the tokenizer's reconstruction instruction", ids, model)
     _check_budget(policy, [context_ids.shape[1]] * context_ids.shape[0], 0)
     with torch.no_grad():
         return _door().reconstructed_cache(model, context_ids.to(next(model.parameters()).device), policy, tokenizer)

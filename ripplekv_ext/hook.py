@@ -45,7 +45,8 @@ from ripplekv_ext.integrations import transformers_integration as _door
 from ripplekv_ext.masks import check_batch, row_lengths
 from ripplekv_ext.model_info import text_config
 from ripplekv_ext.policies import Policy
-from ripplekv_ext.rolling import ChunkedPrompt, chunk_row_budgets, chunked_generate, prompt_in_chunks, row_read
+from ripplekv_ext.rolling import (ChunkedPrompt, check_chunk, chunk_row_budgets, chunked_generate, prompt_in_chunks,
+                                  prompt_inputs, row_read)
 
 __all__ = ["compress", "CompressionSession", "compress_block_open"]
 
@@ -142,6 +143,12 @@ class CompressionSession:
         use_cache = kwargs.get("use_cache")
         if use_cache is None:
             use_cache = getattr(text_config(self.model), "use_cache", True)
+        prompt = self.prompt
+        if prompt is not None:
+            inputs = prompt_inputs(args, kwargs)
+            if inputs is not None:
+                check_chunk(prompt, self._calls.progress, self.policy, 0 if cache is None else cache.get_seq_length(),
+                            inputs.shape[1], self.lengths, inputs.shape[0])
         if cache is None and use_cache:
             # The model would create this cache itself, out of our sight; create it here so it can be compressed.
             cache = self._door.new_cache(self.model)

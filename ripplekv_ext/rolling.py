@@ -48,11 +48,13 @@ class ChunkedPrompt:
     @classmethod
     def of(cls, prompt_tokens, padded_total: Optional[int] = None) -> "ChunkedPrompt":
         """From what a caller gives: None, an int (every row), or one int per row (a tensor or a sequence)."""
+        if padded_total is not None and not (is_integer(padded_total) and padded_total >= 1):
+            raise ValueError(f"padded_total must be the prompt's padded length (an integer >= 1) or None, got "
+                             f"{padded_total!r}")
         if prompt_tokens is None:
             return cls(None, padded_total)
-        if isinstance(prompt_tokens, Tensor):
-            prompt_tokens = prompt_tokens.tolist()
-        values = [prompt_tokens] if is_integer(prompt_tokens) else list(prompt_tokens)
+        given = prompt_tokens.tolist() if isinstance(prompt_tokens, Tensor) else prompt_tokens
+        values = [given] if is_integer(given) else list(given) if isinstance(given, (list, tuple)) else []
         if not values or not all(is_integer(x) and x >= 1 for x in values):
             raise ValueError(f"prompt_tokens must be the prompt's real tokens (an integer >= 1, or one per row), or "
                              f"None when not known, got {prompt_tokens!r}")
@@ -62,7 +64,8 @@ class ChunkedPrompt:
         return cls(totals, padded_total)
 
 
-def _inputs(args, kwargs) -> Optional[Tensor]:
+def prompt_inputs(args, kwargs) -> Optional[Tensor]:
+    """A forward's or a ``generate`` call's input ids (or embeddings) ``[B, N, ...]``, wherever they were passed."""
     for name in ("input_ids", "inputs"):
         if isinstance(kwargs.get(name), Tensor):
             return kwargs[name]
@@ -80,15 +83,17 @@ def _cache_given(kwargs):
 
 
 def _chunk_asked(model, kwargs, policy) -> Optional[int]:
-    """The chunk size a ``generate`` call asks for: its ``prefill_chunk_size``, its generation config's, the model's
-    generation config's, else the policy's ``prefill_chunk``."""
+    """The chunk size a ``generate`` call asks for: what the call says (its ``prefill_chunk_size``, or its
+    ``generation_config``'s), else the policy's ``prefill_chunk``, else the model's generation config's (a default
+    saved with the model yields to a policy built for this block)."""
     if kwargs.get("prefill_chunk_size") is not None:
         return kwargs["prefill_chunk_size"]
-    for config in (kwargs.get("generation_config"), getattr(model, "generation_config", None)):
-        chunk = getattr(config, "prefill_chunk_size", None)
-        if chunk is not None:
-            return chunk
-    return policy.prefill_chunk
+    chunk = getattr(kwargs.get("generation_config"), "prefill_chunk_size", None)
+    if chunk is not None:
+        return chunk
+    if policy.prefill_chunk is not None:
+        return policy.prefill_chunk
+    return getattr(getattr(model, "generation_config", None), "prefill_chunk_size", None)
 
 
 # generate options that run candidate tokens through the model as one multi-token forward before checking them: under
@@ -114,13 +119,17 @@ def chunked_generate(model, session, original):
     def generate(*args, **kwargs):
         _refuse_assisted_decoding(kwargs, session.policy)
         chunk = _chunk_asked(model, kwargs, session.policy)
-        inputs = _inputs(args, kwargs)
+        inputs = prompt_inputs(args, kwargs)
         cache = _cache_given(kwargs)
         if chunk is None or inputs is None or (cache is not None and cache.get_seq_length() > 0):
             if chunk is not None and kwargs.get("prefill_chunk_size") is None:
                 kwargs["prefill_chunk_size"] = chunk
             return original(*args, **kwargs)
         chunk = session.policy.check_prefill_chunk("prefill_chunk_size", chunk)
+        if kwargs.get("inputs_embeds") is not None:
+            raise ValueError(f"a prompt read in chunks (prefill_chunk_size={chunk}, or the policy's prefill_chunk) "
+                             "must be given as input_ids: transformers' chunked prefill cannot split inputs_embeds. "
+                             "Pass input_ids, or use a policy without prefill_chunk for inputs_embeds")
         totals = real_tokens(kwargs.get("attention_mask"), inputs.shape[0], inputs.shape[1], chunk,
                              "prefill_chunk_size")
         kwargs["prefill_chunk_size"] = chunk
@@ -187,15 +196,69 @@ def chunk_row_budgets(compressor, layer_idx: int, read: Sequence[int], prompt: C
     return out
 
 
+@dataclass
+class PromptProgress:
+    """How far this thread has read the prompt it reads in chunks: whether a chunk has run, and the real tokens each
+    row had read after the latest forward."""
+
+    started: bool = False
+    read: Optional[list[int]] = None
+
+
+def check_chunk(prompt: ChunkedPrompt, progress: PromptProgress, policy, seen: int, tokens: int,
+                lengths: Optional[Tensor], batch: int) -> None:
+    """Refuse, before anything is written, a forward inside ``chunked_prefill`` that is no chunk of its prompt:
+    ``seen`` tokens already in the cache, ``tokens`` in this forward, ``lengths`` the real tokens per row read
+    after it (the mask's; None: unpadded), ``batch`` rows. Records what each row has read."""
+    if not progress.started:
+        if seen > 0:
+            raise ValueError(f"chunked_prefill reads a prompt into an empty cache, but this cache already holds {seen} "
+                             "tokens (a compressed context, or a prefill before the block): a forward over it is a "
+                             "continuation, kept whole. Run it outside chunked_prefill, or start from an empty cache")
+        if not policy.is_full and policy.selector.needs_all_queries:
+            raise ValueError(f"chunked_prefill is not supported with {policy.selector!r}: it scores with every query "
+                             "of the prompt, and a prefill in chunks keeps only the newest; use SnapKV, PeakSpan or "
+                             "StreamingLLM, or read the prompt in one forward")
+    if prompt.totals is not None:
+        if len(prompt.totals) not in (1, batch):
+            raise ValueError(f"chunked_prefill(prompt_tokens=...) gives {len(prompt.totals)} counts for a {batch}-row "
+                             "batch: give one per row, or one for every row")
+        if len(prompt.totals) == 1 and lengths is not None and len(set(lengths.tolist())) > 1:
+            raise ValueError(f"chunked_prefill(prompt_tokens={prompt.totals[0]}) gives one count for a left-padded "
+                             f"batch whose rows hold {lengths.tolist()} real tokens so far: give each row's real "
+                             "tokens (a list, one per row)")
+    if prompt.padded_total is not None and seen >= prompt.padded_total and tokens > 1:
+        raise ValueError(f"this {tokens}-token forward starts at token {seen}, past the {prompt.padded_total} tokens "
+                         "of the prompt being read in chunks (chunked_prefill's prompt_tokens): give the whole "
+                         "prompt's length, or close the chunked_prefill block before a continuation")
+    progress.started = True
+    progress.read = [seen + tokens] * batch if lengths is None else [int(x) for x in lengths.tolist()]
+
+
+def check_prompt_read(prompt: ChunkedPrompt, progress: PromptProgress) -> None:
+    """At the end of ``chunked_prefill``: every row read the real tokens its ``prompt_tokens`` announced (else its
+    layers keep the budgets of a longer prompt than it read)."""
+    if prompt.totals is None or progress.read is None:
+        return
+    short = [(row, read, prompt.row_total(row)) for row, read in enumerate(progress.read)
+             if read < prompt.row_total(row)]
+    if short:
+        row, read, total = short[0]
+        raise ValueError(f"chunked_prefill(prompt_tokens=...) ended with row {row} at {read} of the {total} prompt "
+                         f"tokens given: its layers kept the budgets of a {total}-token prompt. Give the prompt's "
+                         "real length (per row), or None when it is not known")
+
+
 @contextlib.contextmanager
 def prompt_in_chunks(calls, prompt: ChunkedPrompt):
     """Mark this thread's forwards as chunks of ``prompt`` inside the block (``calls``: the session's per-thread
-    state)."""
+    state, which also gets the prompt's ``PromptProgress``)."""
     if getattr(calls, "prompt", None) is not None:
         raise RuntimeError("a prompt is already being read in chunks in this thread: finish it first")
-    calls.prompt = prompt
+    calls.prompt, calls.progress = prompt, PromptProgress()
     try:
         yield prompt
+        check_prompt_read(prompt, calls.progress)
     finally:
-        calls.prompt = None
+        calls.prompt = calls.progress = None
 

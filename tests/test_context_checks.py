@@ -142,3 +142,21 @@ def test_inputs_of_another_model_are_refused_by_name():
         compress_context(model, _ids(120), policy, tokenizer="gpt2")
     with pytest.raises(TypeError, match="tokenizer must be the model's tokenizer object .*got LlamaForCausalLM"):
         compress_context(model, _ids(120), policy, tokenizer=model)
+    other_tokenizer = lambda text, add_special_tokens=False: {"input_ids": [3 + ord(c) % 400 + 600 for c in text]}  # noqa: E731
+    with pytest.raises(ValueError, match=r"the tokenizer's reconstruction instruction holds token ids outside the "
+                                         r"model's vocabulary \[0, 512\)"):
+        compress_context(model, _ids(120), policy, tokenizer=other_tokenizer, scoring="reconstruction")
+
+
+def test_a_scoring_that_would_ignore_what_it_was_given_is_refused():
+    model = tiny_model("llama")
+    policy = Policy.snapkv(0.25, window=8)
+    with pytest.raises(ValueError, match=r"scoring='probe' needs a probe: the model's tokenizer .* or probe_ids"):
+        compress_context(model, _ids(120), policy, scoring="probe")
+    with pytest.raises(ValueError, match=r"scoring='tail' .* would ignore probe_ids"):
+        compress_context(model, _ids(120), policy, probe_ids=_ids(6, seed=1), scoring="tail")
+    # Each given what it reads: the probe's tokens score the context, the tail's do not.
+    by_probe = compress_context(model, _ids(120), policy, probe_ids=_ids(6, seed=1), scoring="probe")
+    by_tail = compress_context(model, _ids(120), policy, scoring="tail")
+    assert torch.equal(by_tail.layers[0].keys, compress_context(model, _ids(120), policy).layers[0].keys)
+    assert not torch.equal(by_probe.layers[0].keys, by_tail.layers[0].keys)

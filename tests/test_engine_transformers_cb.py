@@ -289,6 +289,9 @@ def test_settings_it_cannot_honour_are_named(model):
     with pytest.raises(ValueError, match="decode_every=16 .* not supported under serve"):
         with cb.serve(model, Policy.snapkv(0.3, window=WINDOW, decode_every=16)):
             pass
+    with pytest.raises(ValueError, match=r"prefill_chunk=16 \(bounded prefill\) is not supported under serve"):
+        with cb.serve(model, Policy.snapkv(0.3, window=WINDOW, prefill_chunk=16)):
+            pass
 
 
 @needs_supported_transformers

@@ -9,7 +9,7 @@ pytest.importorskip("kvpress", reason="kvpress is not installed here: `make test
                     ".venv-min")
 
 import torch  # noqa: E402
-from kvpress import KnormPress, ObservedAttentionPress, SnapKVPress  # noqa: E402
+from kvpress import ComposedPress, KnormPress, ObservedAttentionPress, SnapKVPress  # noqa: E402
 from kvpress.utils import compute_n_kept  # noqa: E402
 from transformers import pipeline  # noqa: E402
 
@@ -126,6 +126,18 @@ def test_bad_input_is_refused_by_name(model, tmp_path):
     assert RippleKVPress(compression_ratio=0.5, profile=profile).policy(model).allocator.base.sensitivity == SENSITIVITY
     with pytest.raises(TypeError):
         ScorerPressSelector(RippleKVPress(compression_ratio=0.5, profile=SENSITIVITY))
+
+
+@pytest.mark.parametrize("composed", [
+    lambda: ComposedPress([RippleKVPress(compression_ratio=0.5, profile=SENSITIVITY)]),
+    lambda: ComposedPress([SnapKVPress(0.5), RippleKVBudgetPress(press=KnormPress(0.5), profile=SENSITIVITY)])],
+    ids=["ripplekv-press", "snapkv-then-budget-press"])
+def test_a_press_inside_composed_press_is_refused_not_skipped(model, composed):
+    # kvpress's ComposedPress calls each press's per-layer hook, which would compress nothing while its ratio counts.
+    with pytest.raises(ValueError, match=r"compresses through its own ripplekv_ext.compress block and cannot run "
+                                         r"inside another press \(ComposedPress"):
+        with composed()(model), torch.no_grad():
+            model(_ids(200), use_cache=True)
 
 
 def test_smollm2_in_kvpress_pipeline_with_its_chat_template():

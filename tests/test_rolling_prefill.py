@@ -318,3 +318,115 @@ def test_the_block_leaves_generate_as_it_was():
         assert model.generate != before
     assert "generate" not in vars(model) and model.generate == before
     assert ripplekv_ext.Policy.snapkv(0.2, prefill_chunk=64).name == "uniform+snapkv@0.2,prefill_chunk=64"
+
+
+def _held(cache):
+    return [layer.keys.shape[2] for layer in cache.layers]
+
+
+def test_the_policy_chunk_beats_the_model_config_default_and_the_call_beats_both():
+    model = tiny_model("llama")
+    ids = _ids(300)
+    forwards = []
+
+    def record(module, args, kwargs, output):
+        forwards.append(kwargs["input_ids"].shape[1])
+
+    handle = model.register_forward_hook(record, with_kwargs=True)
+    try:
+        model.generation_config.prefill_chunk_size = 1000  # a default saved with the model
+        with compress(model, Policy.snapkv(0.25, window=WINDOW, prefill_chunk=64)), torch.no_grad():
+            model.generate(ids, max_new_tokens=1, **GREEDY)
+        assert forwards == [64] * 4 + [44]
+        forwards.clear()
+        with compress(model, Policy.snapkv(0.25, window=WINDOW, prefill_chunk=64)), torch.no_grad():
+            model.generate(ids, max_new_tokens=1, prefill_chunk_size=128, **GREEDY)
+        assert forwards == [128, 128, 44]
+    finally:
+        handle.remove()
+        model.generation_config.prefill_chunk_size = None
+
+
+def test_a_prompt_in_chunks_given_as_embeddings_is_refused_by_name():
+    model = tiny_model("llama")
+    embeds = model.get_input_embeddings()(_ids(300))
+    with pytest.raises(ValueError, match=r"prefill_chunk_size=64, or the policy's prefill_chunk\) must be given as "
+                                         r"input_ids"):
+        with compress(model, Policy.snapkv(0.25, window=WINDOW, prefill_chunk=64)), torch.no_grad():
+            model.generate(inputs_embeds=embeds, max_new_tokens=2, **GREEDY)
+    with compress(model, Policy.snapkv(0.25, window=WINDOW)), torch.no_grad():  # one-shot takes embeddings
+        model.generate(inputs_embeds=embeds, max_new_tokens=2, **GREEDY)
+
+
+def test_a_chunk_past_the_prompt_given_is_refused_and_a_prompt_ending_early_is_named():
+    model = tiny_model("llama")
+    policy = Policy.snapkv(0.25, window=WINDOW)
+    # The third chunk of 100 starts at 200, the prompt length given: it is no continuation.
+    with pytest.raises(ValueError, match=r"100-token forward starts at token 200, past the 200 tokens of the prompt"):
+        with compress(model, policy) as session, session.chunked_prefill(200):
+            _read_in_chunks(model, _ids(300), 100, steps=0)
+    # 300 tokens read of the 1000 announced: the layers hold a 1000-token prompt's budget (250), not 300's (75).
+    with pytest.raises(ValueError, match=r"ended with row 0 at 300 of the 1000 prompt tokens given"):
+        with compress(model, policy) as session, session.chunked_prefill(1000):
+            _, cache = _read_in_chunks(model, _ids(300), 100, steps=0)
+    assert _held(cache) == [250] * 4
+    with compress(model, policy) as session, session.chunked_prefill(300):
+        _, cache = _read_in_chunks(model, _ids(300), 100, steps=2)  # the prompt, then decoding steps
+    assert _held(cache) == [75 + 2] * 4
+
+
+@torch.no_grad()
+def test_chunks_of_a_padded_batch_need_one_count_per_row_and_per_row_counts_match_the_batch():
+    model = tiny_model("llama")
+    policy = Policy.snapkv(0.25, window=WINDOW)
+    ids = _ids(300, batch=2)
+    mask = torch.ones(2, 300, dtype=torch.long)
+    mask[1, :50] = 0
+    with pytest.raises(ValueError, match=r"prompt_tokens=300\) gives one count for a left-padded batch whose rows "
+                                         r"hold \[100, 50\] real tokens so far: give each row's real tokens"):
+        with compress(model, policy) as session, session.chunked_prefill(300):
+            model(ids[:, :100], attention_mask=mask[:, :100], use_cache=True)
+    with pytest.raises(ValueError, match=r"gives 2 counts for a 3-row batch"):
+        with compress(model, policy) as session, session.chunked_prefill([300, 250]):
+            model(_ids(100, batch=3), use_cache=True)
+    with compress(model, policy) as session, session.chunked_prefill([300, 250]):
+        cache = None
+        for start in range(0, 300, 100):
+            out = model(ids[:, start:start + 100], attention_mask=mask[:, :start + 100], use_cache=True,
+                        **({} if cache is None else {CACHE: cache}))
+            cache = output_cache(out)
+    assert session.last_row_kept[0] == [75, 62]  # each row its own prompt's budget
+
+
+@torch.no_grad()
+def test_chunked_prefill_over_a_cache_that_holds_tokens_is_refused_before_it_compresses():
+    model = tiny_model("llama")
+    policy = Policy.snapkv(0.25, window=WINDOW)
+    context = compress_context(model, _ids(200), Policy.snapkv(0.25, window=WINDOW))  # 50 held per layer
+    with pytest.raises(ValueError, match=r"reads a prompt into an empty cache, but this cache already holds 200 "
+                                         r"tokens"):
+        with compress(model, policy) as session, session.chunked_prefill(None):
+            model(_ids(60, seed=1), **{CACHE: context}, use_cache=True)
+    assert _held(context) == [50] * 4  # the question was never added, nor the context compressed further
+    stock = output_cache(model(_ids(300), use_cache=True))  # prefilled before the block: 300 held
+    with pytest.raises(ValueError, match=r"already holds 300 tokens"):
+        with compress(model, policy) as session, session.chunked_prefill(None):
+            model(_ids(100, seed=2), **{CACHE: stock}, use_cache=True)
+    assert _held(stock) == [300] * 4
+
+
+def test_chunked_prefill_arguments_and_selectors_are_checked_before_the_first_chunk():
+    model = tiny_model("llama")
+    for bad in (2.5, True, "300", [300, 0], []):
+        with pytest.raises(ValueError, match=r"prompt_tokens must be the prompt's real tokens .* got"):
+            with compress(model, Policy.snapkv(0.25, window=WINDOW)) as session, session.chunked_prefill(bad):
+                pass
+    with pytest.raises(ValueError, match=r"padded_total must be the prompt's padded length"):
+        with compress(model, Policy.snapkv(0.25, window=WINDOW)) as session, session.chunked_prefill(300, 2.5):
+            pass
+    compressed = []
+    with pytest.raises(ValueError, match=r"chunked_prefill is not supported with H2OSelector"):
+        with compress(model, Policy.h2o(0.25, window=WINDOW), on_compress=compressed.append) as session, \
+                session.chunked_prefill(300), torch.no_grad():
+            model(_ids(100), use_cache=True)
+    assert compressed == []  # refused at the first chunk, before it was compressed

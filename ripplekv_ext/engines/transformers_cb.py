@@ -216,6 +216,11 @@ def serve(model, policy: Policy, tiers: Optional[int] = None, on_compress: Optio
         raise ValueError(f"decode_every={policy.decode_every} (compression during decoding) is not supported under "
                          "serve: the engine compresses each request once, after its prefill. Use a policy without "
                          "decode_every (dataclasses.replace(policy, decode_every=None, decode_budget=None))")
+    if policy.prefill_chunk is not None:
+        raise ValueError(f"prefill_chunk={policy.prefill_chunk} (bounded prefill) is not supported under serve: the "
+                         "engine compresses each request once, after its prefill, so the request would hold its "
+                         "whole prompt. Use a policy without prefill_chunk (dataclasses.replace(policy, "
+                         "prefill_chunk=None)), or the vLLM plugin, which bounds prefill per request")
     from ripplekv_ext.hook import compress_block_open
 
     if compress_block_open(model):

@@ -34,7 +34,8 @@ from ripplekv_ext.integrations.transformers.cache_steps import (cache_classes, c
 from ripplekv_ext.integrations.transformers.compressed_layer import (CompressedLayer, block_on, close_block,
                                                                      open_block)
 from ripplekv_ext.integrations.transformers.model_parts import decoder_layers, forwards_replaced, input_device
-from ripplekv_ext.integrations.transformers.reconstruction import reconstructed_cache, reconstruction_scores
+from ripplekv_ext.integrations.transformers.reconstruction import (reconstructed_cache, reconstruction_ids,
+                                                                  reconstruction_scores)
 from ripplekv_ext.integrations.transformers.surprisal import surprisal_cache
 from ripplekv_ext.integrations.transformers.versions import cache_argument, check_versions, output_cache
 
@@ -42,5 +43,5 @@ __all__ = ["CompressedLayer", "attention_implementation", "base_attention", "blo
            "cache_classes", "cache_device", "check_versions", "close_block", "compress_layer", "compressed_cache",
            "decoder_layers", "drop_probe", "eager_attention", "forwards_replaced", "input_device", "is_prefill",
            "layer_at", "new_cache", "open_block", "output_cache", "probe_cache", "reconstructed_cache",
-           "reconstruction_scores", "surprisal_cache",
+           "reconstruction_ids", "reconstruction_scores", "surprisal_cache",
            "registered_attention", "reselect_layer", "unique_attention_name"]
