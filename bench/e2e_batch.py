@@ -23,8 +23,8 @@ from typing import Optional, Sequence
 
 import torch
 
-from e2e_measure import (_policy, _session, cache_bytes, current_rss, kv_bytes_per_token, peak_rss, prompt_ids,
-                         ratio_or_none, release_free_memory, reset_peak_rss)
+from e2e_measure import (cache_bytes, current_rss, kv_bytes_per_token, method_policy, peak_rss, prompt_ids,
+                         ratio_or_none, release_free_memory, reset_peak_rss, timed_session)
 from ripplekv_ext.model_info import text_config
 
 
@@ -76,7 +76,7 @@ def greedy_batch(model, prompts, new_tokens: int, policy=None) -> dict:
     release_free_memory()
     before = current_rss()
     tracking = reset_peak_rss()
-    with _session(model, policy), torch.inference_mode():
+    with timed_session(model, policy), torch.inference_mode():
         t0 = time.perf_counter()
         out = model(ids, attention_mask=mask, position_ids=(mask.cumsum(-1) - 1).clamp(min=0), use_cache=True,
                     logits_to_keep=1)
@@ -119,13 +119,13 @@ def measure_batch(model, tokenizer, num_prompts: int = 8, min_tokens: int = 1024
     say = progress or (lambda msg: None)
     rows = {}
     # Warm-up (allocator, oneDNN primitives), so the first measured run does not pay for it.
-    for policy in [None] + [_policy(m, retention, profile) for m in methods]:
+    for policy in [None] + [method_policy(m, retention, profile) for m in methods]:
         greedy_batch(model, [p[:256] for p in prompts[:2]], 2, policy)
     say(f"  batch: full, {num_prompts} prompts of {min_tokens}-{max_tokens} tokens")
     full = greedy_batch(model, prompts, new_tokens)
     rows["full"] = _row([full], num_prompts, new_tokens)
     for method in methods:
-        policy = _policy(method, retention, profile)
+        policy = method_policy(method, retention, profile)
         say(f"  batch: {method}, batched")
         batched = greedy_batch(model, prompts, new_tokens, policy)
         say(f"  batch: {method}, one at a time")

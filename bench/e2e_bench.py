@@ -34,7 +34,7 @@ from e2e_measure import (COMPRESSED_METHODS, measure_decode, measure_memory, mea
 from e2e_batch import measure_batch, print_batch_table
 from e2e_paths import portable_path
 from e2e_peer import measure_peer
-from ripplekv_ext._jsonio import write_json_atomic
+from ripplekv_ext.jsonio import write_json_atomic
 from ripplekv_ext.cli.common import CliError, check_model_arg, check_output_file
 from ripplekv_ext.cli.parser import OneLineErrorParser, one_retention, positive_int
 from ripplekv_ext.eval.models import DEFAULT_MODEL, default_profile_path, load_model, shipped_profile_path

@@ -112,7 +112,7 @@ def main(argv=None) -> int:
         if previous.get("settings") == settings:
             results["cells"] = previous.get("cells", {})
     from e2e_bench import machine_description
-    from ripplekv_ext._jsonio import write_json_atomic
+    from ripplekv_ext.jsonio import write_json_atomic
 
     results["machine"] = machine_description()
     env = {**os.environ, "OMP_NUM_THREADS": "1"}

@@ -93,7 +93,7 @@ def main(argv=None) -> int:
     for row in result["longest"].values():
         row["vs_stock"] = row["longest_completed"] / stock if stock else None
     out = Path(args.out)
-    from ripplekv_ext._jsonio import write_json_atomic
+    from ripplekv_ext.jsonio import write_json_atomic
 
     write_json_atomic(out, result)
     print(json.dumps({k: v["longest_completed"] for k, v in result["longest"].items()}))

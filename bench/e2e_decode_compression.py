@@ -40,7 +40,7 @@ from e2e_measure import cache_bytes, kv_bytes_per_token  # noqa: E402
 from e2e_paths import portable_path  # noqa: E402
 from ripplekv_ext import compress  # noqa: E402
 from ripplekv_ext.integrations.transformers import cache_argument, output_cache  # noqa: E402
-from ripplekv_ext._jsonio import write_json_atomic  # noqa: E402
+from ripplekv_ext.jsonio import write_json_atomic  # noqa: E402
 from ripplekv_ext.eval.fidelity import fidelity_examples, kl_per_position  # noqa: E402
 from ripplekv_ext.eval.models import DEFAULT_MODEL, load_model, shipped_profile_path  # noqa: E402
 from ripplekv_ext.methods import check_method, make_policy, needs_profile  # noqa: E402

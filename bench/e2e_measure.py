@@ -95,12 +95,12 @@ def peak_rss() -> Optional[int]:
     return _rss_status("VmHWM")
 
 
-def _policy(method: str, retention: float, profile):
+def method_policy(method: str, retention: float, profile):
     return make_policy(method, retention, profile if needs_profile(method) else None)
 
 
 @contextlib.contextmanager
-def _session(model, policy):
+def timed_session(model, policy):
     """``compress(model, policy)`` that also times the compression step itself (selection + gather)."""
     if policy is None:
         yield None
@@ -115,7 +115,7 @@ def _session(model, policy):
 def prefill(model, ids: torch.Tensor, policy=None) -> dict:
     """One prefill of ``ids`` (compressed with ``policy``, or plain with None): seconds, the cache, and for a
     policy the compression step's seconds and the budgets kept."""
-    with _session(model, policy) as session, torch.inference_mode():
+    with timed_session(model, policy) as session, torch.inference_mode():
         t0 = time.perf_counter()
         out = model(ids, use_cache=True, logits_to_keep=1)
         seconds = time.perf_counter() - t0
@@ -126,7 +126,7 @@ def prefill(model, ids: torch.Tensor, policy=None) -> dict:
 
 def greedy_decode(model, ids: torch.Tensor, new_tokens: int, policy=None) -> dict:
     """Prefill ``ids`` (untimed), then ``new_tokens`` greedy steps, timed: tokens/s and the tokens."""
-    with _session(model, policy), torch.inference_mode():
+    with timed_session(model, policy), torch.inference_mode():
         out = model(ids, use_cache=True, logits_to_keep=1)
         cache = out.cache
         token = out.logits[:, -1:].argmax(-1)
@@ -215,7 +215,7 @@ def measure_overhead(model, tokenizer, lengths: Sequence[int] = (2048, 8192), me
         for r in range(repeats):
             order = names[r % len(names):] + names[:r % len(names)]
             for m in order:
-                res = prefill(model, ids, None if m == "none" else _policy(m, retention, profile))
+                res = prefill(model, ids, None if m == "none" else method_policy(m, retention, profile))
                 times[m].append(res["seconds"])
                 compress_times[m].append(res["compress_seconds"])
                 del res
@@ -266,7 +266,7 @@ def measure_memory(model, tokenizer, n_tokens: int = 8192, methods=COMPRESSED_ME
     rows = {"full": full}
     for m in methods:
         for r in retentions:
-            row = run(_policy(m, r, profile))
+            row = run(method_policy(m, r, profile))
             row["retention"] = r
             row["ratio_to_full"] = row["cache_bytes"] / full["cache_bytes"]
             row["rounded_retention"] = round(r * n_tokens) / n_tokens
@@ -285,7 +285,7 @@ def measure_decode(model, tokenizer, n_tokens: int = 8192, new_tokens: int = 64,
     rows = {"full": {"tokens_per_s": full["tokens_per_s"], "seconds": full["seconds"], "speedup": 1.0,
                      "cache_bytes": full["cache_bytes"], "agree_with_full": 1.0}}
     for m in methods:
-        res = greedy_decode(model, ids, new_tokens, _policy(m, retention, profile))
+        res = greedy_decode(model, ids, new_tokens, method_policy(m, retention, profile))
         agree = sum(a == b for a, b in zip(res["tokens"], full["tokens"])) / new_tokens
         rows[m] = {"tokens_per_s": res["tokens_per_s"], "seconds": res["seconds"],
                    "speedup": ratio_or_none(res["tokens_per_s"], full["tokens_per_s"]),

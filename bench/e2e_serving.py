@@ -44,7 +44,7 @@ import torch
 
 import ripplekv_ext
 from ripplekv_ext import Policy
-from ripplekv_ext._jsonio import write_json_atomic
+from ripplekv_ext.jsonio import write_json_atomic
 from ripplekv_ext.cli.parser import OneLineErrorParser, non_negative_int, one_retention, positive_int
 from ripplekv_ext import TieredAllocator
 from ripplekv_ext.eval.corpus import kjv_text

@@ -138,7 +138,7 @@ def op_case(op: str, shape: dict, n: int, dtype: torch.dtype, device: torch.devi
 
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
-    from ripplekv_ext._jsonio import write_json_atomic
+    from ripplekv_ext.jsonio import write_json_atomic
 
     if args.dry_run:
         device, shape = torch.device("cpu"), DRY_SHAPE

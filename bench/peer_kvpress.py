@@ -198,7 +198,7 @@ def main(argv=None):
                           "kl": sum(row["kl"]) / len(row["kl"]), "kl_stderr": stderr(row["kl"]),
                           "kl_all": row["kl"], "prefill_s_all": row["prefill_s"], "compress_s_all": row["compress_s"],
                           "cache_tokens_layer0": row["cache_tokens"]}
-    # Its own write-then-rename, not ripplekv_ext._jsonio's: this script runs in .venv-peer, without ripplekv_ext.
+    # Its own write-then-rename, not ripplekv_ext.jsonio's: this script runs in .venv-peer, without ripplekv_ext.
     tmp = args.out + ".tmp"
     with open(tmp, "w") as f:
         json.dump(out, f, indent=2)

@@ -15,7 +15,7 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ripplekv_ext._jsonio import write_json_atomic
+from ripplekv_ext.jsonio import write_json_atomic
 from ripplekv_ext.model_info import text_config
 
 FORMAT_NAME = "ripplekv-profile"

@@ -294,14 +294,14 @@ def test_ripplekv_allocator_checks_layer_count():
 
 # ---- a profile's layers decide where its sensitivities land; sensitivities out of range ---------------------------
 
-def _profile_like(layers, sensitivity):
+def profile_like(layers, sensitivity):
     return types.SimpleNamespace(layers=layers, sensitivity=sensitivity)
 
 
 def test_profile_layers_order_is_respected():
     sens = [0.1, 0.5, 2.0, 9.0]
-    in_order = RippleKVAllocator(_profile_like([0, 1, 2, 3], sens)).budgets(4, 1000, 200, 8)
-    reversed_listing = RippleKVAllocator(_profile_like([3, 2, 1, 0], sens[::-1])).budgets(4, 1000, 200, 8)
+    in_order = RippleKVAllocator(profile_like([0, 1, 2, 3], sens)).budgets(4, 1000, 200, 8)
+    reversed_listing = RippleKVAllocator(profile_like([3, 2, 1, 0], sens[::-1])).budgets(4, 1000, 200, 8)
     assert reversed_listing == in_order
     assert in_order == sorted(in_order)  # the most sensitive layer (3) gets the most
 

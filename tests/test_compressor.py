@@ -12,7 +12,7 @@ from api_tables import Case, INF, NAN, table_tests
 from ripplekv_ext import KVCompressor, Policy
 from ripplekv_ext.allocation import average_budget
 from ripplekv_ext.selectors import H2OSelector, PeakSpanSelector, Selector
-from test_allocation import _profile_like
+from test_allocation import profile_like
 
 WINDOW = 8
 
@@ -146,7 +146,7 @@ def test_on_compress_must_be_callable():
 
 def test_profile_layers_through_policy_and_compressor():
     sens = [9.0, 0.1, 2.0]  # measured on layers 5, 1, 3
-    profile = _profile_like([5, 1, 3], sens)
+    profile = profile_like([5, 1, 3], sens)
     comp = KVCompressor(Policy.ripplekv(profile, 0.2, window=8), num_layers=6, compressible_layers=[1, 3, 5])
     budgets = comp.budgets(1000)
     assert budgets[0] is None and budgets[2] is None and budgets[4] is None
@@ -155,7 +155,7 @@ def test_profile_layers_through_policy_and_compressor():
 
 
 def test_profile_of_a_subset_gives_the_others_the_average_budget():
-    profile = _profile_like([0, 2], [1.0, 5.0])
+    profile = profile_like([0, 2], [1.0, 5.0])
     comp = KVCompressor(Policy.ripplekv(profile, 0.2, window=8), num_layers=4)
     budgets = comp.budgets(1000)
     avg = average_budget(0.2, 1000)
@@ -164,7 +164,7 @@ def test_profile_of_a_subset_gives_the_others_the_average_budget():
 
 
 def test_profile_of_a_layer_that_is_not_compressible_is_an_error():
-    comp = KVCompressor(Policy.ripplekv(_profile_like([0, 1, 7], [1.0, 2.0, 3.0]), 0.2, window=8), num_layers=8,
+    comp = KVCompressor(Policy.ripplekv(profile_like([0, 1, 7], [1.0, 2.0, 3.0]), 0.2, window=8), num_layers=8,
                         compressible_layers=[0, 1, 2])
     with pytest.raises(ValueError, match=r"covers layers \[7\] that are not compressible"):
         comp.budgets(1000)

@@ -32,7 +32,7 @@ def _ids(batch=1, n=96, seed=0):
     return torch.randint(3, 512, (batch, n), generator=torch.Generator().manual_seed(seed))
 
 
-def _sensitivity(num_layers):
+def toy_sensitivity(num_layers):
     return [1.0 + ((7 * i) % 5) * 0.4 for i in range(num_layers)]
 
 
@@ -63,7 +63,7 @@ def _layers(cache):
 @pytest.mark.parametrize("arch", ["llama", "gemma3"])
 def test_compress_context_is_compress_on_the_same_prefill(arch):
     model = tiny_model(arch)
-    policy = Policy.ripplekv(_sensitivity(len(compressible_layers(model))), 0.3, window=WINDOW)
+    policy = Policy.ripplekv(toy_sensitivity(len(compressible_layers(model))), 0.3, window=WINDOW)
     context = _ids()
     with compress(model, policy), torch.no_grad():
         expected = _layers(output_cache(model(context, use_cache=True)))
@@ -82,7 +82,7 @@ def test_answer_equals_the_masked_reference(arch, policy_name):
     # context alone, then attends to the question and the answer over the kept tokens only.
     model = tiny_model(arch)
     policy = (Policy.snapkv(0.3, window=WINDOW) if policy_name == "snapkv"
-              else Policy.ripplekv(_sensitivity(len(compressible_layers(model))), 0.3, window=WINDOW))
+              else Policy.ripplekv(toy_sensitivity(len(compressible_layers(model))), 0.3, window=WINDOW))
     context, question = _ids(), _ids(n=6, seed=1)
     tokens, logits = _answer(model, compress_context(model, context, policy), question)
     with MaskedReference(model, policy):
@@ -174,7 +174,7 @@ def test_probe_is_the_window_then_dropped(arch):
 @pytest.mark.parametrize("probe", [False, True], ids=["tail-window", "probe"])
 def test_batched_contexts_equal_each_row_alone(probe):
     model = tiny_model("llama")
-    policy = Policy.ripplekv(_sensitivity(4), 0.3, window=WINDOW)
+    policy = Policy.ripplekv(toy_sensitivity(4), 0.3, window=WINDOW)
     rows = [_ids(n=96)[0], _ids(n=72, seed=5)[0]]
     context = torch.zeros(2, 96, dtype=torch.long)
     mask = torch.zeros(2, 96, dtype=torch.long)
@@ -265,7 +265,7 @@ def test_saved_context_continues_in_a_fresh_process_as_the_original(tmp_path):
     expected = {}
     for arch in ("llama", "gemma3"):  # gemma3: sliding-window layers saved alongside the compressed ones
         model = tiny_model(arch)
-        policy = Policy.ripplekv(_sensitivity(len(compressible_layers(model))), 0.3, window=WINDOW)
+        policy = Policy.ripplekv(toy_sensitivity(len(compressible_layers(model))), 0.3, window=WINDOW)
         cache = compress_context(model, context, policy)
         torch.save(cache, tmp_path / f"{arch}.pt")
         result = continue_context(model, cache, question, max_new_tokens=4, output_logits=True,

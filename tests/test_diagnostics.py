@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import ripplekv_ref
-from ripplekv_ext.eval.diagnostics import (_AttentionTap, compression_damage, damage_report, format_report,
+from ripplekv_ext.eval.diagnostics import (AttentionTap, compression_damage, damage_report, format_report,
                                       run_diagnostic, snapkv_keep_mask)
 from ripplekv_ext.eval.models import tiny_model
 from ripplekv_ext.profiler import profile_model
@@ -44,7 +44,7 @@ def test_masking_equals_attention_over_the_compacted_cache():
     q = torch.randn(1, h_q, T, d, generator=g)
     k, v = torch.randn(1, h_kv, P + T, d, generator=g), torch.randn(1, h_kv, P + T, d, generator=g)
     keep = snapkv_keep_mask(torch.randn(1, h_q, W, d, generator=g), k[:, :, :P], 12)
-    tap = _AttentionTap(W)
+    tap = AttentionTap(W)
     tap.keep, tap.evict_layer = keep, 5
     module = types.SimpleNamespace(layer_idx=5, scaling=d ** -0.5, is_causal=True, training=False,
                                    num_key_value_groups=h_q // h_kv)

@@ -48,7 +48,7 @@ def _ids(batch=2, n=96, seed=0, vocab=512):
     return torch.randint(3, vocab, (batch, n), generator=torch.Generator().manual_seed(seed))
 
 
-def _sensitivity(num_layers):
+def toy_sensitivity(num_layers):
     # A fixed, uneven profile (not measured): enough to make RippleKV budgets differ across layers.
     return [1.0 + ((7 * i) % 5) * 0.4 for i in range(num_layers)]
 
@@ -57,11 +57,11 @@ def _policies(num_compressible):
     return {
         "snapkv": Policy.snapkv(0.3, window=WINDOW),
         "pyramidkv": Policy.pyramidkv(0.3, window=WINDOW),
-        "ripplekv": Policy.ripplekv(_sensitivity(num_compressible), 0.3, window=WINDOW),
+        "ripplekv": Policy.ripplekv(toy_sensitivity(num_compressible), 0.3, window=WINDOW),
         "h2o": Policy.h2o(0.3, window=WINDOW),
         "streamingllm": Policy.streamingllm(0.3, window=WINDOW),
         "pyramidkv+h2o": Policy(Policy.pyramidkv(0.3).allocator, H2OSelector(), 0.3, WINDOW),
-        "ripplekv+snapkv": Policy.ripplekv(_sensitivity(num_compressible), 0.3, window=WINDOW,
+        "ripplekv+snapkv": Policy.ripplekv(toy_sensitivity(num_compressible), 0.3, window=WINDOW,
                                            selector=SnapKVSelector()),
     }
 
@@ -76,7 +76,7 @@ def _prefill_then_continue(model, ids, continuation, cache=None):
     return [out.logits, chunk.logits, step.logits], cache
 
 
-def _reference_indices(policy, query, key, value, budget, scaling):
+def reference_indices(policy, query, key, value, budget, scaling):
     n, w = key.shape[2], policy.window
     if budget >= n:
         return None
@@ -109,7 +109,7 @@ class MaskedReference:
             out = sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, **kwargs)
             if layer in self.layers:  # end of prefill: what the policy keeps
                 budget = self.policy.layer_budgets(len(self.layers), kv_len)[self.layers.index(layer)]
-                self.keep[layer] = (kv_len, _reference_indices(self.policy, query, key, value, budget, scaling))
+                self.keep[layer] = (kv_len, reference_indices(self.policy, query, key, value, budget, scaling))
             return out
         n, idx = self.keep[layer]
         b, h_kv = key.shape[:2]
@@ -162,7 +162,7 @@ def test_budget_at_prompt_length_equals_stock(arch):
     ids, cont = _ids(), _ids(n=4, seed=1)
     stock, _ = _prefill_then_continue(model, ids, cont)
     n_layers = len(compressible_layers(model))
-    with compress(model, Policy.ripplekv(_sensitivity(n_layers), 1.0, window=WINDOW)):
+    with compress(model, Policy.ripplekv(toy_sensitivity(n_layers), 1.0, window=WINDOW)):
         ours, cache = _prefill_then_continue(model, ids, cont)
     assert all(isinstance(cache.layers[i], CompressedLayer) for i in compressible_layers(model))
     assert _max_diff(stock, ours) <= 1e-5
@@ -196,7 +196,7 @@ def test_compressed_decoding_matches_masked_reference(arch, policy_name):
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
 def test_half_precision_models(dtype):
     model = tiny_model("llama").to(dtype)
-    policy = Policy.ripplekv(_sensitivity(4), 0.3, window=WINDOW)
+    policy = Policy.ripplekv(toy_sensitivity(4), 0.3, window=WINDOW)
     ids, cont = _ids(), _ids(n=5, seed=1)
     with compress(model, policy):
         ours, cache = _prefill_then_continue(model, ids, cont)
@@ -464,7 +464,7 @@ def test_cache_continued_while_a_block_is_open_on_another_model_is_refused(arch,
     model, other = tiny_model(arch), tiny_model(arch, seed=1)
     num = len(compressible_layers(model))
     policy = (Policy.snapkv(0.3, window=WINDOW) if budgets == "equal"
-              else Policy.ripplekv(_sensitivity(num), 0.3, window=WINDOW))
+              else Policy.ripplekv(toy_sensitivity(num), 0.3, window=WINDOW))
     context, question = _ids(batch=1, n=96), _ids(batch=1, n=6, seed=1)
     cache = compress_context(model, context, policy)
     held = [(layer.keys.shape[2], layer.get_seq_length()) for layer in cache.layers]
@@ -594,9 +594,9 @@ def test_smollm2_ripplekv_generation(smollm2):
     kwargs = dict(max_new_tokens=12, do_sample=False, pad_token_id=tokenizer.eos_token_id)
     with torch.no_grad():
         full = model.generate(ids, **kwargs)
-        with compress(model, Policy.ripplekv(_sensitivity(len(layers)), 0.2)) as session:
+        with compress(model, Policy.ripplekv(toy_sensitivity(len(layers)), 0.2)) as session:
             compressed = model.generate(ids, **kwargs)
-        with compress(model, Policy.ripplekv(_sensitivity(len(layers)), 1.0)):
+        with compress(model, Policy.ripplekv(toy_sensitivity(len(layers)), 1.0)):
             at_prompt_length = model.generate(ids, **kwargs)
     kept = sum(session.last_budgets.values())
     assert kept == len(layers) * average_budget(0.2, n)

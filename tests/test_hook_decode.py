@@ -22,7 +22,7 @@ transformers = pytest.importorskip("transformers")
 psutil = pytest.importorskip("psutil")
 
 from ripplekv_ext.integrations.transformers import cache_argument, output_cache  # noqa: E402
-from test_policies import D_BUDGET, K, _decode_budget_policy  # noqa: E402
+from test_policies import D_BUDGET, K, decode_budget_policy  # noqa: E402
 
 CACHE = cache_argument()
 WINDOW = 8
@@ -259,7 +259,7 @@ def _held_per_row(retention, lengths, steps=10):
     for row, n in enumerate(lengths):
         ids[row, width - n:], mask[row, width - n:] = _random_ids(n, seed=n)[0], 1
     held = []
-    with compress(model, _decode_budget_policy(retention)):
+    with compress(model, decode_budget_policy(retention)):
         out = model(ids, attention_mask=mask, use_cache=True)
         cache = output_cache(out)
         for _ in range(steps + 1):

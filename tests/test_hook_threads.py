@@ -19,12 +19,12 @@ def _ids(n, seed=0, batch=1):
     return torch.randint(3, 512, (batch, n), generator=torch.Generator().manual_seed(seed))
 
 
-def _sensitivity(num_layers):
+def toy_sensitivity(num_layers):
     return [1.0 + ((7 * i) % 5) * 0.4 for i in range(num_layers)]
 
 
 THREAD_POLICIES = {
-    "ripplekv": Policy.ripplekv(_sensitivity(4), 0.3, window=WINDOW),
+    "ripplekv": Policy.ripplekv(toy_sensitivity(4), 0.3, window=WINDOW),
     "snapkv+decode_every": Policy.snapkv(0.3, window=WINDOW, decode_every=4),
 }
 

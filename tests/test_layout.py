@@ -135,6 +135,37 @@ def test_no_private_reach_ins_in_the_package_or_benchmarks():
     assert found == []
 
 
+def test_private_names_stay_in_their_module_and_private_modules_in_their_package():
+    """Nothing imports another module's ``_name`` (bench, experiments and tests share public helpers), and a private
+    module (``ops/_args.py``, ``_library.py``) is imported only from inside its own package. ``_C``, the compiled
+    library, is the one exception: test_library.py checks it directly."""
+    ours = {path.stem for path in BENCH_FILES + EXPERIMENT_FILES + TEST_FILES}  # modules imported by their file name
+    found = []
+    for path in PACKAGE_FILES + BENCH_FILES + EXPERIMENT_FILES + TEST_FILES:
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                top = node.module.split(".")[0]
+                if top not in ("ripplekv_ext", "ripplekv_ref") and top not in ours:
+                    continue  # another project's privates are its integration's business (test_layout's doors)
+                modules, names = [node.module], [alias.name for alias in node.names]
+            elif isinstance(node, ast.Import):
+                modules = [alias.name for alias in node.names
+                           if alias.name.split(".")[0] in ("ripplekv_ext", "ripplekv_ref")]
+                names = []
+            else:
+                continue
+            found += [f"{_relative(path)}:{node.lineno} imports {name}" for name in names
+                      if name.startswith("_") and not name.startswith("__") and name != "_C"]
+            for module in modules:
+                parts = module.split(".")
+                for depth, part in enumerate(parts):
+                    if part.startswith("_") and not part.startswith("__"):
+                        home = ROOT.joinpath(*parts[:depth])
+                        if home not in path.parents:
+                            found.append(f"{_relative(path)}:{node.lineno} imports {module}")
+    assert found == []
+
+
 def test_no_package_module_over_400_lines():
     sizes = {_relative(path): len(path.read_text().splitlines()) for path in PACKAGE_FILES}
     assert {path: size for path, size in sizes.items() if size > 400} == {}

@@ -22,7 +22,7 @@ NUM_LAYERS = 6
 WINDOW = 8
 
 
-def _qkv(b=2, h_kv=2, groups=2, n=80, d=16, seed=0, dtype=torch.float32):
+def qkv(b=2, h_kv=2, groups=2, n=80, d=16, seed=0, dtype=torch.float32):
     g = torch.Generator().manual_seed(seed)
     q = torch.randn(b, h_kv * groups, n, d, generator=g).to(dtype)
     k = torch.randn(b, h_kv, n, d, generator=g).to(dtype)
@@ -50,7 +50,7 @@ def test_any_allocator_with_any_selector(allocator, selector):
     # Every allocator is held to the same total memory.
     assert sum(budgets) == NUM_LAYERS * average_budget(0.3, n) == NUM_LAYERS * 24
     assert all(9 <= c < n for c in budgets)
-    q, k = _qkv(n=n)
+    q, k = qkv(n=n)
     for budget in sorted(set(budgets)):
         idx = selector.select(q, k, budget, policy.window)
         assert idx.dtype == torch.int64 and idx.shape == (2, 2, budget)
@@ -165,7 +165,7 @@ def test_decode_every_is_off_by_default_and_named_when_on():
 D_BUDGET, K = 12, 3
 
 
-def _decode_budget_policy(retention):
+def decode_budget_policy(retention):
     return Policy.snapkv(retention, window=WINDOW, decode_every=K, decode_budget=D_BUDGET)
 
 
@@ -173,7 +173,7 @@ def test_decode_budget_prompt_rule_is_clamped_and_monotone():
     for n in range(WINDOW + 1, 200):
         previous = 0
         for retention in np.linspace(0.05, 1.0, 20):
-            (budget,) = _decode_budget_policy(float(retention)).layer_budgets(1, n)
+            (budget,) = decode_budget_policy(float(retention)).layer_budgets(1, n)
             assert budget <= max(D_BUDGET, n) and (budget == n or budget <= D_BUDGET), (n, retention, budget)
             assert budget >= previous, (n, retention, budget, previous)
             previous = budget

@@ -212,14 +212,14 @@ def test_report_refuses_bad_options_before_loading(tmp_path, capsys):
 def test_a_saved_cell_is_reused_for_its_policy_and_a_field_added_since_at_its_default():
     import dataclasses
 
-    from ripplekv_ext.eval.grid import _same_policy
+    from ripplekv_ext.eval.grid import same_policy
     from ripplekv_ext.policies import Policy
 
     policy = Policy.snapkv(0.2)
-    assert _same_policy({"policy_repr": repr(policy)}, policy)
+    assert same_policy({"policy_repr": repr(policy)}, policy)
     # A cell saved before Policy had prefill_chunk: the same policy, as long as prefill_chunk is at its default.
     older = repr(policy).replace(", prefill_chunk=None", "")
-    assert older != repr(policy) and _same_policy({"policy_repr": older}, policy)
-    assert not _same_policy({"policy_repr": older}, dataclasses.replace(policy, prefill_chunk=64))
-    assert not _same_policy({"policy_repr": repr(policy)}, Policy.snapkv(0.3))
-    assert not _same_policy({"policy_repr": repr(policy)}, dataclasses.replace(policy, window=16))
+    assert older != repr(policy) and same_policy({"policy_repr": older}, policy)
+    assert not same_policy({"policy_repr": older}, dataclasses.replace(policy, prefill_chunk=64))
+    assert not same_policy({"policy_repr": repr(policy)}, Policy.snapkv(0.3))
+    assert not same_policy({"policy_repr": repr(policy)}, dataclasses.replace(policy, window=16))

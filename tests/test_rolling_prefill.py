@@ -17,7 +17,7 @@ from ripplekv_ext.eval.models import tiny_model
 from ripplekv_ext.integrations.transformers import cache_argument, output_cache
 from ripplekv_ext.model_info import compressible_layers
 from ripplekv_ext.policies import PromptTooShortWarning
-from test_hook import GREEDY, MaskedReference, _reference_indices, _sensitivity
+from test_hook import GREEDY, MaskedReference, reference_indices, toy_sensitivity
 
 CACHE = cache_argument()
 WINDOW = 8
@@ -68,7 +68,7 @@ class RollingMaskedReference(MaskedReference):
             if budget < held:
                 positions = torch.stack([torch.stack([row.nonzero().flatten() for row in heads]) for heads in visible])
                 take = positions[..., None].expand(-1, -1, -1, dim)
-                kept = _reference_indices(self.policy, recent, key.gather(2, take), value.gather(2, take), budget,
+                kept = reference_indices(self.policy, recent, key.gather(2, take), value.gather(2, take), budget,
                                           scaling)
                 visible = torch.zeros_like(visible).scatter_(2, positions.gather(2, kept), True)
         self.visible[layer] = visible
@@ -105,7 +105,7 @@ def _max_diff(a, b):
 
 POLICIES = {
     "snapkv": Policy.snapkv(0.2, window=WINDOW),
-    "ripplekv": Policy.ripplekv(_sensitivity(4), 0.2, window=WINDOW),
+    "ripplekv": Policy.ripplekv(toy_sensitivity(4), 0.2, window=WINDOW),
     "pyramidkv": Policy.pyramidkv(0.25, window=WINDOW),
     "streamingllm": Policy.streamingllm(0.2, window=WINDOW),
 }
@@ -189,7 +189,7 @@ def test_generate_reads_in_chunks_and_holds_the_budget():
 def test_generate_in_chunks_equals_the_loop_with_the_prompt_length():
     model = _no_eos(tiny_model("llama"))
     ids = _ids(260)
-    policy = Policy.ripplekv(_sensitivity(4), 0.25, window=WINDOW, prefill_chunk=96)
+    policy = Policy.ripplekv(toy_sensitivity(4), 0.25, window=WINDOW, prefill_chunk=96)
     with compress(model, policy), torch.no_grad():
         generated = model.generate(ids, max_new_tokens=5, **GREEDY)[0, 260:].tolist()
     with compress(model, policy) as session, session.chunked_prefill(260):

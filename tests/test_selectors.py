@@ -14,7 +14,7 @@ from ripplekv_ext.selectors import H2OSelector, KeyNormSelector, PeakSpanSelecto
 from ripplekv_ref import select_topk, select_topk_rows
 from ripplekv_ref.selectors import (adaptive_recent_select, key_norm_scores, peak_span_select, peak_span_select_rows,
                                    window_scores)
-from test_policies import _qkv
+from test_policies import qkv
 
 
 def test_snapkv_keeps_the_key_the_window_attends_to():
@@ -43,19 +43,19 @@ def test_h2o_keeps_the_key_every_query_attends_to():
 
 
 def test_streamingllm_hand_worked():
-    _, k = _qkv(b=1, h_kv=1, n=10)
+    _, k = qkv(b=1, h_kv=1, n=10)
     idx = StreamingLLMSelector(sink=4).select(None, k, budget=6, window=2)
     assert idx.tolist() == [[[0, 1, 2, 3, 8, 9]]]
 
 
 def test_h2o_needs_every_query():
-    q, k = _qkv(n=40)
+    q, k = qkv(n=40)
     with pytest.raises(ValueError, match=r"queries dim 2 must be N = 40, got 8"):
         H2OSelector().select(q[:, :, -8:], k, budget=16, window=8)
 
 
 def test_snapkv_needs_the_window():
-    q, k = _qkv(n=40)
+    q, k = qkv(n=40)
     with pytest.raises(ValueError, match=r"at least window = 8 positions, got 4"):
         SnapKVSelector().select(q[:, :, -4:], k, budget=16, window=8)
 

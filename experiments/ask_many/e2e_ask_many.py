@@ -69,7 +69,7 @@ def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     torch.set_num_threads(1)
     from ripplekv_ext import Policy, compress_context, continue_context, load_context
-    from ripplekv_ext._jsonio import write_json_atomic
+    from ripplekv_ext.jsonio import write_json_atomic
     from ripplekv_ext.eval.metrics import contains_all, phrase_recall, qa_f1
     from ripplekv_ext.eval.models import load_model, shipped_profile_path
     from ripplekv_ext.eval.needle import KEY_PHRASES

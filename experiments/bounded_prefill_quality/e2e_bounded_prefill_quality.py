@@ -31,7 +31,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
 from e2e_bench import machine_description  # noqa: E402
 from ripplekv_ext import compress  # noqa: E402
-from ripplekv_ext._jsonio import write_json_atomic  # noqa: E402
+from ripplekv_ext.jsonio import write_json_atomic  # noqa: E402
 from ripplekv_ext.eval.fidelity import fidelity_examples, kl_per_position, paired_kl_comparison  # noqa: E402
 from ripplekv_ext.eval.models import load_model, shipped_profile_path  # noqa: E402
 from ripplekv_ext.integrations.transformers import cache_argument, output_cache  # noqa: E402

@@ -219,7 +219,7 @@ def main(argv=None) -> int:
     torch.set_num_threads(1)
     from ripplekv_ext.eval.models import load_smollm2, shipped_profile_path
     from ripplekv_ext.profile_file import load_profile
-    from ripplekv_ext._jsonio import write_json_atomic
+    from ripplekv_ext.jsonio import write_json_atomic
 
     settings = {k: v for k, v in vars(args).items() if k not in ("out", "stages")}
     data = load_results(args.out, settings)

@@ -61,7 +61,7 @@ def parse_args(argv=None):
 def main(argv=None) -> int:
     args = parse_args(argv)
     torch.set_num_threads(1)
-    from ripplekv_ext._jsonio import write_json_atomic
+    from ripplekv_ext.jsonio import write_json_atomic
     from ripplekv_ext.eval.models import load_smollm2
     from ripplekv_ext.eval.needle import make_needle
     from ripplekv_ext.eval.runner import context_generate_fn, evaluate

@@ -199,7 +199,7 @@ def summary(cells: dict, retentions) -> dict:
 def retrieval(model, tokenizer, policies, args, data, log) -> int:
     """Phrase recall of each candidate on the calibration needle grid (one cell per candidate)."""
     from ripplekv_ext import compress
-    from ripplekv_ext._jsonio import write_json_atomic
+    from ripplekv_ext.jsonio import write_json_atomic
     from ripplekv_ext.eval.needle import make_needle
     from ripplekv_ext.eval.runner import evaluate, greedy_generate_fn
 
@@ -237,7 +237,7 @@ def answer_prompts(tokenizer, length: int) -> list:
 
 def answer_kl(model, tokenizer, policies, args, data, log) -> int:
     """Mean KL(Full || compressed) over Full's greedy answer (teacher-forced) per task, one cell per candidate."""
-    from ripplekv_ext._jsonio import write_json_atomic
+    from ripplekv_ext.jsonio import write_json_atomic
     from ripplekv_ext.eval.fidelity import SharedPrefill, kl_per_position
     from ripplekv_ext.policies import DEFAULT_WINDOW
 
@@ -275,7 +275,7 @@ def answer_kl(model, tokenizer, policies, args, data, log) -> int:
 def main(argv=None) -> int:
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
-    from ripplekv_ext._jsonio import write_json_atomic
+    from ripplekv_ext.jsonio import write_json_atomic
     from ripplekv_ext.eval.models import load_model, shipped_profile_path
     from ripplekv_ext.profile_file import load_profile
 

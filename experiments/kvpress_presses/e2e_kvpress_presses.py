@@ -106,7 +106,7 @@ def continuation_logits(model, press, prompt, continuation, seconds):
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     torch.set_num_threads(1)
-    from ripplekv_ext._jsonio import write_json_atomic
+    from ripplekv_ext.jsonio import write_json_atomic
     from ripplekv_ext.eval.fidelity import fidelity_examples, kl_per_position, paired_kl_comparison
     from ripplekv_ext.eval.models import load_model, shipped_profile_path
 

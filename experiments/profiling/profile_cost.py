@@ -30,7 +30,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ripplekv_ext._jsonio import write_json_atomic
+from ripplekv_ext.jsonio import write_json_atomic
 from ripplekv_ext.stats import spearman, split_half_spearman
 
 RESULTS = Path(__file__).resolve().parent / "results"

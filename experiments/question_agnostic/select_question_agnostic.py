@@ -75,7 +75,7 @@ def main(argv=None) -> int:
                      f"one of {', '.join(PROBES)}")
     torch.set_num_threads(1)
     from ripplekv_ext import Policy, continue_context
-    from ripplekv_ext._jsonio import write_json_atomic
+    from ripplekv_ext.jsonio import write_json_atomic
     from ripplekv_ext.eval.models import load_model, shipped_profile_path
     from ripplekv_ext.eval.needle import make_needle
     from ripplekv_ext.eval.runner import evaluate, greedy_options
@@ -150,7 +150,7 @@ def fidelity(args, model, tokenizer, policy, cells, results, out):
     """KL(Full || compressed) per text window, each scoring (``tail`` always: one-shot compression's), with the
     paired difference from ``tail``."""
     from ripplekv_ext import compress
-    from ripplekv_ext._jsonio import write_json_atomic
+    from ripplekv_ext.jsonio import write_json_atomic
     from ripplekv_ext.eval.fidelity import fidelity_examples, kl_per_position, paired_kl_comparison
     from ripplekv_ext.integrations import transformers_integration
 

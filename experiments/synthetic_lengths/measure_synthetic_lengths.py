@@ -21,7 +21,7 @@ import time
 
 import torch
 
-from ripplekv_ext._jsonio import write_json_atomic
+from ripplekv_ext.jsonio import write_json_atomic
 from ripplekv_ext.eval.runner import evaluate, greedy_generate_fn
 from ripplekv_ext.eval.synthetic import SYNTHETIC_TASKS, make_synthetic
 

@@ -21,7 +21,7 @@ import sqlite3
 from pathlib import Path
 from typing import Iterable
 
-from ripplekv_ext._jsonio import read_jsonl
+from ripplekv_ext.jsonio import read_jsonl
 from ripplekv_ext.checks import check_int
 
 SPLITS = ("calibration", "evaluation")

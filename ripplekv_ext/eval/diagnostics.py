@@ -21,7 +21,7 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from ripplekv_ext._jsonio import write_json_atomic
+from ripplekv_ext.jsonio import write_json_atomic
 from ripplekv_ext.allocation import average_budget
 from ripplekv_ext.integrations import transformers_integration
 from ripplekv_ext.policies import DEFAULT_WINDOW
@@ -31,7 +31,7 @@ from ripplekv_ext.profiler import ContinuationRunner
 from ripplekv_ext.stats import spearman
 
 
-class _AttentionTap:
+class AttentionTap:
     """Wraps transformers' SDPA attention: records the last W queries of each layer on the prefix pass,
     and on continuation passes masks out the prefix positions a layer's compression evicted."""
 
@@ -70,7 +70,7 @@ class _AttentionTap:
         return mask.masked_fill(~keep, float("-inf"))
 
 
-def _tapped(model, tap: _AttentionTap):
+def _tapped(model, tap: AttentionTap):
     """``model`` runs its attention through ``tap`` (with SDPA's mask) inside the block."""
     door = transformers_integration()
     sdpa_mask = door.base_attention("sdpa")[1]
@@ -108,7 +108,7 @@ def compression_damage(model, examples: torch.Tensor, prefix_len: int, layers: S
         from tqdm.auto import tqdm
         bar = tqdm(total=len(examples) * len(layers) * len(retentions), desc="compression damage", unit="run")
     per_example = {r: [] for r in retentions}
-    tap = _AttentionTap(window)
+    tap = AttentionTap(window)
     with torch.inference_mode(), _tapped(model, tap):
         for ids in examples:
             tap.capture, tap.evict_layer = True, None

@@ -17,7 +17,7 @@ from typing import Optional, Sequence
 
 import torch
 
-from ripplekv_ext._jsonio import write_json_atomic
+from ripplekv_ext.jsonio import write_json_atomic
 from ripplekv_ext.eval.fidelity import SharedPrefill, continuation_logits_fn, evaluate_fidelity
 from ripplekv_ext.eval.runner import PROTOCOLS, evaluate, protocol_generate_fn, protocol_settings
 from ripplekv_ext.hook import compress
@@ -68,7 +68,7 @@ def _load_resumable(path: Optional[Path], settings: dict) -> dict:
     return cells
 
 
-def _same_policy(cell: dict, policy) -> bool:
+def same_policy(cell: dict, policy) -> bool:
     # A method's name can come to mean another policy (a default changed): a saved cell is reused only for the
     # policy it measured. Cells saved before the policy's repr was recorded are matched by its name.
     if "policy_repr" in cell:
@@ -131,7 +131,7 @@ def run_grid(model, tokenizer, methods: Sequence[str], retentions: Sequence[floa
     for i, (method, retention) in enumerate(plan, 1):
         key = cell_key(method, retention)
         policy = make_policy(method, retention or 1.0, profile, window)
-        saved = cells[key] if key in cells and _same_policy(cells[key], policy) else None
+        saved = cells[key] if key in cells and same_policy(cells[key], policy) else None
         runs = [p for p in protocols if p == "inside" or after_methods is None or method in after_methods]
         if saved is not None:
             kept = _without_stale_protocols(saved, runs, policy, tokenizer)

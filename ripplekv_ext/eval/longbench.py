@@ -18,7 +18,7 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Iterable, Optional
 
-from ripplekv_ext._jsonio import read_jsonl
+from ripplekv_ext.jsonio import read_jsonl
 from ripplekv_ext.eval.example import (Example, context_token_count, encode, has_chat_template, prompt_ids,
                                        render_prompt, truncate_middle)
 from ripplekv_ext.eval.runner import EvalReport

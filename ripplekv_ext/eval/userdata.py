@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Optional
 
-from ripplekv_ext._jsonio import read_jsonl
+from ripplekv_ext.jsonio import read_jsonl
 from ripplekv_ext.eval.example import (Example, context_token_count, encode, has_chat_template, prompt_ids,
                                        render_prompt, truncate_middle)
 

@@ -7,7 +7,7 @@ import json
 import math
 from pathlib import Path
 
-from ripplekv_ext._jsonio import write_json_atomic
+from ripplekv_ext.jsonio import write_json_atomic
 from ripplekv_ext.profile_file import ProfileError
 
 PARTIAL_SUFFIX = ".partial.json"
