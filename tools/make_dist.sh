@@ -6,8 +6,9 @@
 # and the same for 2.14 and 2.13 (requirements/torch-releases.txt names the patch release of each). Output in dist/,
 # with ripplekv_ext-0.1.0.tar.gz (the sources: a pip install compiles them) and wheels.json (each file's size, tags
 # and auditwheel verdict).
-# Built with: .venv's torch for its own release (2.15), .venv-min's CPU torch for cpu-torch2.13 (vLLM's CPU build
-# pins it: `make test-vllm` installs that wheel), and otherwise .dist/build-torch<release>, an environment of
+# Built with: .venv's torch for its own release (2.15), .venv-min's CPU torch for cpu-torch2.13 (`make cpu-wheel`'s
+# wheel, repaired: the one `make test-min` and `make test-vllm` install, as vLLM's CPU build pins torch 2.13), and
+# otherwise .dist/build-torch<release>, an environment of
 # requirements/base.txt with that torch (a CUDA 13 build: its CPU wheel is built from it too, with FORCE_ONLY_CPU=1).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -37,9 +38,8 @@ torch_pin() {  # release -> the pinned requirement, e.g. 2.14 -> torch==2.14.1
 }
 
 build_python() {  # kernels release -> the python whose torch the wheel is compiled against
-    local kernels=$1 release=$2 env="$WORK/build-torch$2"
+    local release=$2 env="$WORK/build-torch$2"
     if [ "$release" = "$VENV_RELEASE" ]; then echo "$ROOT/$PY"; return; fi
-    if [ "$kernels" = cpu ] && [ "$release" = 2.13 ]; then echo "$ROOT/.venv-min/bin/python"; return; fi
     if [ ! -x "$env/bin/python" ] || [ "$("$env/bin/python" -c 'import torch; print(torch.__version__)' 2>/dev/null \
             | cut -d+ -f1)" != "$(torch_pin "$release" | cut -d= -f3)" ]; then
         torch_pin "$release" > "$WORK/override-torch$release.txt"
@@ -63,8 +63,14 @@ for kind in $KINDS; do
         echo "unknown wheel kind $kind (<cpu|cuda>-torch<release>, e.g. cpu-torch2.15)" >&2; exit 1
     fi
     echo "== $kind wheel"
-    python=$(build_python "$kernels" "$release")
     rm -f dist/ripplekv_ext-*+"$label"*.torch"$release"-*.whl
+    if [ "$kind" = cpu-torch2.13 ]; then
+        # The wheel `make test-min` and `make test-vllm` install: one compile (ninja keeps .venv-min/src/build/).
+        make --no-print-directory cpu-wheel >&2
+        "$BIN/auditwheel" repair "${EXCLUDE[@]}" -w dist .venv-min/wheel/ripplekv_ext-*.whl
+        continue
+    fi
+    python=$(build_python "$kernels" "$release")
     copy_tree "$WORK/$kind"
     rm -rf "$WORK/raw-$kind"
     if [ "$kernels" = cpu ]; then

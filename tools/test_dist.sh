@@ -4,8 +4,8 @@
 # selectors, compressor, context, rolling prefill, the CLI's options) run against the installed package from a
 # folder outside the checkout. Which Python each kind is tested on:
 #   the CPU wheel of .venv's torch (2.15)  every Python in DIST_PYTHONS that torch has (3.11-3.13: no 3.10 build)
-#   the CPU wheels of older releases      the oldest of DIST_PYTHONS they have: 3.10 (the newest torch with cp310
-#                                         wheels is 2.14, so a 3.10 user gets that wheel)
+#   the CPU wheels of older releases      the oldest and the newest of DIST_PYTHONS they have: 3.10 (the newest
+#                                         torch with cp310 wheels is 2.14, so a 3.10 user gets that wheel) and 3.13
 #   every CUDA wheel                      3.11 (its kernels load here; with no GPU its CUDA tests report themselves
 #                                         skipped)
 # The test environment's packages: requirements/dist-test.txt, or dist-test-py310.txt on Python 3.10 (the same
@@ -92,10 +92,10 @@ pythons_for() {  # kind -> the Pythons of DIST_PYTHONS it is tested on (the tabl
     [ ${#have[@]} -gt 0 ] || return 0
     if [ "$kernels" = cuda ]; then
         for version in "${have[@]}"; do [ "$version" = 3.11 ] && echo 3.11; done
-    elif [ "$release" = "$VENV_RELEASE" ]; then
+    elif [ "$release" = "$VENV_RELEASE" ] || [ ${#have[@]} -eq 1 ]; then
         echo "${have[@]}"
     else
-        echo "${have[0]}"
+        echo "${have[0]}" "${have[-1]}"
     fi
 }
 
