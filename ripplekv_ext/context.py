@@ -172,6 +172,9 @@ def compress_context(model, context_ids: Tensor, policy: Policy, *, tokenizer=No
                          f"{scoring!r}")
     if scoring is None:
         scoring = default_scoring(policy, tokenizer, probe_ids, attention_mask)
+    if scoring in ("surprisal", "reconstruction") and not policy.is_full and policy.selector.needs_all_queries:
+        raise ValueError(f"scoring={scoring!r} selects with its own scores, not {policy.selector!r}, which needs "
+                         "every query of the context: pass scoring='probe' or 'tail' for H2O (or another selector)")
     if scoring == "reconstruction" and not policy.is_full:
         return _stamped(_reconstruct(model, context_ids, attention_mask, policy, tokenizer, probe_ids), model,
                         policy, context_ids, attention_mask, 0)
@@ -196,6 +199,10 @@ def compress_context(model, context_ids: Tensor, policy: Policy, *, tokenizer=No
             raise ValueError(f"probe_ids must have 1 row or one per context row ({batch}), got {probe_ids.shape[0]}")
         _check_vocab("probe_ids (or the tokenizer's probe)", probe_ids, model)
         probe_tokens = probe_ids.shape[1]
+        if policy.prefill_chunk is not None and not policy.is_full and probe_tokens >= policy.prefill_chunk:
+            raise ValueError(f"prefill_chunk={policy.prefill_chunk} must be longer than the probe ({probe_tokens} "
+                             "tokens), the window of compress_context's last selection: a longer prefill_chunk or a "
+                             "shorter probe_ids")
         probe_ids = probe_ids.to(context_ids.device).expand(batch, -1)
         prefill_ids = torch.cat([context_ids, probe_ids], dim=1)
         if attention_mask is not None:

@@ -147,8 +147,10 @@ class CompressionSession:
         if prompt is not None:
             inputs = prompt_inputs(args, kwargs)
             if inputs is not None:
+                mask = kwargs.get("attention_mask")
                 check_chunk(prompt, self._calls.progress, self.policy, 0 if cache is None else cache.get_seq_length(),
-                            inputs.shape[1], self.lengths, inputs.shape[0])
+                            inputs.shape[1], self.lengths, inputs.shape[0],
+                            mask.shape[-1] if isinstance(mask, Tensor) else None)
         if cache is None and use_cache:
             # The model would create this cache itself, out of our sight; create it here so it can be compressed.
             cache = self._door.new_cache(self.model)

@@ -111,6 +111,21 @@ def _refuse_assisted_decoding(kwargs, policy) -> None:
                          "differ from greedy decoding's); generate without it, or outside the block")
 
 
+# Caches that preallocate every layer at the full length: per-layer compression cannot shrink them (and transformers
+# then builds a 4-D mask of that length, which the block cannot follow).
+_PREALLOCATED = ("static", "offloaded_static")
+
+
+def _refuse_preallocated_cache(model, kwargs, policy) -> None:
+    asked = kwargs.get("cache_implementation")
+    for config in (kwargs.get("generation_config"), getattr(model, "generation_config", None)):
+        asked = asked or getattr(config, "cache_implementation", None)
+    if asked in _PREALLOCATED and not policy.is_full:
+        raise ValueError(f"generate(cache_implementation={asked!r}) inside ripplekv_ext.compress: that cache holds "
+                         "every layer at the full length, which per-layer compression cannot shrink; generate with "
+                         "the default dynamic cache (cache_implementation=None)")
+
+
 def chunked_generate(model, session, original):
     """``original`` (the model's ``generate``) for a block: a prompt read into an empty cache in chunks (asked of
     generate or by the policy) is compressed after every chunk, to its final budgets."""
@@ -118,10 +133,15 @@ def chunked_generate(model, session, original):
     @functools.wraps(original)
     def generate(*args, **kwargs):
         _refuse_assisted_decoding(kwargs, session.policy)
+        _refuse_preallocated_cache(model, kwargs, session.policy)
         chunk = _chunk_asked(model, kwargs, session.policy)
         inputs = prompt_inputs(args, kwargs)
         cache = _cache_given(kwargs)
         if chunk is None or inputs is None or (cache is not None and cache.get_seq_length() > 0):
+            # Not a prompt that rolls (a continuation is kept whole), but transformers still splits it by the chunk.
+            if chunk is not None and not (is_integer(chunk) and chunk >= 1):
+                raise ValueError(f"prefill_chunk_size must be an integer >= 1 (tokens read per forward), got "
+                                 f"{chunk!r}")
             if chunk is not None and kwargs.get("prefill_chunk_size") is None:
                 kwargs["prefill_chunk_size"] = chunk
             return original(*args, **kwargs)
@@ -143,6 +163,10 @@ def real_tokens(attention_mask: Optional[Tensor], batch: int, n: int, chunk: int
     """Each row's real tokens of an ``n``-token prompt read in chunks of ``chunk``; a row whose left padding fills
     a whole chunk (its first chunk would hold no real token to attend to) is refused, naming the rows."""
     totals = [n] * batch if attention_mask is None else [int(x) for x in attention_mask.bool().sum(dim=1).tolist()]
+    empty = [row for row, total in enumerate(totals) if total == 0]
+    if empty:
+        raise ValueError(f"attention_mask rows {empty} have no real token (all zeros): nothing to attend to or "
+                         "compress; drop those rows from the batch")
     too_padded = [row for row, total in enumerate(totals) if n - total >= chunk]
     if too_padded:
         raise ValueError(f"rows {too_padded} of this left-padded batch have more padding than one prefill chunk "
@@ -206,10 +230,15 @@ class PromptProgress:
 
 
 def check_chunk(prompt: ChunkedPrompt, progress: PromptProgress, policy, seen: int, tokens: int,
-                lengths: Optional[Tensor], batch: int) -> None:
+                lengths: Optional[Tensor], batch: int, mask_columns: Optional[int] = None) -> None:
     """Refuse, before anything is written, a forward inside ``chunked_prefill`` that is no chunk of its prompt:
     ``seen`` tokens already in the cache, ``tokens`` in this forward, ``lengths`` the real tokens per row read
-    after it (the mask's; None: unpadded), ``batch`` rows. Records what each row has read."""
+    after it (the mask's; None: unpadded), ``batch`` rows, ``mask_columns`` the attention mask's length (None: no
+    mask). Records what each row has read."""
+    if mask_columns is not None and mask_columns != seen + tokens:
+        raise ValueError(f"the attention mask of a chunk covers the prompt from its start, as transformers expects: "
+                         f"{seen + tokens} columns here ({seen} read before this {tokens}-token chunk), got "
+                         f"{mask_columns}. Pass mask[:, :end] for the chunk ending at end")
     if not progress.started:
         if seen > 0:
             raise ValueError(f"chunked_prefill reads a prompt into an empty cache, but this cache already holds {seen} "

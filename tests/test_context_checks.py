@@ -160,3 +160,15 @@ def test_a_scoring_that_would_ignore_what_it_was_given_is_refused():
     by_tail = compress_context(model, _ids(120), policy, scoring="tail")
     assert torch.equal(by_tail.layers[0].keys, compress_context(model, _ids(120), policy).layers[0].keys)
     assert not torch.equal(by_probe.layers[0].keys, by_tail.layers[0].keys)
+
+
+def test_h2o_and_a_probe_longer_than_the_chunk_are_named():
+    model = tiny_model("llama")
+    with pytest.raises(ValueError, match=r"scoring='surprisal' selects with its own scores, not H2OSelector"):
+        compress_context(model, _ids(300), Policy.h2o(0.25, window=8), tokenizer=_tokenizer)
+    probe = _ids(20, seed=2)
+    with pytest.raises(ValueError, match=r"prefill_chunk=16 must be longer than the probe \(20 tokens\)"):
+        compress_context(model, _ids(300), Policy.snapkv(0.25, window=8, prefill_chunk=16), probe_ids=probe)
+    # H2O with a probe: it reads every query of the context and the probe in one prefill.
+    cache = compress_context(model, _ids(300), Policy.h2o(0.25, window=8), probe_ids=probe)
+    assert cache.layers[0].keys.shape[2] == 80 - 20

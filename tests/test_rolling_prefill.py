@@ -430,3 +430,34 @@ def test_chunked_prefill_arguments_and_selectors_are_checked_before_the_first_ch
                 session.chunked_prefill(300), torch.no_grad():
             model(_ids(100), use_cache=True)
     assert compressed == []  # refused at the first chunk, before it was compressed
+
+
+@torch.no_grad()
+def test_unclear_cases_name_what_was_set():
+    model = tiny_model("llama")
+    policy = Policy.snapkv(0.25, window=WINDOW)
+    ids = _ids(300)
+    # A chunk's own mask (not from the prompt's start) is named as such, not blamed on prompt_tokens.
+    with pytest.raises(ValueError, match=r"covers the prompt from its start.* 200 columns here \(100 read before "
+                                         r"this 100-token chunk\), got 100"):
+        with compress(model, policy) as session, session.chunked_prefill(300):
+            out = model(ids[:, :100], attention_mask=torch.ones(1, 100, dtype=torch.long), use_cache=True)
+            model(ids[:, 100:200], attention_mask=torch.ones(1, 100, dtype=torch.long), use_cache=True,
+                  **{CACHE: output_cache(out)})
+    # A static cache is named, not reported as a 4-D mask no one passed.
+    with pytest.raises(ValueError, match=r"cache_implementation='static'\) inside ripplekv_ext.compress"):
+        with compress(model, policy):
+            model.generate(ids, max_new_tokens=2, cache_implementation="static", **GREEDY)
+    # A bad prefill_chunk_size is refused by name after a context too (the continuation path).
+    context = compress_context(model, _ids(200, seed=1), policy)
+    for bad in (0, -5, 2.5):
+        with pytest.raises(ValueError, match=rf"prefill_chunk_size must be an integer >= 1 .* got {bad}"):
+            with compress(model, policy):
+                model.generate(_ids(210, seed=1), past_key_values=context, max_new_tokens=2,
+                               prefill_chunk_size=bad, **GREEDY)
+    # An all-zero mask row is named as such, not as too much padding.
+    mask = torch.ones(2, 300, dtype=torch.long)
+    mask[1] = 0
+    with pytest.raises(ValueError, match=r"attention_mask rows \[1\] have no real token"):
+        with compress(model, Policy.snapkv(0.25, window=WINDOW, prefill_chunk=64)):
+            model.generate(_ids(300, batch=2), attention_mask=mask, max_new_tokens=2, **GREEDY)
