@@ -9,7 +9,7 @@ final cache), with the cache left after the prompt.
 
 Methods: ``full`` (one forward), ``full-chunked`` (transformers' own ``prefill_chunk_size``, nothing compressed:
 the working set of a chunked prefill), ``one-shot`` (``Policy.ripplekv`` at ``--retention``, the prompt in one
-forward) and ``rolling`` (the same policy with ``prefill_chunk=--chunk``). SmolLM2-135M-Instruct up to its 8K
+forward) and ``bounded_prefill`` (the same policy with ``prefill_chunk=--chunk``). SmolLM2-135M-Instruct up to its 8K
 context, then the tiny random Llama (``--tiny-lengths``) beyond it.
 
     .venv/bin/python bench/e2e_bounded_prefill.py --out bench/results/e2e_bounded_prefill.json

@@ -11,7 +11,7 @@ from ripplekv_ext.selectors import (H2OSelector, KeyNormSelector, PeakSpanSelect
 from ripplekv_ext.policies import Policy
 from ripplekv_ext.tiers import TieredAllocator, tier_counts
 from ripplekv_ext.compressor import CompressionStep, KVCompressor
-from ripplekv_ext.hook import compress
+from ripplekv_ext.compress_block import compress
 from ripplekv_ext.context import compress_context, continue_context, load_context
 
 __version__ = "0.1.0"

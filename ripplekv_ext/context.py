@@ -47,11 +47,11 @@ from ripplekv_ext.allocation import average_budget
 from ripplekv_ext.context_stamp import (STAMP_ATTRIBUTE, ContextStamp, check_context, check_model, load_context,
                                         model_identity)
 from ripplekv_ext.digests import cache_digest
-from ripplekv_ext.hook import compress, compress_block_open
-from ripplekv_ext.integrations import transformers_integration as _door
+from ripplekv_ext.compress_block import compress, compress_block_open
+from ripplekv_ext.integrations import transformers_integration
 from ripplekv_ext.masks import row_lengths
 from ripplekv_ext.policies import Policy
-from ripplekv_ext.rolling import prefill_in_chunks
+from ripplekv_ext.bounded_prefill import prefill_in_chunks
 
 __all__ = ["ContextStamp", "DEFAULT_PROBE", "compress_context", "continue_context", "check_context",
            "default_probe_ids", "default_scoring", "load_context"]
@@ -220,17 +220,18 @@ def compress_context(model, context_ids: Tensor, policy: Policy, *, tokenizer=No
         inputs["attention_mask"] = prefill_mask.to(device)
         inputs["position_ids"] = (inputs["attention_mask"].long().cumsum(-1) - 1).clamp(min=0)
     if probe_tokens:
-        inputs[_door().cache_argument()] = _door().probe_cache(model, probe_tokens)
+        door = transformers_integration()
+        inputs[door.cache_argument()] = door.probe_cache(model, probe_tokens)
     with compress(model, prefill_policy, attention=attention) as session, torch.no_grad():
         chunk = prefill_policy.prefill_chunk
         if chunk is None or prefill_ids.shape[1] <= chunk:
             output = model(**inputs)
         else:  # bounded prefill: the context in chunks, each compressed to its final budgets
-            output = prefill_in_chunks(model, session, inputs, chunk, _door().cache_argument())
-    cache = _door().output_cache(output)
+            output = prefill_in_chunks(model, session, inputs, chunk, transformers_integration().cache_argument())
+    cache = transformers_integration().output_cache(output)
     if probe_tokens:
         # Every row's window (its last probe_tokens slots) is the probe: drop it from every layer.
-        _door().drop_probe(cache, probe_tokens)
+        transformers_integration().drop_probe(cache, probe_tokens)
     return _stamped(cache, model, policy, context_ids, attention_mask, probe_tokens)
 
 
@@ -278,11 +279,12 @@ def _reconstruct(model, context_ids, attention_mask, policy, tokenizer, probe_id
     if why is not None:
         raise ValueError(f"scoring='reconstruction': {why}")
     _whole_context_refusal("reconstruction", attention_mask, policy)
-    for ids in _door().reconstruction_ids(tokenizer):
+    for ids in transformers_integration().reconstruction_ids(tokenizer):
         _check_vocab("the tokenizer's reconstruction instruction", ids, model)
     _check_budget(policy, [context_ids.shape[1]] * context_ids.shape[0], 0)
     with torch.no_grad():
-        return _door().reconstructed_cache(model, context_ids.to(next(model.parameters()).device), policy, tokenizer)
+        device = next(model.parameters()).device
+        return transformers_integration().reconstructed_cache(model, context_ids.to(device), policy, tokenizer)
 
 
 def _surprisal(model, context_ids, attention_mask, policy, tokenizer, probe_ids):
@@ -298,7 +300,7 @@ def _surprisal(model, context_ids, attention_mask, policy, tokenizer, probe_ids)
     _check_budget(policy, [context_ids.shape[1]] * context_ids.shape[0], probe_tokens)
     device = next(model.parameters()).device
     with torch.no_grad():
-        cache = _door().surprisal_cache(model, context_ids.to(device), policy, probe_ids)
+        cache = transformers_integration().surprisal_cache(model, context_ids.to(device), policy, probe_ids)
     return cache, probe_tokens
 
 
@@ -348,7 +350,7 @@ def continue_context(model, cache, question_ids: Tensor, *, copy_cache: bool = T
         raise TypeError(f"continue_context builds {sorted(built)} itself (context + question, the compressed "
                         "cache); pass only generation options")
     device = next(model.parameters()).device
-    stored = _door().cache_device(cache)
+    stored = transformers_integration().cache_device(cache)
     if stored is not None and stored != device:
         raise ValueError(f"the compressed context is on {stored} but the model is on {device}; move the model "
                          "back or compress the context on this device")
@@ -365,4 +367,4 @@ def continue_context(model, cache, question_ids: Tensor, *, copy_cache: bool = T
              else compress(model, stamp.policy, attention=attention))
     with block:
         return model.generate(input_ids, attention_mask=attention_mask,
-                              **{_door().cache_argument(): work}, **generate_kwargs)
+                              **{transformers_integration().cache_argument(): work}, **generate_kwargs)

@@ -13,7 +13,7 @@ import torch
 from torch import Tensor
 
 from ripplekv_ext.digests import cache_digest, weights_digest
-from ripplekv_ext.integrations import transformers_integration as _door
+from ripplekv_ext.integrations import transformers_integration
 from ripplekv_ext.policies import Policy
 
 __all__ = ["ContextStamp", "STAMP_ATTRIBUTE", "check_context", "check_model", "load_context", "model_identity"]
@@ -92,9 +92,9 @@ def _saved_classes() -> list:
     from ripplekv_ext.selectors import (H2OSelector, KeyNormSelector, PeakSpanSelector, SnapKVSelector,
                                         StreamingLLMSelector)
 
-    return [*_door().cache_classes(), ContextStamp, Policy, UniformAllocator, PyramidKVAllocator, RippleKVAllocator,
-            RippleKVRatioAllocator,
-            Profile, SnapKVSelector, PeakSpanSelector, KeyNormSelector, H2OSelector, StreamingLLMSelector]
+    return [*transformers_integration().cache_classes(), ContextStamp, Policy, UniformAllocator, PyramidKVAllocator,
+            RippleKVAllocator, RippleKVRatioAllocator, Profile, SnapKVSelector, PeakSpanSelector, KeyNormSelector,
+            H2OSelector, StreamingLLMSelector]
 
 
 def load_context(path, *, map_location=None):

@@ -1,4 +1,4 @@
-"""The transformers attention hook (ripplekv_ext.hook: ``compress``), checked against the stock model and an
+"""The transformers attention hook (ripplekv_ext.compress_block: ``compress``), checked against the stock model and an
 independent masked computation; one block per model, the guard that keeps a compressed cache in its model's block,
 and the bad-input table. Batches, decoding and threads have their own files: test_hook_batches.py,
 test_hook_decode.py, test_hook_threads.py.

@@ -1,4 +1,4 @@
-"""Left-padded batches under ``compress()`` (ripplekv_ext.hook): each row behaves exactly as its prompt alone.
+"""Left-padded batches under ``compress()`` (ripplekv_ext.compress_block): each row behaves exactly as its prompt alone.
 
 The oracle is the model itself: every row of a padded batch is also run alone (no padding) under the same policy,
 and the batch must give that row the same logits (prefill, a multi-token continuation, decode steps) and the same

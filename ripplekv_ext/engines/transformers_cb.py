@@ -221,7 +221,7 @@ def serve(model, policy: Policy, tiers: Optional[int] = None, on_compress: Optio
                          "engine compresses each request once, after its prefill, so the request would hold its "
                          "whole prompt. Use a policy without prefill_chunk (dataclasses.replace(policy, "
                          "prefill_chunk=None)), or the vLLM plugin, which bounds prefill per request")
-    from ripplekv_ext.hook import compress_block_open
+    from ripplekv_ext.compress_block import compress_block_open
 
     if compress_block_open(model):
         raise RuntimeError("a ripplekv_ext.compress block is open on this model: close it before entering serve. "

@@ -81,7 +81,7 @@ class SharedPrefill:
 
     def _prefill(self, prefix_ids: Tensor):
         """(logit of the prefix's last position, cache after the prefill, {layer: CompressionStep})."""
-        from ripplekv_ext.hook import compress
+        from ripplekv_ext.compress_block import compress
 
         key = prefix_ids.numpy().tobytes()
         if key not in self._prefills:
@@ -95,7 +95,7 @@ class SharedPrefill:
     def logits_fn(self, policy) -> LogitsFn:
         """``logits_fn`` of ``policy`` (``Policy.full()``: every layer keeps every captured token)."""
         from ripplekv_ext.compressor import KVCompressor
-        from ripplekv_ext.hook import compress
+        from ripplekv_ext.compress_block import compress
 
         if not self.supports(policy):
             raise ValueError(f"{policy.name}: SharedPrefill needs window {self.window}, a selector that reads only "

@@ -186,6 +186,6 @@ def protocol_generate_fn(protocol: str, model, tokenizer, policy) -> GenerateFn:
     check_protocol(protocol)
     if protocol == "after":
         return context_generate_fn(model, tokenizer, policy)
-    from ripplekv_ext.hook import compress
+    from ripplekv_ext.compress_block import compress
 
     return greedy_generate_fn(model, tokenizer, None if policy.is_full else (lambda: compress(model, policy)))

@@ -164,7 +164,7 @@ class _BlockPress(PrefillDecodingPress):
 
     @contextlib.contextmanager
     def __call__(self, model):
-        from ripplekv_ext.hook import compress
+        from ripplekv_ext.compress_block import compress
 
         if self.compression_ratio == 0:
             yield

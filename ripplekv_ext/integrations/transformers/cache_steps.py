@@ -98,8 +98,8 @@ def compress_layer(cache, layer_idx: int, queries: Tensor, keys: Tensor, values:
     ``queries`` are what the policy's selector reads (the last ``W`` post-RoPE queries, or all of them); ``lengths``
     (int64 ``[B]``) the real tokens of each row of a left-padded batch (None: no padding); ``budgets`` one per row
     (default: the policy's for each row's length). The full tensors are released (memory is really freed, not
-    masked). With ``decode_every``, or for the first chunk of a prompt read in chunks (``rolling``), the layer keeps
-    the newest ``W`` queries and each row's prompt length for later selections. Returns the tokens each row kept.
+    masked). With ``decode_every``, or for the first chunk of a prompt read in chunks (``bounded_prefill``), the layer
+    keeps the newest ``W`` queries and each row's prompt length for later selections. Returns the tokens each row kept.
     """
     n = keys.shape[2]
     policy = compressor.policy

@@ -41,12 +41,12 @@ from torch import Tensor
 
 from ripplekv_ext.compressor import CompressionObserver, KVCompressor
 # The door to transformers, imported when a block opens: `import ripplekv_ext` must not pay for (or require) it.
-from ripplekv_ext.integrations import transformers_integration as _door
+from ripplekv_ext.integrations import transformers_integration
 from ripplekv_ext.masks import check_batch, row_lengths
+from ripplekv_ext.bounded_prefill import (ChunkedPrompt, check_chunk, chunk_row_budgets, chunked_generate,
+                                          prompt_in_chunks, prompt_inputs, row_read)
 from ripplekv_ext.model_info import text_config
 from ripplekv_ext.policies import Policy
-from ripplekv_ext.rolling import (ChunkedPrompt, check_chunk, chunk_row_budgets, chunked_generate, prompt_in_chunks,
-                                  prompt_inputs, row_read)
 
 __all__ = ["compress", "CompressionSession", "compress_block_open"]
 
@@ -59,7 +59,7 @@ class CompressionSession:
     """
 
     def __init__(self, model, policy: Policy, attention: str, on_compress: Optional[CompressionObserver] = None):
-        door = _door()
+        door = transformers_integration()
         self.model = model
         self.policy = policy
         self.attention = attention
@@ -235,7 +235,7 @@ def compress(model, policy: Policy, attention: Optional[str] = None,
     """
     if not isinstance(policy, Policy):
         raise TypeError(f"policy must be a ripplekv_ext.Policy, got {type(policy).__name__}")
-    door = _door()
+    door = transformers_integration()
     door.check_versions()
     current = door.attention_implementation(model)
     if current is None:
@@ -273,8 +273,8 @@ def compress(model, policy: Policy, attention: Optional[str] = None,
 
 @contextlib.contextmanager
 def _generate_in_chunks(model, session: CompressionSession):
-    """``model.generate`` reading a prompt in chunks under the block when asked (``rolling.chunked_generate``): an
-    attribute of the model object for the block's duration, removed on exit (the class's method shows again)."""
+    """``model.generate`` reading a prompt in chunks under the block when asked (``bounded_prefill.chunked_generate``):
+    an attribute of the model object for the block's duration, removed on exit (the class's method shows again)."""
     if not hasattr(model, "generate") or "generate" in vars(model):
         yield
         return
@@ -287,4 +287,4 @@ def _generate_in_chunks(model, session: CompressionSession):
 
 def compress_block_open(model) -> bool:
     """Whether a ``compress`` block is open on ``model`` (from any thread)."""
-    return _door().block_on(model) is not None
+    return transformers_integration().block_on(model) is not None
