@@ -166,6 +166,22 @@ def test_private_names_stay_in_their_module_and_private_modules_in_their_package
     assert found == []
 
 
+def test_the_product_benchmarks_and_tests_never_import_the_lab():
+    """The lab (experiments/) may use the package and bench's public helpers; nothing outside it imports a lab
+    module (a finding that decides a default is stated in the package as a constant, with a link to the lab)."""
+    lab = {path.stem for path in EXPERIMENT_FILES} - {"conftest"}
+    outside = {path.stem for path in PACKAGE_FILES + BENCH_FILES + TEST_FILES}
+    assert lab & outside == set()  # a lab module named like another would hide from the check below
+    found = []
+    for path in PACKAGE_FILES + BENCH_FILES + TEST_FILES:
+        for node in ast.walk(ast.parse(path.read_text())):
+            modules = ([node.module or ""] if isinstance(node, ast.ImportFrom)
+                       else [alias.name for alias in node.names] if isinstance(node, ast.Import) else [])
+            found += [f"{_relative(path)}:{node.lineno} imports {module}" for module in modules
+                      if module.split(".")[0] in lab | {"experiments"}]
+    assert found == []
+
+
 def test_no_package_module_over_400_lines():
     sizes = {_relative(path): len(path.read_text().splitlines()) for path in PACKAGE_FILES}
     assert {path: size for path, size in sizes.items() if size > 400} == {}
