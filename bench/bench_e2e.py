@@ -157,7 +157,7 @@ def bench_e2e_peer_script_continuation():
     environment (`make peer-env`)."""
     import importlib.util
 
-    from ripplekv_ext.eval.models import tiny_model
+    from ripplekv_ext.eval.tiny_models import tiny_model
 
     spec = importlib.util.spec_from_file_location("peer_kvpress", e2e_peer.PEER_SCRIPT)
     peer = importlib.util.module_from_spec(spec)

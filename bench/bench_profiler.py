@@ -14,7 +14,8 @@ import numpy as np
 import pytest
 import torch
 
-from ripplekv_ext.eval.models import load_smollm2, tiny_model
+from ripplekv_ext.eval.models import load_smollm2
+from ripplekv_ext.eval.tiny_models import tiny_model
 from ripplekv_ext.profiler import profile_model
 
 CASES = {"tiny-llama-L12-P128-T16": dict(num_layers=12, prefix_len=128, cont_len=16)}

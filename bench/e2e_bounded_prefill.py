@@ -32,7 +32,8 @@ METHODS = ("full", "full-chunked", "one-shot", "rolling")
 _CELL = r"""
 import json, sys, torch
 from ripplekv_ext import Policy, compress
-from ripplekv_ext.eval.models import load_model, shipped_profile_path, tiny_model
+from ripplekv_ext.eval.models import load_model, shipped_profile_path
+from ripplekv_ext.eval.tiny_models import tiny_model
 from ripplekv_ext.integrations.transformers import output_cache
 from ripplekv_ext.profile_file import load_profile
 model_name, n, method = sys.argv[1], int(sys.argv[2]), sys.argv[3]
@@ -136,5 +137,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
     sys.exit(main())

@@ -22,8 +22,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from e2e_serving_vllm import run, tiny_model  # noqa: E402  (sets vLLM's offline environment first)
+from e2e_serving_vllm import run, tiny_model  # (sets vLLM's offline environment first)
 
 import torch  # noqa: E402
 

@@ -34,7 +34,6 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 from e2e_bench import machine_description  # noqa: E402
 from e2e_measure import cache_bytes, kv_bytes_per_token  # noqa: E402
 from e2e_paths import portable_path  # noqa: E402

@@ -219,7 +219,7 @@ def measure_tiering_kl(model, tokenizer, profile, args) -> dict:
     examples = torch.tensor(stream[start:start + length * args.kl_examples], dtype=torch.long)
     examples = examples.view(args.kl_examples, length)
     num_layers = len(profile.layers)
-    # T = 1 is uniform SnapKV and T = L exact RippleKV (tests/test_engine_transformers_cb.py checks both budgets).
+    # T = 1 is uniform SnapKV and T = L exact RippleKV (tests/engines/test_engine_transformers_cb.py checks both).
     policies = {}
     for t in args.kl_tiers:
         label = "snapkv (T=1)" if t == 1 else ("ripplekv exact" if t == num_layers else f"ripplekv T={t}")

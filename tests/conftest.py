@@ -1,38 +1,15 @@
-"""What every test file shares: the devices each op test runs on (the CUDA half skipped, not absent, without a GPU)
-and the float dtypes."""
+"""Fixtures every test folder shares: the device and the float dtype each op test runs on (tests/devices.py)."""
 
 import os
-import shutil
 
 import pytest
 import torch
 
-import ripplekv_ext
-
 # The op tests test the CUDA kernels: under the default `auto` a long CUDA call would run the torch reference the
-# tests compare against. tests/test_cuda_path.py tests `auto` itself.
+# tests compare against. tests/ops/test_cuda_path.py tests `auto` itself.
 os.environ.setdefault("RIPPLEKV_CUDA_PATH", "fused")
 
-
-def _cuda_skip_reason():
-    if not ripplekv_ext.cuda_built():
-        return "CUDA kernels not built into this ripplekv_ext"
-    if not torch.cuda.is_available():
-        return "no CUDA device on this machine"
-    return None
-
-
-CUDA_SKIP_REASON = _cuda_skip_reason()
-requires_cuda = pytest.mark.skipif(CUDA_SKIP_REASON is not None, reason=CUDA_SKIP_REASON or "")
-
-# Every op test runs on both backends; the CUDA half is reported as skipped, never silently absent.
-DEVICES = ["cpu", pytest.param("cuda", marks=requires_cuda)]
-FLOAT_DTYPES = [torch.float32, torch.float16, torch.bfloat16]
-
-# What the torch.compile tests check of an op is that it traces whole (fullgraph=True) through its fake kernel, which
-# both backends do. Inductor then writes C++ for the CPU and needs a compiler; an installed wheel's tests run with none
-# on the PATH (tools/test_dist.sh), where aot_eager runs the traced graph instead.
-COMPILE_BACKEND = "inductor" if shutil.which("c++") or shutil.which("g++") else "aot_eager"
+from devices import DEVICES, FLOAT_DTYPES  # noqa: E402  (after the path default above)
 
 
 @pytest.fixture(params=DEVICES)

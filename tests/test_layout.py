@@ -182,6 +182,18 @@ def test_the_product_benchmarks_and_tests_never_import_the_lab():
     assert found == []
 
 
+# tests/ holds one folder per subsystem; at its top only the checks of the repository as a whole and the helpers
+# that tests of several folders share.
+TEST_FOLDERS = {"ops", "selection", "integrations", "engines", "eval", "soak", "cpp"}
+TOP_LEVEL_TESTS = {"conftest.py", "devices.py", "api_tables.py", "policy_samples.py", "test_layout.py", "test_docs.py",
+                   "test_package.py", "test_build_config.py"}
+
+
+def test_tests_live_in_their_subsystem_folder():
+    top = {path.name for path in (ROOT / "tests").iterdir() if path.name != "__pycache__"}
+    assert top - TEST_FOLDERS - TOP_LEVEL_TESTS == set()
+
+
 def test_no_package_module_over_400_lines():
     sizes = {_relative(path): len(path.read_text().splitlines()) for path in PACKAGE_FILES}
     assert {path: size for path, size in sizes.items() if size > 400} == {}

@@ -65,8 +65,11 @@ for kind in $KINDS; do
     echo "== $kind wheel"
     rm -f dist/ripplekv_ext-*+"$label"*.torch"$release"-*.whl
     if [ "$kind" = cpu-torch2.13 ]; then
-        # The wheel `make test-min` and `make test-vllm` install: one compile (ninja keeps .venv-min/src/build/).
-        make --no-print-directory cpu-wheel >&2
+        # The wheel `make test-min` and `make test-vllm` install. DIST_REUSE_CPU_WHEEL=1 (.ci/run, right after
+        # them) repairs the one they just built instead of building it again from a fresh copy of the tree.
+        if [ "${DIST_REUSE_CPU_WHEEL:-0}" != 1 ] || ! ls .venv-min/wheel/ripplekv_ext-*.whl >/dev/null 2>&1; then
+            make --no-print-directory cpu-wheel >&2
+        fi
         "$BIN/auditwheel" repair "${EXCLUDE[@]}" -w dist .venv-min/wheel/ripplekv_ext-*.whl
         continue
     fi

@@ -64,7 +64,10 @@ run_one() {  # kind python-version
     # the CLI's dependencies come with [eval]
     "$UV" pip install -q --python "$env/bin/python" "$wheel[eval]" --override "$WORK/override-$kind.txt"
     mkdir -p "$tests"
-    cp "$ROOT"/tests/*.py "$tests/"  # the selected tests import helpers and each other's samples
+    cp -r "$ROOT"/tests/. "$tests/"  # the selected tests import the shared helpers and each other's samples
+    find "$tests" -name __pycache__ -prune -exec rm -rf {} +
+    local paths=() name
+    for name in "${TESTS[@]}"; do paths+=("$(cd "$tests" && find . -name "$name" | head -1)"); done
     local bare_path="$env/bin:$NO_CC" status=0
     for cc in cc c++ gcc g++ clang nvcc; do
         if PATH=$bare_path command -v "$cc" >/dev/null; then echo "a compiler is on the PATH: $cc" >&2; return 1; fi
@@ -74,7 +77,7 @@ assert f.startswith(sys.prefix), f; \
 assert ripplekv_ext.cuda_built() == ('$kernels' == 'cuda'), ripplekv_ext.build_report(); \
 assert torch.__version__.startswith('$release.'), torch.__version__; \
 print('testing', f, 'Python', sys.version.split()[0], 'torch', torch.__version__)")
-    (cd "$tests" && PATH=$bare_path python -m pytest -q -p no:cacheprovider -ra --durations=25 -k "$DESELECT" "${TESTS[@]}") \
+    (cd "$tests" && PATH=$bare_path python -m pytest -q -p no:cacheprovider -ra --durations=25 -k "$DESELECT" "${paths[@]}") \
         > "$WORK/$kind-py$version.log" 2>&1 || status=$?
     grep -v "^SKIPPED" "$WORK/$kind-py$version.log" | tail -5
     echo "$kind py$version: $(grep -E '[0-9]+ (passed|failed|error)' "$WORK/$kind-py$version.log" | tail -1)" \

@@ -7,7 +7,8 @@ a context-manager factory (``lambda: ripplekv_ext.compress(model, policy)``) or 
 
 Built on the core library (which never imports this package), beside the tasks: ``grid`` (methods x retentions),
 ``diagnostics`` (isolated compression damage vs the profile), ``plots``, ``corpus`` (the bundled KJV text),
-``models`` (model loading and profile paths, for the CLI and the benchmarks).
+``models`` (the known real models, their loading and profile paths, for the CLI and the benchmarks), ``tiny_models``
+(small random models of every supported architecture, built in memory).
 """
 
 from ripplekv_ext.eval.example import Example, render_prompt, truncate_middle

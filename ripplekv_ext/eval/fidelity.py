@@ -59,7 +59,7 @@ class SharedPrefill:
     queries (its ``on_compress`` steps); a policy's run then selects from those with its own ``KVCompressor`` --
     what ``compress(model, policy)`` does inside the prefill -- and feeds only the continuation. A grid of M
     methods x R retentions costs one prefill per example instead of M x R (the continuation is the cheap part).
-    ``tests/test_eval_fidelity.py`` checks the logits against plain runs under the hook for every kind of policy.
+    ``tests/eval/test_eval_fidelity.py`` checks the logits against plain runs under the hook for every kind of policy.
 
     Policies it cannot serve (``supports``): a selector that needs every prompt query (H2O), another window, or
     compression during decoding; use :func:`continuation_logits_fn` for those. Memory: each distinct prefix's

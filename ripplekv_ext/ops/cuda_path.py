@@ -5,7 +5,7 @@ W=32, 20% kept, bf16 and fp16, medians of 20 CUDA-event timings) the fused kerne
 long contexts KV compression is for. Until new kernels measure faster, ``auto`` runs the torch composite beyond each
 op's crossover below. The composite is the package's reference implementation (``ripplekv_ref``): the code those
 ratios were measured against, with the same tie rule (equal scores go to the lower position), the same ascending
-order and the same NaN refusal, so both paths select the same tokens from the same scores (tests/test_cuda_path.py
+order and the same NaN refusal, so both paths select the same tokens from the same scores (tests/ops/test_cuda_path.py
 checks it on the CPU). It materialises what the fused kernels avoid (the ``[B, H_q, W, N]`` probabilities: 389 MiB
 against 14 MiB for ``snapkv_compress`` at 16K).
 
@@ -20,7 +20,7 @@ import os
 import torch
 
 # Per op: the longest sequence (N, keys per head) the fused kernel runs at under ``auto``; ``None``: every length.
-# Written from the committed H200 table by ``crossovers`` (tests/test_cuda_path.py checks that they agree): the
+# Written from the committed H200 table by ``crossovers`` (tests/ops/test_cuda_path.py checks that they agree): the
 # longest measured N up to which the kernel is at least as fast as the reference in every dtype measured.
 FUSED_UP_TO = {
     # 1.09x / 1.15x (bf16 / fp16) at N=2K, 0.93x / 1.05x at 4K, 0.51x / 0.49x at 16K, 0.40x at 32K.

@@ -1,7 +1,7 @@
 """Every vLLM internal the plugin touches, in one table, and the code that wraps them.
 
 The plugin extends vLLM 0.32.0 (``release.SUPPORTED_VLLM``, the release every entry was read from) at these points;
-``tests/vllm/test_patches.py`` checks that each target still exists with the parameters listed, so a vLLM change
+``tests/engines/vllm/test_patches.py`` checks that each target still exists with the parameters listed, so a vLLM change
 fails ``make test-vllm`` rather than a server.
 
 - wrapped: ``EngineArgs.create_engine_config`` (other vLLM releases only): an engine asking for the plugin under a

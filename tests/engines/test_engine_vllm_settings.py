@@ -1,0 +1,138 @@
+"""The vLLM plugin's settings and budget rule (``ripplekv_ext.engines.vllm.settings``, which imports nothing from
+vLLM): run in every environment, with or without vLLM. The engines themselves are tested in ``tests/engines/vllm``."""
+
+import subprocess
+import sys
+import warnings
+
+import pytest
+
+import ripplekv_ext
+from ripplekv_ext.engines.vllm.settings import (BlockAlignedAllocator, Settings, aligned_budget, kv_cache_bytes,
+                                                plan_for)
+from ripplekv_ext.eval.tiny_models import tiny_model
+from ripplekv_ext.policies import PromptTooShortWarning
+from ripplekv_ext.profile_file import Profile, save_profile
+
+BLOCK = 32
+LAYERS = 4
+MODEL_CONFIG = dict(num_hidden_layers=LAYERS, hidden_size=128, num_attention_heads=4, num_key_value_heads=2,
+                    head_dim=32)
+
+
+@pytest.fixture(scope="module")
+def profile_path(tmp_path_factory):
+    """A profile of a tiny 4-layer model with unequal sensitivities (made up: the mechanics are under test)."""
+    profile = Profile.from_sensitivity(tiny_model("llama", num_layers=LAYERS), [0.5, 0.05, 0.2, 0.01], "tiny-llama")
+    path = tmp_path_factory.mktemp("profile") / "tiny.json"
+    save_profile(profile, path)
+    return str(path)
+
+
+def test_import_ripplekv_ext_does_not_import_vllm(tmp_path):
+    code = "import sys, ripplekv_ext, ripplekv_ext.engines; print('vllm' in sys.modules)"
+    # Outside the checkout: its ripplekv_ext folder (no compiled library) would shadow the installed package.
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=tmp_path)
+    assert out.stdout.strip() == "False"
+
+
+def test_kv_cache_bytes_are_the_blocks_of_every_layer():
+    # 64 blocks of 32 tokens, 4 layers, keys and values, 2 KV heads of 32 floats of 4 bytes.
+    assert kv_cache_bytes(MODEL_CONFIG, 64, 32, 4) == 64 * 32 * 4 * 2 * 2 * 32 * 4
+    # head_dim from hidden_size / heads, KV heads from the attention heads, from a config object.
+    config = tiny_model("llama", num_layers=2).config
+    config.head_dim, config.num_key_value_heads = None, None
+    heads = config.num_attention_heads
+    assert kv_cache_bytes(config, 1, 1, 2) == 2 * 2 * heads * (config.hidden_size // heads) * 2
+    with pytest.raises(ValueError, match="no 'num_hidden_layers'"):
+        kv_cache_bytes({}, 1, 1, 2)
+    with pytest.raises(ValueError, match="blocks must be an integer >= 1, got 0"):
+        kv_cache_bytes(MODEL_CONFIG, 0, 32, 4)
+
+
+def test_block_aligned_budgets_drop_whole_blocks():
+    for n in range(1, 700, 7):
+        for budget in (33, 40, 64, 65, 100, 300):
+            kept = aligned_budget(budget, n, BLOCK)
+            if budget >= n:
+                assert kept == n
+            else:
+                assert budget <= kept < budget + BLOCK and (n - kept) % BLOCK == 0 and kept <= n
+    base = ripplekv_ext.PyramidKVAllocator()
+    aligned = BlockAlignedAllocator(base, BLOCK)
+    assert aligned.budgets(LAYERS, 1000, 200, 32) == [aligned_budget(b, 1000, BLOCK)
+                                                      for b in base.budgets(LAYERS, 1000, 200, 32)]
+
+
+def test_plan_tiers_and_blocks(profile_path):
+    plan = plan_for(Settings.from_config({"method": "ripplekv", "retention": 0.2, "tiers": 2,
+                                          "profile": profile_path}), LAYERS, BLOCK)
+    assert plan.tiers == [[0, 2], [1, 3]]  # the most sensitive layers (0 and 2) share the larger budget
+    n = 1000
+    budgets = plan.compressor.budgets(n)
+    assert budgets[0] == budgets[2] > budgets[1] == budgets[3]
+    for t in range(2):
+        assert plan.dropped_blocks(t, n) == (n - plan.tier_budget(t, n)) // BLOCK
+        assert (n - plan.tier_budget(t, n)) % BLOCK == 0
+    assert plan.blocks_held(n) == sum(-(-plan.tier_budget(t, n) // BLOCK) for t in range(2))
+
+
+def test_kv_cache_bytes_per_worker_of_a_parallel_engine():
+    whole = kv_cache_bytes(MODEL_CONFIG, 64, 32, 4)
+    assert kv_cache_bytes(MODEL_CONFIG, 64, 32, 4, tensor_parallel_size=2) == whole // 2  # one KV head each
+    assert kv_cache_bytes(MODEL_CONFIG, 64, 32, 4, pipeline_parallel_size=2) == whole // 2  # two layers each
+    # Three stages of 4 layers hold 2, 1 and 1: each worker is given the largest stage's bytes.
+    assert kv_cache_bytes(MODEL_CONFIG, 64, 32, 4, pipeline_parallel_size=3) == whole // 2
+    # TP above the KV heads: vLLM replicates a head on each worker.
+    assert kv_cache_bytes(MODEL_CONFIG, 64, 32, 4, tensor_parallel_size=4) == whole // 2
+    with pytest.raises(ValueError, match="tensor_parallel_size must be an integer >= 1, got 0"):
+        kv_cache_bytes(MODEL_CONFIG, 64, 32, 4, tensor_parallel_size=0)
+
+
+def test_a_hybrid_plan_compresses_and_tiers_its_full_attention_layers_only():
+    # Six layers, every third one full attention (a gemma-3 pattern): layers 2 and 5.
+    plan = plan_for(Settings.from_config({"method": "pyramidkv", "retention": 0.2}), 6, BLOCK, layers=[5, 2])
+    assert plan.layers == [2, 5] and sorted(sum(plan.tiers, [])) == [2, 5] and plan.num_tiers == 2
+    budgets = plan.compressor.budgets(1000)
+    assert [i for i, b in enumerate(budgets) if b is not None] == [2, 5]
+    assert plan.policy.layer_budgets(2, 1000, [2, 5]) == [budgets[2], budgets[5]]
+    with pytest.raises(ValueError, match=r"tiers.*must divide the model's 3 full-attention layers \(of 6; the "
+                                         r"sliding-window ones are not compressed\).*choose one of \[1, 3\]"):
+        plan_for(Settings.from_config({"method": "pyramidkv", "retention": 0.2, "tiers": 2}), 6, BLOCK,
+                 layers=[1, 3, 5])
+
+
+def test_pristine_tokens_are_the_slots_no_compaction_rewrites():
+    warnings.simplefilter("ignore", PromptTooShortWarning)  # the 40-token prompt is kept whole
+    one_shot = plan_for(Settings.from_config({"method": "snapkv", "retention": 0.2}), LAYERS, BLOCK)
+    n = 1000
+    assert one_shot.pristine_tokens(0, n) == one_shot.dropped_blocks(0, n) * BLOCK == n - one_shot.tier_budget(0, n)
+    assert one_shot.pristine_tokens(0, 40) == 40  # kept whole: nothing is rewritten
+    bounded = plan_for(Settings.from_config({"method": "snapkv", "retention": 0.2, "prefill_chunk": 128}), LAYERS,
+                       BLOCK)
+    # The first compaction that drops a block frees the first slots; every later one writes above them.
+    first = next(b for b in bounded.boundaries(n) if bounded.dropped_blocks(0, n, b))
+    assert bounded.pristine_tokens(0, n) == bounded.dropped_blocks(0, n, first) * BLOCK
+    assert all(bounded.dropped_blocks(0, n, b) * BLOCK >= bounded.pristine_tokens(0, n)
+               for b in bounded.boundaries(n) if b >= first)
+    assert 0 < bounded.pristine_tokens(0, n) < one_shot.pristine_tokens(0, n)
+
+
+@pytest.mark.parametrize("ripplekv,max_model_len,whole", [
+    # 5% of a 400-token prompt (20) is not more than the window: kept whole, 400 > the budget at 2048 plus a chunk.
+    ({"method": "snapkv", "retention": 0.05, "prefill_chunk": 64}, 2048, 400),
+    # PyramidKV's most generous tier keeps a 257-token prompt whole at 20%.
+    ({"method": "pyramidkv", "retention": 0.2, "prefill_chunk": 64}, 1024, 257),
+])
+def test_held_tokens_bound_holds_for_every_prompt_length(ripplekv, max_model_len, whole):
+    plan = plan_for(Settings.from_config(ripplekv), LAYERS, BLOCK)
+    step = 64
+    bounds = [plan.held_tokens_bound(t, max_model_len, step) for t in range(plan.num_tiers)]
+    assert max(bounds) >= whole
+    chunk = ripplekv["prefill_chunk"]
+    warnings.simplefilter("ignore", PromptTooShortWarning)  # (pytest restores the filters after the test)
+    for n in range(1, max_model_len + 1, 7):
+        # What a request of n prompt tokens holds at most while read: all of it if kept whole, else its budget
+        # plus a block, a chunk, a step and a block.
+        for t in range(plan.num_tiers):
+            assert min(n, plan.tier_budget(t, n) + chunk + step + 2 * BLOCK) <= bounds[t]

@@ -1,0 +1,107 @@
+"""Engines of the plugin and their single-request reference, shared by the plugin's tests (imported after vLLM is
+known to be installed)."""
+
+import contextlib
+import gc
+import warnings
+
+import torch
+from vllm import LLM, SamplingParams
+from vllm.distributed import cleanup_dist_env_and_memory
+from vllm.engine.arg_utils import EngineArgs
+
+import ripplekv_ext
+from ripplekv_ext.engines.vllm.settings import Settings, kv_cache_bytes, plan_for
+from ripplekv_ext.policies import PromptTooShortWarning
+
+from tiny_llama import LLAMA_CONFIG
+
+BLOCK = 32
+LAYERS = LLAMA_CONFIG["num_hidden_layers"]
+VOCAB = LLAMA_CONFIG["vocab_size"]
+# A prompt shorter than the window (never compressed), lengths that are not multiples of the block size, and ones
+# long enough to drop several blocks at 20%.
+PROMPT_LENGTHS = [20, 100, 270, 300, 333]
+NEW_TOKENS = 24
+
+
+def prompts(lengths=PROMPT_LENGTHS, seed=0, vocab=VOCAB):
+    generator = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, vocab, (n,), generator=generator).tolist() for n in lengths]
+
+
+def engine_kwargs(model_dir, ripplekv=None, blocks=64, model_config=LLAMA_CONFIG, **overrides):
+    """Stock vLLM (``ripplekv=None``) or the plugin; ``blocks``: KV blocks of a stock engine, multiplied by the
+    number of tiers for the plugin (a tier's block holds ``1 / T`` of a stock block's layers): the same memory, given
+    in bytes per worker so that nothing depends on the machine's memory (a memory fraction is taken of the NUMA
+    node's). ``tensor_parallel_size`` / ``pipeline_parallel_size`` run vLLM's multiprocess executor."""
+    tiers = 1
+    block_size = overrides.get("block_size", BLOCK)
+    if ripplekv is not None:
+        tiers = plan_for(Settings.from_config(ripplekv), model_config["num_hidden_layers"], block_size).num_tiers
+    tp = overrides.get("tensor_parallel_size", 1)
+    pp = overrides.get("pipeline_parallel_size", 1)
+    kwargs = dict(model=model_dir, skip_tokenizer_init=True, dtype="float32", enforce_eager=True, block_size=BLOCK,
+                  num_gpu_blocks_override=blocks * tiers, max_model_len=1024,
+                  kv_cache_memory_bytes=kv_cache_bytes(model_config, blocks, block_size, 4, tp, pp),
+                  enable_prefix_caching=False, max_num_seqs=8)
+    if tp * pp > 1:
+        kwargs["distributed_executor_backend"] = "mp"
+    if ripplekv is not None:
+        kwargs["additional_config"] = {"ripplekv": ripplekv}
+    kwargs.update(overrides)
+    return kwargs
+
+
+@contextlib.contextmanager
+def running(**llm_kwargs):
+    """An ``LLM`` of these arguments, shut down (its workers too) on exit."""
+    llm = LLM(**llm_kwargs)
+    try:
+        yield llm
+    finally:
+        llm.llm_engine.engine_core.shutdown()
+        del llm
+        gc.collect()
+        cleanup_dist_env_and_memory()
+
+
+def engine(model_dir, ripplekv=None, blocks=64, **overrides):
+    """``running`` the engine of ``engine_kwargs``."""
+    return running(**engine_kwargs(model_dir, ripplekv, blocks, **overrides))
+
+
+def config(model_dir, ripplekv=None, **overrides):
+    """The engine config vLLM builds (the plugin's checks run in it)."""
+    ripplekv = {"method": "snapkv", "retention": 0.2} if ripplekv is None else ripplekv
+    return EngineArgs(**engine_kwargs(model_dir, ripplekv, **overrides)).create_engine_config()
+
+
+def scheduler(llm):
+    return llm.llm_engine.engine_core.engine_core.scheduler
+
+
+def greedy(llm, token_lists, new_tokens=NEW_TOKENS):
+    params = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True)
+    outputs = llm.generate([{"prompt_token_ids": t} for t in token_lists], params, use_tqdm=False)
+    return [list(o.outputs[0].token_ids) for o in outputs]
+
+
+def reference(hf_model, policy, token_lists, new_tokens=NEW_TOKENS):
+    """Each prompt alone through transformers' ``generate`` under ``ripplekv_ext.compress(model, policy)``."""
+    out = []
+    for tokens in token_lists:
+        ids = torch.tensor([tokens])
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", PromptTooShortWarning)
+            with torch.no_grad(), ripplekv_ext.compress(hf_model, policy):
+                generated = hf_model.generate(ids, max_new_tokens=new_tokens, do_sample=False)
+        out.append(generated[0, len(tokens):].tolist())
+    return out
+
+
+def held_blocks(llm, request_id):
+    """Blocks (every tier) a request holds in the scheduler's pool: its block tables' entries that are not the null
+    block."""
+    managers = scheduler(llm).kv_cache_manager.coordinator.single_type_managers
+    return sum(sum(1 for block in m.req_to_blocks.get(request_id, ()) if not block.is_null) for m in managers)

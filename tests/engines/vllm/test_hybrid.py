@@ -1,0 +1,107 @@
+"""The plugin on a hybrid model: a tiny random gemma-3 (6 layers, every third one full attention, the others a
+64-token sliding window, 2 KV heads of 32), its engines in this process.
+
+vLLM keeps the sliding-window layers in its own sliding-window KV cache groups (their blocks freed as the window
+moves); the plugin compresses the two full-attention layers only, in their own groups. Each request's tokens equal
+``compress(model, plan.policy)`` + transformers ``generate`` on the prompt alone (the hook, too, leaves sliding
+layers alone), and the plan's tiers name full-attention layers only.
+"""
+
+import os
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("vllm.entrypoints.llm", reason="vLLM is not installed here: `make test-vllm` runs these tests in "
+                    ".venv-vllm")
+
+import torch  # noqa: E402
+from vllm.v1.kv_cache_interface import SlidingWindowSpec  # noqa: E402
+
+from tiny_llama import load_reference_model, save_given_profile  # noqa: E402
+from harness import BLOCK, engine, greedy, prompts, reference, running, scheduler  # noqa: E402
+from ripplekv_ext.engines.vllm.kv_cache import RippleKVManager, RippleKVSpec  # noqa: E402
+from ripplekv_ext.engines.vllm.settings import Settings, plan_for  # noqa: E402
+from ripplekv_ext.eval.models import shipped_profile_path  # noqa: E402
+
+GEMMA3_CONFIG = dict(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=6,
+                     num_attention_heads=4, num_key_value_heads=2, head_dim=32, query_pre_attn_scalar=32,
+                     max_position_embeddings=4096, sliding_window=64, sliding_window_pattern=3,
+                     tie_word_embeddings=True, bos_token_id=1, eos_token_id=2, pad_token_id=0,
+                     initializer_range=0.1)
+FULL_LAYERS = [2, 5]
+
+
+@pytest.fixture(scope="module")
+def gemma3_dir(tmp_path_factory):
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+    config = Gemma3TextConfig(**GEMMA3_CONFIG)
+    assert [i for i, t in enumerate(config.layer_types) if t == "full_attention"] == FULL_LAYERS
+    torch.manual_seed(0)
+    path = tmp_path_factory.mktemp("tiny_gemma3")
+    Gemma3ForCausalLM(config).to(torch.float32).save_pretrained(path, safe_serialization=True)
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def gemma3_model(gemma3_dir):
+    return load_reference_model(gemma3_dir)
+
+
+@pytest.fixture(scope="module")
+def gemma3_profile(gemma3_model, tmp_path_factory):
+    return save_given_profile(gemma3_model, [0.5, 0.02], "tiny-gemma3", tmp_path_factory.mktemp("profile"))
+
+
+@pytest.mark.parametrize("ripplekv", [{"method": "snapkv", "retention": 0.2},
+                                      {"method": "ripplekv", "retention": 0.2, "prefill_chunk": 96}],
+                         ids=["snapkv", "ripplekv-2tiers-bounded"])
+def test_hybrid_model_compresses_its_full_attention_layers_to_the_hook_tokens(gemma3_dir, gemma3_model,
+                                                                              gemma3_profile, ripplekv):
+    if ripplekv["method"] == "ripplekv":
+        ripplekv = {**ripplekv, "profile": gemma3_profile}
+    plan = plan_for(Settings.from_config(ripplekv), GEMMA3_CONFIG["num_hidden_layers"], BLOCK, FULL_LAYERS)
+    assert sorted(sum(plan.tiers, [])) == FULL_LAYERS
+    with engine(gemma3_dir, ripplekv, model_config=GEMMA3_CONFIG, max_num_batched_tokens=64) as llm:
+        coordinator = scheduler(llm).kv_cache_manager.coordinator
+        specs = [m.kv_cache_spec for m in coordinator.single_type_managers]
+        assert sum(isinstance(s, RippleKVSpec) for s in specs) == plan.num_tiers
+        assert any(isinstance(s, SlidingWindowSpec) for s in specs)  # vLLM's own manager for the sliding layers
+        assert all(isinstance(m, RippleKVManager) == isinstance(m.kv_cache_spec, RippleKVSpec)
+                   for m in coordinator.single_type_managers)
+        tokens = greedy(llm, prompts(vocab=GEMMA3_CONFIG["vocab_size"]))
+    assert tokens == reference(gemma3_model, plan.policy, prompts())
+    # Compression changed some answer (the full-attention layers lost tokens) and left the shortest alone.
+    with engine(gemma3_dir, None, model_config=GEMMA3_CONFIG, max_num_batched_tokens=64) as llm:
+        stock = greedy(llm, prompts())
+    assert any(t != s for t, s in zip(tokens, stock)) and tokens[0] == stock[0]
+
+
+GEMMA3_270M = Path(os.environ.get("RIPPLEKV_CACHE_DIR", Path.home() / ".cache" / "ripplekv")) / "gemma-3-270m"
+
+
+@pytest.mark.skipif(not (GEMMA3_270M / "config.json").is_file(),
+                    reason=f"gemma-3-270m not converted at {GEMMA3_270M}: `make test` converts it "
+                           "(tests/integrations/test_gemma3.py) "
+                           "before `make test-vllm` runs")
+def test_gemma3_270m_tokens_equal_the_hook_tokens():
+    # The real model: 18 layers, every sixth one full attention (3), a 512-token window, one KV head of 256. Its
+    # three full-attention layers are compressed in one tier each by the shipped profile's budgets, every 256
+    # prompt tokens; its prompts are longer than the window.
+    from transformers import AutoConfig
+
+    from ripplekv_ext.engines.vllm.settings import kv_cache_bytes, plan_for_model
+
+    ripplekv = {"method": "ripplekv", "retention": 0.2, "tiers": 3, "prefill_chunk": 256,
+                "profile": str(shipped_profile_path("gemma3-270m"))}
+    config = AutoConfig.from_pretrained(GEMMA3_270M)
+    plan = plan_for_model(Settings.from_config(ripplekv), config, BLOCK)
+    assert plan.tiers == [[5], [11], [17]]
+    token_lists = prompts([700, 1100, 1500], seed=0, vocab=20000)
+    params = dict(model=str(GEMMA3_270M), skip_tokenizer_init=True, dtype="float32", enforce_eager=True,
+                  block_size=BLOCK, max_model_len=2048, kv_cache_memory_bytes=kv_cache_bytes(config, 200, BLOCK, 4),
+                  max_num_batched_tokens=512, additional_config={"ripplekv": ripplekv})
+    with running(**params) as llm:
+        tokens = greedy(llm, token_lists)
+    assert tokens == reference(load_reference_model(GEMMA3_270M), plan.policy, token_lists)
