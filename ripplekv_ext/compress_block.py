@@ -39,12 +39,12 @@ from typing import Optional
 
 from torch import Tensor
 
+from ripplekv_ext.bounded_prefill import (ChunkedPrompt, check_chunk, chunk_row_budgets, chunked_generate,
+                                          prompt_in_chunks, prompt_inputs, row_read)
 from ripplekv_ext.compressor import CompressionObserver, KVCompressor
 # The door to transformers, imported when a block opens: `import ripplekv_ext` must not pay for (or require) it.
 from ripplekv_ext.integrations import transformers_integration
 from ripplekv_ext.masks import check_batch, row_lengths
-from ripplekv_ext.bounded_prefill import (ChunkedPrompt, check_chunk, chunk_row_budgets, chunked_generate,
-                                          prompt_in_chunks, prompt_inputs, row_read)
 from ripplekv_ext.model_info import text_config
 from ripplekv_ext.policies import Policy
 
