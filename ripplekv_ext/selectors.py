@@ -21,7 +21,7 @@ from ripplekv_ext.equality import SettingsEquality
 from ripplekv_ext.ops import h2o_scores, select_topk, select_topk_rows, snapkv_scores, streaming_indices
 
 __all__ = ["Selector", "ScoredSelector", "SnapKVSelector", "PeakSpanSelector", "KeyNormSelector", "H2OSelector",
-           "StreamingLLMSelector", "DEFAULT_PEAK_SHARE", "DEFAULT_VALUE_WEIGHTED"]
+           "StreamingLLMSelector", "free_slots_and_starts", "DEFAULT_PEAK_SHARE", "DEFAULT_VALUE_WEIGHTED"]
 
 # The share of PeakSpanSelector's scored slots that go to max-pooled peaks (the rest to averaged spans): chosen on
 # calibration text and retrieval prompts of both models (docs/defaults.md).
@@ -137,6 +137,17 @@ def _window_scores(selector, queries: Tensor, keys: Tensor, window: int, scale: 
     return weighted if kernel_size == 1 else _pool(weighted, kernel_size, pooling)
 
 
+def free_slots_and_starts(keys: Tensor, budgets, window: int,
+                          lengths: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
+    """(slots beyond the window, first real position) of each row, int64 ``[B]`` each: ``budgets`` an int without
+    ``lengths``, else int64 ``[B]`` for a left-padded batch whose rows hold ``lengths`` real tokens."""
+    b = keys.shape[0]
+    if lengths is None:
+        return (torch.full((b,), max(budgets - window, 0), dtype=torch.int64, device=keys.device),
+                torch.zeros(b, dtype=torch.int64, device=keys.device))
+    return (budgets.to(keys.device) - window).clamp(min=0), keys.shape[2] - lengths.to(keys.device)
+
+
 def _check_snapkv_options(kernel_size: int, group_reduce: str, value_weighted: bool) -> None:
     # Checked when the selector is built, so a bad option fails with the policy, not at the first prefill.
     if check_int("kernel_size", kernel_size, 1) % 2 == 0:
@@ -235,12 +246,7 @@ class PeakSpanSelector(ScoredSelector):
         # One scoring of the window (group reduction first), pooled both ways as the op pools.
         unpooled = _window_scores(self, queries, keys, window, scale, lengths, 1, "max", values)
         peaks, spans = _pool(unpooled, self.kernel_size, "max"), _pool(unpooled, self.kernel_size, "avg")
-        b = keys.shape[0]
-        if lengths is None:  # free slots beyond the window, and each row's first real position
-            free = torch.full((b,), max(budgets - window, 0), dtype=torch.int64, device=keys.device)
-            start = torch.zeros(b, dtype=torch.int64, device=keys.device)
-        else:
-            free, start = (budgets.to(keys.device) - window).clamp(min=0), keys.shape[2] - lengths.to(keys.device)
+        free, start = free_slots_and_starts(keys, budgets, window, lengths)
         protected = self.protected_positions(peaks, free, start)
         slots = (free[:, None] - protected.sum(-1)).clamp(min=0)
         n_peaks = torch.floor(self.peak_share * slots.double()).long()  # [B, H_kv]

@@ -37,8 +37,8 @@ torch_pin() {  # release -> the pinned requirement, e.g. 2.14 -> torch==2.14.1
         echo "torch $1 is not in requirements/torch-releases.txt" >&2; return 1; }
 }
 
-build_python() {  # kernels release -> the python whose torch the wheel is compiled against
-    local release=$2 env="$WORK/build-torch$2"
+build_python() {  # release -> the python whose torch the wheel is compiled against
+    local release=$1 env="$WORK/build-torch$1"
     if [ "$release" = "$VENV_RELEASE" ]; then echo "$ROOT/$PY"; return; fi
     if [ ! -x "$env/bin/python" ] || [ "$("$env/bin/python" -c 'import torch; print(torch.__version__)' 2>/dev/null \
             | cut -d+ -f1)" != "$(torch_pin "$release" | cut -d= -f3)" ]; then
@@ -73,7 +73,7 @@ for kind in $KINDS; do
         "$BIN/auditwheel" repair "${EXCLUDE[@]}" -w dist .venv-min/wheel/ripplekv_ext-*.whl
         continue
     fi
-    python=$(build_python "$kernels" "$release")
+    python=$(build_python "$release")
     copy_tree "$WORK/$kind"
     rm -rf "$WORK/raw-$kind"
     if [ "$kernels" = cpu ]; then

@@ -11,31 +11,43 @@ from __future__ import annotations
 
 import functools
 import math
-from typing import Optional
 
 import torch
 from torch import Tensor
 
 from ripplekv_ext import PeakSpanSelector, ScoredSelector, SnapKVSelector, select_topk, select_topk_rows
 from ripplekv_ext.checks import check_fraction, check_int
-from ripplekv_ext.selectors import DEFAULT_PEAK_SHARE
+from ripplekv_ext.selectors import DEFAULT_PEAK_SHARE, free_slots_and_starts
 
 # The recent share RecentSnapKVSelector was measured with by default: chosen on calibration text of two domains at 10,
 # 20 and 30% retention (notebook.md, "The selector, first round").
 DEFAULT_RECENT_FRACTION = 0.75
 
 
-def _free_and_start(keys: Tensor, budgets, window: int, lengths: Optional[Tensor]) -> tuple[Tensor, Tensor]:
-    """(free slots beyond the window, first real position) of each row: ``budgets`` an int without ``lengths``, else
-    int64 ``[B]`` for a left-padded batch."""
-    b = keys.shape[0]
-    if lengths is None:
-        return (torch.full((b,), max(budgets - window, 0), dtype=torch.int64, device=keys.device),
-                torch.zeros(b, dtype=torch.int64, device=keys.device))
-    return (budgets.to(keys.device) - window).clamp(min=0), keys.shape[2] - lengths.to(keys.device)
+class _RankedSelector(ScoredSelector):
+    """SnapKV's scores (``self.snapkv``) with the positions a subclass protects (``_protected``) raised to ``+inf``,
+    then the top ones: what both variants do, each protecting its own positions."""
+
+    needs_values = property(lambda self: self.snapkv.needs_values)
+
+    def score(self, queries, keys, window, scale=None, lengths=None, values=None) -> Tensor:
+        return self.snapkv.score(queries, keys, window, scale, lengths, values)
+
+    def _ranking(self, queries, keys, window, scale, budgets, lengths=None, values=None) -> Tensor:
+        scores = self.score(queries, keys, window, scale, lengths, values)
+        # Protected positions outrank every score (they never exceed the free slots).
+        return scores.masked_fill(self._protected(scores, *free_slots_and_starts(keys, budgets, window, lengths)),
+                                  math.inf)
+
+    def select(self, queries, keys, budget, window, scale=None, values=None) -> Tensor:
+        return select_topk(self._ranking(queries, keys, window, scale, budget, values=values), budget, window)
+
+    def select_rows(self, queries, keys, budgets, lengths, window, scale=None, values=None) -> Tensor:
+        return select_topk_rows(self._ranking(queries, keys, window, scale, budgets, lengths, values), budgets,
+                                window, lengths)
 
 
-class RecentSnapKVSelector(ScoredSelector):
+class RecentSnapKVSelector(_RankedSelector):
     """SnapKV with attention sinks and a recent region kept by position: of a layer's ``budget - window`` slots, the
     first ``sink`` go to the first positions, ``floor(recent_fraction * (budget - window - sink))`` to the positions
     just before the window, and the rest to the best SnapKV scores in between. ``1.0`` is StreamingLLM plus the
@@ -49,35 +61,21 @@ class RecentSnapKVSelector(ScoredSelector):
         self.recent_fraction = check_fraction("recent_fraction", recent_fraction)
         self.sink = check_int("sink", sink, 0)
 
-    needs_values = property(lambda self: self.snapkv.needs_values)
-
-    def score(self, queries, keys, window, scale=None, lengths=None, values=None) -> Tensor:
-        return self.snapkv.score(queries, keys, window, scale, lengths, values)
-
-    def _ranking(self, queries, keys, window, scale, budgets, lengths=None, values=None) -> Tensor:
-        scores = self.score(queries, keys, window, scale, lengths, values)
-        free, start = _free_and_start(keys, budgets, window, lengths)
+    def _protected(self, scores, free, start) -> Tensor:
+        """The sinks and a recent region of ``floor(recent_fraction * (free - sinks))`` positions, every head alike."""
         sink = free.clamp(max=self.sink)
         recent = torch.floor(self.recent_fraction * (free - sink).double()).long()
         position = torch.arange(scores.shape[-1], device=scores.device)[None, :]
         protected = (((position >= start[:, None]) & (position < (start + sink)[:, None]))
                      | (position >= (scores.shape[-1] - recent)[:, None]))
-        # Protected positions outrank every score (they never exceed the free slots).
-        return scores.masked_fill(protected[:, None, :], math.inf)
-
-    def select(self, queries, keys, budget, window, scale=None, values=None) -> Tensor:
-        return select_topk(self._ranking(queries, keys, window, scale, budget, values=values), budget, window)
-
-    def select_rows(self, queries, keys, budgets, lengths, window, scale=None, values=None) -> Tensor:
-        return select_topk_rows(self._ranking(queries, keys, window, scale, budgets, lengths, values), budgets,
-                                window, lengths)
+        return protected[:, None, :]
 
     def __repr__(self):
         options = repr(self.snapkv)[len("SnapKVSelector("):-1]
         return f"RecentSnapKVSelector(recent_fraction={self.recent_fraction:g}, sink={self.sink}, {options})"
 
 
-class AdaptiveRecentSelector(ScoredSelector):
+class AdaptiveRecentSelector(_RankedSelector):
     """``PeakSpanSelector``'s sinks and recent region, with SnapKV's scores (``pooling``) for every other slot."""
 
     name = "adaptive-recent"
@@ -89,22 +87,8 @@ class AdaptiveRecentSelector(ScoredSelector):
                                            value_weighted=value_weighted)
         self.sink = sink
 
-    needs_values = property(lambda self: self.snapkv.needs_values)
-
-    def score(self, queries, keys, window, scale=None, lengths=None, values=None) -> Tensor:
-        return self.snapkv.score(queries, keys, window, scale, lengths, values)
-
-    def _ranking(self, queries, keys, window, scale, budgets, lengths=None, values=None) -> Tensor:
-        scores = self.score(queries, keys, window, scale, lengths, values)
-        protected = self.protection.protected_positions(scores, *_free_and_start(keys, budgets, window, lengths))
-        return scores.masked_fill(protected, math.inf)
-
-    def select(self, queries, keys, budget, window, scale=None, values=None) -> Tensor:
-        return select_topk(self._ranking(queries, keys, window, scale, budget, values=values), budget, window)
-
-    def select_rows(self, queries, keys, budgets, lengths, window, scale=None, values=None) -> Tensor:
-        return select_topk_rows(self._ranking(queries, keys, window, scale, budgets, lengths, values), budgets,
-                                window, lengths)
+    def _protected(self, scores, free, start) -> Tensor:
+        return self.protection.protected_positions(scores, free, start)
 
     def __repr__(self):
         return f"AdaptiveRecentSelector(sink={self.sink}, {repr(self.snapkv)[len('SnapKVSelector('):-1]})"

@@ -152,15 +152,14 @@ class _BlockPress(PrefillDecodingPress):
     def selector(self):
         raise NotImplementedError
 
-    def forward_hook(self, module, input, kwargs, output):
+    def _refuse_nesting(self, *args):
         # kvpress's wrappers (ComposedPress, ...) run a press through its per-layer hook or compress(); this press
         # compresses through its own block instead, so inside one it would compress nothing and report its ratio.
         raise ValueError(f"{type(self).__name__} compresses through its own ripplekv_ext.compress block and cannot "
                          "run inside another press (ComposedPress, a decoding or chunk wrapper): use it alone, "
                          "`with press(model):` or as the pipeline's press=")
 
-    def compress(self, module, hidden_states, keys, values, attentions, kwargs):
-        self.forward_hook(module, None, kwargs, None)
+    forward_hook = compress = _refuse_nesting
 
     @contextlib.contextmanager
     def __call__(self, model):
