@@ -25,7 +25,7 @@ TESTS=(test_ops.py test_allocation.py test_library.py test_gather_kv.py test_gat
        test_context.py test_context_checks.py test_rolling_prefill.py test_cli_options.py)
 # The benchmark harness (bench/e2e_bench.py) is the checkout's, not the wheel's: its rows of the CLI table stay out.
 DESELECT="not e2e_bench"
-# DIST_QUICK=1 (.ci/run) also leaves out the four slowest tests (minutes of generation on SmolLM2 and memory soaks,
+# PYTEST_WORKERS (default "-n 2": two pytest-xdist workers) sets how the tests run; DIST_QUICK=1 (.ci/run) also leaves out the four slowest tests (minutes of generation on SmolLM2 and memory soaks,
 # which depend on torch and transformers, not on the Python version; `make test` runs them).
 if [ "${DIST_QUICK:-0}" = 1 ]; then
     DESELECT="$DESELECT and not memory_is_flat and not batch_of_four and not fresh_process and not store_budget_groups"
@@ -77,7 +77,7 @@ assert f.startswith(sys.prefix), f; \
 assert ripplekv_ext.cuda_built() == ('$kernels' == 'cuda'), ripplekv_ext.build_report(); \
 assert torch.__version__.startswith('$release.'), torch.__version__; \
 print('testing', f, 'Python', sys.version.split()[0], 'torch', torch.__version__)")
-    (cd "$tests" && PATH=$bare_path python -m pytest -q -p no:cacheprovider -ra --durations=25 -k "$DESELECT" "${paths[@]}") \
+    (cd "$tests" && PATH=$bare_path python -m pytest ${PYTEST_WORKERS--n 2} -q -p no:cacheprovider -ra --durations=25 -k "$DESELECT" "${paths[@]}") \
         > "$WORK/$kind-py$version.log" 2>&1 || status=$?
     grep -v "^SKIPPED" "$WORK/$kind-py$version.log" | tail -5
     echo "$kind py$version: $(grep -E '[0-9]+ (passed|failed|error)' "$WORK/$kind-py$version.log" | tail -1)" \
