@@ -47,9 +47,10 @@ build: $(EDITABLE_STAMP)
 # recomputing logits instead of reading the exps the first pass kept (what rows too long for the
 # store budget get; the first line covers the store). Only the numerical tests: the schema, fake-kernel and argument
 # checks (opcheck, the bad-input tables) do not depend on the kernel.
-# The suites run in two pytest-xdist worker processes, whatever the machine: on this project's 2-core machines that
-# takes the main suite from 188 s to 105 s (each worker keeps torch's default threads, so the kernels' parallel paths
-# stay tested). PYTEST_WORKERS= runs them in one process.
+# The long suites run in two pytest-xdist worker processes, whatever the machine: on this project's 2-core machines
+# that takes the main suite from 188 s to 105 s (each worker keeps torch's default threads, so the kernels' parallel
+# paths stay tested). The short ones (under a minute) stay in one process: two workers would each pay their imports
+# and model fixtures. PYTEST_WORKERS= runs every suite in one process.
 PYTEST_WORKERS ?= -n 2
 
 # ruff (configured in pyproject.toml) over every Python file of the project (the lab's experiments too).
@@ -58,10 +59,10 @@ lint: $(DEPS_STAMP)
 
 test: lint build cpp-test
 	$(PY) -m pytest $(PYTEST_WORKERS) tests/
-	RIPPLEKV_DISABLE_AVX2=1 RIPPLEKV_SNAPKV_STORE_MIB=0 $(PY) -m pytest $(PYTEST_WORKERS) -q tests/ops/test_snapkv_scores.py tests/ops/test_snapkv_compress.py tests/ops/test_h2o_scores.py \
+	RIPPLEKV_DISABLE_AVX2=1 RIPPLEKV_SNAPKV_STORE_MIB=0 $(PY) -m pytest -q tests/ops/test_snapkv_scores.py tests/ops/test_snapkv_compress.py tests/ops/test_h2o_scores.py \
 		-k "not opcheck and not bad_input_table and not reference_agrees"
-	$(PY) -m pytest $(PYTEST_WORKERS) bench/ --benchmark-disable -q
-	$(PY) -m pytest $(PYTEST_WORKERS) experiments/ -q
+	$(PY) -m pytest bench/ --benchmark-disable -q
+	$(PY) -m pytest experiments/ -q
 	$(MAKE) --no-print-directory test-min test-vllm
 
 # The oldest supported stack (pyproject.toml's lower bounds: requirements/min.txt, the torch and transformers a
