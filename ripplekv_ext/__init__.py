@@ -8,6 +8,8 @@ from ripplekv_ext.allocation import (Allocator, PyramidKVAllocator, RippleKVAllo
                                      UniformAllocator)
 from ripplekv_ext.selectors import (H2OSelector, KeyNormSelector, PeakSpanSelector, ScoredSelector, Selector,
                                     SnapKVSelector, StreamingLLMSelector)
+from ripplekv_ext.cake import CakeAllocator, CakeSelector
+from ripplekv_ext.headwise import AdaKVSelector
 from ripplekv_ext.policies import Policy
 from ripplekv_ext.tiers import TieredAllocator, tier_counts
 from ripplekv_ext.compressor import CompressionStep, KVCompressor
@@ -19,6 +21,7 @@ __version__ = "0.1.0"
 __all__ = ["build_report", "cuda_built", "cuda_version", "gather_kv", "gather_kv_packed", "h2o_scores", "select_topk",
            "select_topk_packed", "select_topk_rows", "snapkv_compress", "snapkv_compress_rows", "snapkv_scores",
            "streaming_indices", "Allocator", "UniformAllocator", "PyramidKVAllocator", "RippleKVAllocator",
-           "RippleKVRatioAllocator", "TieredAllocator", "tier_counts", "Policy", "Selector", "ScoredSelector",
-           "SnapKVSelector", "PeakSpanSelector", "KeyNormSelector", "H2OSelector", "StreamingLLMSelector",
-           "KVCompressor", "CompressionStep", "compress", "compress_context", "continue_context", "load_context"]
+           "RippleKVRatioAllocator", "CakeAllocator", "TieredAllocator", "tier_counts", "Policy", "Selector",
+           "ScoredSelector", "SnapKVSelector", "PeakSpanSelector", "KeyNormSelector", "H2OSelector",
+           "StreamingLLMSelector", "CakeSelector", "AdaKVSelector", "KVCompressor", "CompressionStep", "compress",
+           "compress_context", "continue_context", "load_context"]

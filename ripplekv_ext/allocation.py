@@ -251,10 +251,13 @@ def power_budgets(sensitivity: Sequence[float], n_tokens: int, avg_budget: int, 
 class Allocator(SettingsEquality, abc.ABC):
     """How many tokens each compressible layer keeps, at a given average: the type every allocator is.
 
-    ``name`` names it in method names (``ALLOCATOR+SELECTOR``).
+    ``name`` names it in method names (``ALLOCATOR+SELECTOR``). ``reads_attention``: the budgets come from the
+    prompt's own attention, read during the prefill (CAKE: ``attention_budgets`` from each layer's ``preference``);
+    ``budgets`` is then only the plan before the prompt is read.
     """
 
     name: str = "custom"
+    reads_attention: bool = False
 
     @abc.abstractmethod
     def budgets(self, num_layers: int, n_tokens: int, avg_budget: int, window: int,

@@ -244,10 +244,7 @@ def check_chunk(prompt: ChunkedPrompt, progress: PromptProgress, policy, seen: i
             raise ValueError(f"chunked_prefill reads a prompt into an empty cache, but this cache already holds {seen} "
                              "tokens (a compressed context, or a prefill before the block): a forward over it is a "
                              "continuation, kept whole. Run it outside chunked_prefill, or start from an empty cache")
-        if not policy.is_full and policy.selector.needs_all_queries:
-            raise ValueError(f"chunked_prefill is not supported with {policy.selector!r}: it scores with every query "
-                             "of the prompt, and a prefill in chunks keeps only the newest; use SnapKV, PeakSpan or "
-                             "StreamingLLM, or read the prompt in one forward")
+        policy.check_reads_in_chunks("chunked_prefill")
     if prompt.totals is not None:
         if len(prompt.totals) not in (1, batch):
             raise ValueError(f"chunked_prefill(prompt_tokens=...) gives {len(prompt.totals)} counts for a {batch}-row "

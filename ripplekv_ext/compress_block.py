@@ -144,6 +144,11 @@ class CompressionSession:
         if use_cache is None:
             use_cache = getattr(text_config(self.model), "use_cache", True)
         prompt = self.prompt
+        if self.policy.reads_attention:
+            inputs = prompt_inputs(args, kwargs)
+            if inputs is not None and inputs.shape[0] != 1:
+                raise ValueError(f"{self.policy.allocator!r} reads each prompt's own attention for its budgets: one "
+                                 f"prompt per forward, got a batch of {inputs.shape[0]}")
         if prompt is not None:
             inputs = prompt_inputs(args, kwargs)
             if inputs is not None:
@@ -159,9 +164,24 @@ class CompressionSession:
         return args, kwargs
 
     def after_forward(self, module, args, kwargs, output):
+        held = getattr(self._calls, "held_whole", None)
+        self._calls.held_whole = None
+        if held and output is not None:  # a forward that raised (output None) leaves its layers as they are
+            self._cut_by_attention(held)
         # A cache is continued correctly only inside a forward that this block's hooks saw (see CompressedLayer);
         # forgetting it afterwards keeps a later forward of another model from passing for one of this block.
         self.cache = self.lengths = None
+
+    def _cut_by_attention(self, held: dict) -> None:
+        """Cut the layers held whole through a prefill, now that every layer's attention gave its preference (an
+        allocator that ``reads_attention``: CAKE)."""
+        n = next(iter(held.values()))[1].shape[2]
+        budgets = self.compressor.attention_budgets({layer: (queries, keys, scale) for layer, (queries, keys, _,
+                                                     scale) in held.items()}, n)
+        for layer_idx, (queries, keys, values, scale) in held.items():
+            row_kept = self._door.compress_layer(self.cache, layer_idx, queries, keys, values, self.compressor,
+                                                 scale=scale, budgets=[budgets[layer_idx]])
+            self._record_row_kept(layer_idx, row_kept)
 
     # -- the registered attention function -------------------------------------------------------------------
     def attention_forward(self, module, query: Tensor, key: Tensor, value: Tensor,
@@ -173,8 +193,8 @@ class CompressionSession:
         prompt = self.prompt
         if isinstance(layer, door.CompressedLayer) and layer.keys is key:
             # The model-wide mask is sized for one layer; this layer's key length and padding slots are its own.
-            output = self.base(module, query, key, value, layer.attention_mask(query.shape[2], query.dtype),
-                               **kwargs)
+            mask = layer.attention_mask(query.shape[2], query.dtype, query.shape[1])
+            output = self.base(module, query, key, value, mask, **kwargs)
             if prompt is not None and prompt.reads(layer.seen_tokens - query.shape[2]):  # a chunk of the prompt
                 layer.remember_queries(query, self.policy.window)
                 read = row_read(self.lengths, key.shape[0], layer.seen_tokens)
@@ -191,6 +211,11 @@ class CompressionSession:
         output = self.base(module, query, key, value, attention_mask, **kwargs)
         if layer_idx in self._compressible and door.is_prefill(layer, query, key):
             queries = query if self.policy.selector.needs_all_queries else query[:, :, -self.policy.window:]
+            if self.policy.reads_attention:  # cut at the end of the forward, every layer's attention read
+                held = getattr(self._calls, "held_whole", None) or {}
+                held[layer_idx] = (queries.contiguous(), key, value, scaling)
+                self._calls.held_whole = held
+                return output
             budgets = None
             if prompt is not None:  # the first chunk of a prompt read in chunks
                 read = row_read(self.lengths, key.shape[0], key.shape[2])

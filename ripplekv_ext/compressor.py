@@ -12,14 +12,12 @@ goes through ``compress_rows(layer_idx, queries, keys, values, lengths)``: each 
 alone, with the budgets of its own length (``row_budgets(lengths)``), and the layer's rows come back padded on the
 left to its longest row, with a key mask ``[B, C_max]`` marking the real slots (docs/design.md §4, "Batches").
 
-Compression during decoding (``Policy(..., decode_every=K)``) is the same two calls again on the whole cache: every
-``K`` generated tokens, each layer's budget is ``decode_budgets(n_seen, n_prompt)[layer]`` (a fixed total, split for
-the length seen so far) and ``compress(layer, recent_queries, k, v, budget=...)`` (``compress_rows(..., budgets=...)``
-for a batch) keeps it, ``recent_queries`` being the post-RoPE queries of the layer's latest ``W`` tokens::
+Compression during decoding (``Policy(..., decode_every=K)``) is the same calls again on the whole cache every ``K``
+generated tokens, with ``budget=decode_budgets(n_seen, n_prompt)[layer]`` (a fixed total, split for the length seen
+so far) and the post-RoPE queries of the layer's latest ``W`` tokens as the window.
 
-    if generated % comp.policy.decode_every == 0:
-        plan = comp.decode_budgets(n_prompt + generated, n_prompt)
-        k, v = comp.compress(layer, recent_q, k, v, budget=plan[layer])
+CAKE's budgets come from the prompt's attention (``attention_budgets``, once every layer has read it); AdaKV's heads
+keep different counts (``compress_heads`` returns the per-head key mask attention must apply).
 
 ``on_compress`` observes every ``compress`` call (benchmarks time the step with it, tests check the budgets) with a
 ``CompressionStep``: the layer, the step's inputs and outputs, the budget and the seconds it took.
@@ -130,6 +128,28 @@ class KVCompressor:
             out[layer] = budget
         return out
 
+    def attention_budgets(self, windows: dict, n_tokens: int) -> list[Optional[int]]:
+        """``budgets(n_tokens)`` read from one prompt's attention, for a policy whose allocator ``reads_attention``
+        (CAKE): ``windows[layer] = (queries, keys, scale)`` of each compressible layer after an ``n_tokens`` prefill,
+        its post-RoPE window queries ``[1, H_q, W', D]``, keys ``[1, H_kv, N, D]`` and softmax scale (None:
+        ``1/sqrt(D)``). Other policies: ``budgets(n_tokens)``."""
+        plan, allocator, layers = self.budgets(n_tokens), self.policy.allocator, self.compressible_layers
+        if not self.policy.reads_attention or all(plan[layer] == n_tokens for layer in layers):
+            return plan
+        if any(layer not in windows for layer in layers):
+            raise ValueError(f"{allocator!r} reads every compressible layer's attention: no window for layers "
+                             f"{[layer for layer in layers if layer not in windows]}")
+        for layer in layers:
+            keys = windows[layer][1]
+            if keys.dim() != 4 or keys.shape[0] != 1 or keys.shape[2] != n_tokens:
+                raise ValueError(f"{allocator!r} reads one prompt's attention: layer {layer}'s keys must be "
+                                 f"[1, H_kv, {n_tokens}, D], got {list(keys.shape)}")
+        preferences = [allocator.preference(windows[layer][0], windows[layer][1], self.policy.window,
+                                            windows[layer][2]) for layer in layers]
+        for layer, budget in zip(layers, self.policy.attention_layer_budgets(preferences, n_tokens, layers)):
+            plan[layer] = budget
+        return plan
+
     def layer_budget(self, layer_idx: int, n_tokens: int) -> Optional[int]:
         """Budget of one layer (``None`` if the layer is not compressible)."""
         self._check_layer(layer_idx)
@@ -205,6 +225,18 @@ class KVCompressor:
         """``(keys_c, values_c)`` ``[B, H_kv, C, D]``: fresh compact tensors holding this layer's kept tokens, or
         the inputs themselves when the layer is not compressed (budget >= N or not compressible). ``budget`` as
         in ``select``."""
+        if self.policy.selector is not None and self.policy.selector.head_wise:
+            raise ValueError(f"{self.policy.selector!r} keeps a different count per KV head: use compress_heads, "
+                             "which returns the per-head key mask attention must apply")
+        keys_c, values_c, _ = self.compress_heads(layer_idx, queries, keys, values, scale, budget)
+        return keys_c, values_c
+
+    def compress_heads(self, layer_idx: int, queries: Tensor, keys: Tensor, values: Tensor,
+                       scale: Optional[float] = None,
+                       budget: Optional[int] = None) -> tuple[Tensor, Tensor, Optional[Tensor]]:
+        """``(keys_c, values_c, key_mask)`` for a selector whose heads keep different counts (AdaKV): each head's
+        kept tokens in its last slots of ``[B, H_kv, C_max, D]``, zeros before them, and the bool ``[B, H_kv, C_max]``
+        mask of real slots attention must apply (None: all real, as for every other selector)."""
         if values.shape != keys.shape:
             raise ValueError(f"values must have the shape of keys {list(keys.shape)}, got {list(values.shape)}")
         observed = self.on_compress is not None
@@ -217,7 +249,8 @@ class KVCompressor:
             budget = self._budget(layer_idx, keys.shape[2], budget)
             self.on_compress(CompressionStep(layer_idx, queries, keys, values, scale, budget, indices, keys_c,
                                              values_c, seconds))
-        return keys_c, values_c
+        key_mask = None if indices is None or bool((indices >= 0).all()) else indices >= 0
+        return keys_c, values_c, key_mask
 
     # -- left-padded batches: every row compressed as if it were alone ----------------------------------------
 

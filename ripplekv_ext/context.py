@@ -172,6 +172,11 @@ def compress_context(model, context_ids: Tensor, policy: Policy, *, tokenizer=No
                          f"{scoring!r}")
     if scoring is None:
         scoring = default_scoring(policy, tokenizer, probe_ids, attention_mask)
+    if not policy.is_full and (policy.selector.head_wise or policy.reads_attention):
+        raise ValueError(f"compress_context does not take {policy.name}: a context is stamped and continued with one "
+                         "count per KV head and budgets planned before the prompt is read (not AdaKV's per-head "
+                         "counts, nor CAKE's budgets from the prompt's attention); compress with the question "
+                         "inside the prompt under ripplekv_ext.compress instead")
     if scoring in ("surprisal", "reconstruction") and not policy.is_full and policy.selector.needs_all_queries:
         raise ValueError(f"scoring={scoring!r} selects with its own scores, not {policy.selector!r}, which needs "
                          "every query of the context: pass scoring='probe' or 'tail' for H2O (or another selector)")

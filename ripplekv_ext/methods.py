@@ -8,8 +8,11 @@ allocator and selector is written once, there. Any other allocator x selector pa
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Optional
 
+from ripplekv_ext.cake import CakeAllocator, CakeSelector
+from ripplekv_ext.headwise import AdaKVSelector
 from ripplekv_ext.allocation import PyramidKVAllocator, RippleKVAllocator, RippleKVRatioAllocator, UniformAllocator
 from ripplekv_ext.policies import DEFAULT_WINDOW, Policy
 from ripplekv_ext.selectors import (H2OSelector, KeyNormSelector, PeakSpanSelector, SnapKVSelector,
@@ -18,13 +21,16 @@ from ripplekv_ext.selectors import (H2OSelector, KeyNormSelector, PeakSpanSelect
 __all__ = ["PUBLISHED", "DEFAULT_METHODS", "ALLOCATORS", "SELECTORS", "check_method", "is_full", "needs_profile",
            "make_allocator", "make_policy"]
 
-# name -> Policy constructor, in the article's order of comparison.
+# name -> Policy constructor: the article's comparison in its order, then CAKE (the strongest published allocator
+# it does not compare with).
 PUBLISHED = {"streamingllm": Policy.streamingllm, "h2o": Policy.h2o, "snapkv": Policy.snapkv,
-             "pyramidkv": Policy.pyramidkv, "ripplekv": Policy.ripplekv}
+             "pyramidkv": Policy.pyramidkv, "ripplekv": Policy.ripplekv, "cake": Policy.cake}
 DEFAULT_METHODS = ("full", *PUBLISHED)
-ALLOCATORS = ("uniform", "pyramidkv", "ripplekv")
+ALLOCATORS = ("uniform", "pyramidkv", "ripplekv", "cake")
 SELECTORS = {"snapkv": SnapKVSelector, "peak-span": PeakSpanSelector, "keynorm": KeyNormSelector, "h2o": H2OSelector,
-             "streamingllm": StreamingLLMSelector}
+             "streamingllm": StreamingLLMSelector, "cake": CakeSelector,
+             # AdaKV's head-wise budgets over SnapKV's scores: at equal kept tokens, and at equal bytes
+             "adakv": AdaKVSelector, "adakv-padded": functools.partial(AdaKVSelector, padded=True)}
 
 
 def check_method(method: str) -> str:
@@ -53,6 +59,8 @@ def make_allocator(name: str, profile=None, ratio: Optional[float] = None):
         return UniformAllocator()
     if name == "pyramidkv":
         return PyramidKVAllocator()
+    if name == "cake":
+        return CakeAllocator()
     if name == "ripplekv":
         if profile is None:
             raise ValueError("the ripplekv allocator needs a sensitivity profile (run `ripplekv profile` first)")

@@ -21,6 +21,7 @@ from typing import Optional, Sequence
 from ripplekv_ext.allocation import (DEFAULT_EXPONENT, DEFAULT_NORMALIZE, DEFAULT_RATIO, Allocator,
                                      PyramidKVAllocator, RippleKVAllocator, RippleKVRatioAllocator, UniformAllocator,
                                      average_budget)
+from ripplekv_ext.cake import DEFAULT_GAMMA, DEFAULT_TAU1, DEFAULT_TAU2, CakeAllocator, CakeSelector
 from ripplekv_ext.checks import check_int, is_integer, shown
 from ripplekv_ext.selectors import (H2OSelector, PeakSpanSelector, Selector, SnapKVSelector,
                                     StreamingLLMSelector)
@@ -109,6 +110,12 @@ class Policy:
         if self.selector.needs_all_queries:
             raise ValueError(f"decode_every is not supported with {self.selector!r}: it scores with every query of "
                              "the sequence, which a compressed cache no longer has; use SnapKV or StreamingLLM")
+        if self.selector.head_wise:
+            raise ValueError(f"decode_every is not supported with {self.selector!r}: its heads keep different "
+                             "counts, and re-selection during decoding keeps one count per head")
+        if self.reads_attention:
+            raise ValueError(f"decode_every is not supported with {self.allocator!r}: its budgets come from the "
+                             "prompt's attention at the prefill, not from a plan a growing sequence can be split by")
         if self.decode_budget is not None and (not is_integer(self.decode_budget)
                                                or self.decode_budget <= self.window):
             raise ValueError(f"decode_budget must be an integer > window = {self.window} (the newest window tokens "
@@ -121,15 +128,35 @@ class Policy:
         if not is_integer(chunk) or chunk <= self.window:
             raise ValueError(f"{name} must be an integer > window = {self.window} (tokens of prompt read per "
                              f"forward, e.g. 512), got {shown(chunk)}")
-        if not self.is_full and self.selector.needs_all_queries:
-            raise ValueError(f"{name}={chunk} is not supported with {self.selector!r}: it scores with every query of "
-                             "the prompt, and a prefill in chunks keeps only the newest; use SnapKV, PeakSpan or "
-                             "StreamingLLM, or read the prompt in one forward")
+        self.check_reads_in_chunks(f"{name}={chunk}")
         return int(chunk)
+
+    def check_reads_in_chunks(self, what: str) -> None:
+        """``ValueError`` naming ``what`` unless this policy can cut a prompt read in chunks after each chunk: not with
+        a selector that scores with every query of the prompt (H2O), nor with budgets read from the whole prompt's
+        attention (CAKE)."""
+        if self.is_full:
+            return
+        if self.selector.needs_all_queries:
+            raise ValueError(f"{what} is not supported with {self.selector!r}: it scores with every query of the "
+                             "prompt, and a prefill in chunks keeps only the newest; use SnapKV, PeakSpan or "
+                             "StreamingLLM, or read the prompt in one forward")
+        if self.selector.head_wise:
+            raise ValueError(f"{what} is not supported with {self.selector!r}: its heads keep different counts, and "
+                             "a prefill in chunks re-selects with one count per head; read the prompt in one forward")
+        if self.reads_attention:
+            raise ValueError(f"{what} is not supported with {self.allocator!r}: its budgets come from every layer's "
+                             "attention over the whole prompt, and a prefill in chunks cuts each layer before the "
+                             "prompt is read; read the prompt in one forward")
 
     @property
     def is_full(self) -> bool:
         return self.selector is None
+
+    @property
+    def reads_attention(self) -> bool:
+        """Whether the budgets come from the prompt's own attention (the allocator's ``reads_attention``: CAKE)."""
+        return not self.is_full and self.allocator.reads_attention
 
     @property
     def name(self) -> str:
@@ -176,6 +203,20 @@ class Policy:
                           PromptTooShortWarning, stacklevel=2)
             return [n_tokens] * num_layers
         return self._allocate(num_layers, n_tokens, avg, layers)
+
+    def attention_layer_budgets(self, preferences: Sequence[float], n_tokens: int,
+                                layers: Optional[Sequence[int]] = None) -> list[int]:
+        """Budget of each compressible layer for an ``n_tokens`` prompt from the layers' ``preferences``, read from
+        the prompt's attention (an allocator that ``reads_attention``: CAKE), one per layer; the same rules as
+        ``layer_budgets`` for Full and prompts too short to compress."""
+        plan = self.layer_budgets(len(preferences), n_tokens, layers)
+        if not self.reads_attention or all(budget == n_tokens for budget in plan):
+            return plan
+        budgets = self.allocator.attention_budgets(list(preferences), n_tokens,
+                                                   average_budget(self.retention, n_tokens), self.window)
+        if len(budgets) != len(plan):
+            raise ValueError(f"allocator {self.allocator!r} returned {len(budgets)} budgets for {len(plan)} layers")
+        return [int(b) for b in budgets]
 
     def decode_average_budget(self, prompt_tokens: int) -> int:
         """Average tokens per layer held while generating after a ``prompt_tokens`` prompt (``decode_every`` on):
@@ -255,6 +296,14 @@ class Policy:
         return cls(allocator,
                    DEFAULT_RIPPLEKV_SELECTOR() if selector is None else selector, retention, window, decode_every,
                    decode_budget, prefill_chunk)
+
+    @classmethod
+    def cake(cls, retention: float, window: int = DEFAULT_WINDOW, tau1: float = DEFAULT_TAU1,
+             tau2: float = DEFAULT_TAU2, gamma: float = DEFAULT_GAMMA) -> "Policy":
+        """CAKE (``ripplekv_ext.cake``): each layer's budget from its window attention's entropy and variance,
+        tokens by the window's mean attention + ``gamma`` x its variance. Its budgets are read from the prompt, so
+        it compresses at the end of a one-forward prefill only (no ``prefill_chunk``, no ``decode_every``)."""
+        return cls(CakeAllocator(tau1, tau2), CakeSelector(gamma), retention, window)
 
     @classmethod
     def h2o(cls, retention: float, window: int = DEFAULT_WINDOW, chunk_size: int = 1024) -> "Policy":

@@ -43,12 +43,14 @@ class Selector(SettingsEquality, abc.ABC):
     ``name`` names the selector in method names (``ALLOCATOR+SELECTOR``); ``needs_all_queries`` says whether it
     reads the queries of every prompt position (H2O) or only the window's; ``needs_values`` whether it reads the
     layer's values (the compressor passes ``values=`` only to a selector that does, so a selector of one's own
-    need not take them).
+    need not take them); ``head_wise`` whether its KV heads keep different counts (AdaKV: its selections are
+    right-aligned per head, ``-1`` before a head's kept positions, and kept with a per-head key mask).
     """
 
     name: str = "custom"
     needs_all_queries: bool = False
     needs_values: bool = False
+    head_wise: bool = False
 
     @abc.abstractmethod
     def select(self, queries: Tensor, keys: Tensor, budget: int, window: int,

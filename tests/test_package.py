@@ -32,7 +32,7 @@ def test_named_methods_are_the_policy_constructors():
     from ripplekv_ext import Policy
     from ripplekv_ext.methods import DEFAULT_METHODS, make_policy
 
-    assert DEFAULT_METHODS == ("full", "streamingllm", "h2o", "snapkv", "pyramidkv", "ripplekv")
+    assert DEFAULT_METHODS == ("full", "streamingllm", "h2o", "snapkv", "pyramidkv", "ripplekv", "cake")
     profile = [1.0, 2.0, 3.0]
     assert make_policy("full", 0.2) == Policy.full()
     for name in DEFAULT_METHODS[1:]:

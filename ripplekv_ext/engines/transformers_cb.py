@@ -212,6 +212,13 @@ def serve(model, policy: Policy, tiers: Optional[int] = None, on_compress: Optio
     if not policy.is_full and policy.selector.needs_all_queries:
         raise ValueError(f"selector {policy.selector.name} needs every prompt query, which chunked prefills do not "
                          "keep; use a SnapKV or StreamingLLM policy under serve")
+    if not policy.is_full and policy.selector.head_wise:
+        raise ValueError(f"{policy.selector!r} is not supported under serve: the engine's paged cache holds one count "
+                         "per KV head, and AdaKV's heads keep different counts")
+    if policy.reads_attention:
+        raise ValueError(f"{policy.allocator!r} is not supported under serve: its budgets come from every layer's "
+                         "attention over the whole prompt, and the engine cuts each layer when its prefill ends; use "
+                         "a policy whose budgets are planned before the prompt (Policy.snapkv, Policy.ripplekv)")
     if policy.decode_every is not None:
         raise ValueError(f"decode_every={policy.decode_every} (compression during decoding) is not supported under "
                          "serve: the engine compresses each request once, after its prefill. Use a policy without "

@@ -74,7 +74,7 @@ def plot_eval(results: dict, path) -> Path:
 def _method_color(label: str):
     """One colour per method across every figure of the report (full black, the rest by method name)."""
     colors = {"full": "black", "streamingllm": "tab:gray", "h2o": "tab:brown", "snapkv": "tab:orange",
-              "pyramidkv": "tab:green", "ripplekv": "tab:blue"}
+              "pyramidkv": "tab:green", "cake": "tab:purple", "ripplekv": "tab:blue"}
     return colors.get(label.split()[0], None)
 
 

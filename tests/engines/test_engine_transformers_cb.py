@@ -286,6 +286,9 @@ def test_settings_it_cannot_honour_are_named(model):
     with pytest.raises(ValueError, match="every prompt query"):
         with cb.serve(model, Policy.h2o(0.3, window=WINDOW)):
             pass
+    with pytest.raises(ValueError, match=r"CakeAllocator\(tau1=1, tau2=1\) is not supported under serve"):
+        with cb.serve(model, Policy.cake(0.3, window=WINDOW)):
+            pass
     with pytest.raises(ValueError, match="decode_every=16 .* not supported under serve"):
         with cb.serve(model, Policy.snapkv(0.3, window=WINDOW, decode_every=16)):
             pass

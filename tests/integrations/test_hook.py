@@ -44,7 +44,7 @@ WINDOW = 8
 GREEDY = dict(do_sample=False, temperature=None, top_p=None, top_k=None, pad_token_id=0)
 
 
-def _ids(batch=2, n=96, seed=0, vocab=512):
+def prompt_ids(batch=2, n=96, seed=0, vocab=512):
     return torch.randint(3, vocab, (batch, n), generator=torch.Generator().manual_seed(seed))
 
 
@@ -67,7 +67,7 @@ def _policies(num_compressible):
 
 
 @torch.no_grad()
-def _prefill_then_continue(model, ids, continuation, cache=None):
+def prefill_then_continue(model, ids, continuation, cache=None):
     """Logits of prefill, of a multi-token continuation chunk, then of one decoded token; and the cache."""
     out = model(ids, use_cache=True)
     cache = output_cache(out)
@@ -138,7 +138,7 @@ class MaskedReference:
         AttentionMaskInterface._global_mapping.pop(self.name)
 
 
-def _max_diff(a, b):
+def max_diff(a, b):
     return max((x.float() - y.float()).abs().max().item() for x, y in zip(a, b))
 
 
@@ -147,11 +147,11 @@ def _max_diff(a, b):
 @pytest.mark.parametrize("arch", TINY_ARCHS)
 def test_full_policy_equals_stock(arch):
     model = tiny_model(arch)
-    ids, cont = _ids(), _ids(n=4, seed=1)
-    stock, _ = _prefill_then_continue(model, ids, cont)
+    ids, cont = prompt_ids(), prompt_ids(n=4, seed=1)
+    stock, _ = prefill_then_continue(model, ids, cont)
     with compress(model, Policy.full()):
-        ours, _ = _prefill_then_continue(model, ids, cont)
-    assert _max_diff(stock, ours) <= 1e-5
+        ours, _ = prefill_then_continue(model, ids, cont)
+    assert max_diff(stock, ours) <= 1e-5
 
 
 @pytest.mark.parametrize("arch", TINY_ARCHS)
@@ -159,13 +159,13 @@ def test_budget_at_prompt_length_equals_stock(arch):
     # Every full-attention layer goes through the compressed-cache path (own causal masks, logical positions)
     # with nothing dropped: logits must be the stock ones.
     model = tiny_model(arch)
-    ids, cont = _ids(), _ids(n=4, seed=1)
-    stock, _ = _prefill_then_continue(model, ids, cont)
+    ids, cont = prompt_ids(), prompt_ids(n=4, seed=1)
+    stock, _ = prefill_then_continue(model, ids, cont)
     n_layers = len(compressible_layers(model))
     with compress(model, Policy.ripplekv(toy_sensitivity(n_layers), 1.0, window=WINDOW)):
-        ours, cache = _prefill_then_continue(model, ids, cont)
+        ours, cache = prefill_then_continue(model, ids, cont)
     assert all(isinstance(cache.layers[i], CompressedLayer) for i in compressible_layers(model))
-    assert _max_diff(stock, ours) <= 1e-5
+    assert max_diff(stock, ours) <= 1e-5
 
 
 # --- Compressed: equal to the independent masked computation ------------------------------------------------
@@ -177,35 +177,35 @@ def test_budget_at_prompt_length_equals_stock(arch):
 def test_compressed_decoding_matches_masked_reference(arch, policy_name):
     model = tiny_model(arch)
     policy = _policies(len(compressible_layers(model)))[policy_name]
-    ids, cont = _ids(), _ids(n=5, seed=1)
+    ids, cont = prompt_ids(), prompt_ids(n=5, seed=1)
     with compress(model, policy) as session:
-        ours, cache = _prefill_then_continue(model, ids, cont)
+        ours, cache = prefill_then_continue(model, ids, cont)
     with MaskedReference(model, policy):
-        reference, _ = _prefill_then_continue(model, ids, cont)
-    full, _ = _prefill_then_continue(model, ids, cont)
+        reference, _ = prefill_then_continue(model, ids, cont)
+    full, _ = prefill_then_continue(model, ids, cont)
 
     budgets = session.compressor.budgets(96)
     assert any(b is not None and b < 96 for b in budgets)  # something really was compressed
     for layer in compressible_layers(model):
         assert cache.layers[layer].keys.shape[2] == budgets[layer] + 5
         assert cache.layers[layer].get_seq_length() == 96 + 5  # positions stay those of the full sequence
-    assert _max_diff(ours, reference) <= 1e-4
-    assert _max_diff(ours[1:], full[1:]) > 1e-3  # and compression did change the continuation
+    assert max_diff(ours, reference) <= 1e-4
+    assert max_diff(ours[1:], full[1:]) > 1e-3  # and compression did change the continuation
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
 def test_half_precision_models(dtype):
     model = tiny_model("llama").to(dtype)
     policy = Policy.ripplekv(toy_sensitivity(4), 0.3, window=WINDOW)
-    ids, cont = _ids(), _ids(n=5, seed=1)
+    ids, cont = prompt_ids(), prompt_ids(n=5, seed=1)
     with compress(model, policy):
-        ours, cache = _prefill_then_continue(model, ids, cont)
+        ours, cache = prefill_then_continue(model, ids, cont)
     with MaskedReference(model, policy) as masked:
-        reference, full_cache = _prefill_then_continue(model, ids, cont)
-    full, _ = _prefill_then_continue(model, ids, cont)
+        reference, full_cache = prefill_then_continue(model, ids, cont)
+    full, _ = prefill_then_continue(model, ids, cont)
     model_fp32 = tiny_model("llama")
     with MaskedReference(model_fp32, policy):
-        reference_fp32, _ = _prefill_then_continue(model_fp32, ids, cont)
+        reference_fp32, _ = prefill_then_continue(model_fp32, ids, cont)
     assert cache.layers[0].keys.dtype == dtype
     assert all(torch.isfinite(x).all() for x in ours)
     # The positions each layer keeps are the reference's, exactly.
@@ -216,27 +216,27 @@ def test_half_precision_models(dtype):
         assert torch.equal(cache.layers[layer].keys[:, :, :idx.shape[2]], kept), layer
     # The outputs, within the dtype's own rounding (the half model's masked reference against the fp32 model's), and
     # compression changed them by far more than that.
-    tol = _max_diff(reference, reference_fp32)
-    assert _max_diff(ours, reference) <= tol
-    assert _max_diff(ours[1:], full[1:]) > 5 * tol
+    tol = max_diff(reference, reference_fp32)
+    assert max_diff(ours, reference) <= tol
+    assert max_diff(ours[1:], full[1:]) > 5 * tol
 
 
 def test_eager_attention_when_asked():
     model = tiny_model("qwen2")
-    ids, cont = _ids(), _ids(n=5, seed=1)
+    ids, cont = prompt_ids(), prompt_ids(n=5, seed=1)
     model.set_attn_implementation("eager")
-    stock_eager, _ = _prefill_then_continue(model, ids, cont)
+    stock_eager, _ = prefill_then_continue(model, ids, cont)
     with compress(model, Policy.full()):  # follows the model's eager setting
-        full_eager, _ = _prefill_then_continue(model, ids, cont)
-    assert _max_diff(stock_eager, full_eager) <= 1e-5
+        full_eager, _ = prefill_then_continue(model, ids, cont)
+    assert max_diff(stock_eager, full_eager) <= 1e-5
     model.set_attn_implementation("sdpa")
     policy = Policy.snapkv(0.3, window=WINDOW)
     with compress(model, policy, attention="eager") as session:
         assert session.attention == "eager"
-        ours, _ = _prefill_then_continue(model, ids, cont)
+        ours, _ = prefill_then_continue(model, ids, cont)
     with MaskedReference(model, policy):
-        reference, _ = _prefill_then_continue(model, ids, cont)
-    assert _max_diff(ours, reference) <= 1e-4
+        reference, _ = prefill_then_continue(model, ids, cont)
+    assert max_diff(ours, reference) <= 1e-4
 
 
 # --- Memory really freed ------------------------------------------------------------------------------------
@@ -253,7 +253,7 @@ def test_cache_bytes_equal_the_budgets(arch, dtype, policy_name):
     model = tiny_model(arch).to(dtype)
     layers = compressible_layers(model)
     policy = _policies(len(layers))[policy_name]
-    ids = _ids(n=120)
+    ids = prompt_ids(n=120)
     with compress(model, policy) as session, torch.no_grad():
         cache = output_cache(model(ids, use_cache=True))
     budgets = session.compressor.budgets(120)
@@ -275,11 +275,11 @@ def test_on_compress_sees_every_compressed_layer_once_per_prefill(arch):
     policy = _policies(len(layers))["ripplekv"]
     steps = []
     with compress(model, policy, on_compress=steps.append) as session, torch.no_grad():
-        cache = output_cache(model(_ids(n=120), use_cache=True))
+        cache = output_cache(model(prompt_ids(n=120), use_cache=True))
         assert [s.layer_idx for s in steps] == layers  # the prefill, each compressible layer once, in order
         kept = {i: cache.layers[i].keys.shape[2] for i in layers}
-        model(_ids(n=1, seed=1), **{CACHE: cache}, use_cache=True)  # decoding compresses nothing more
-        model(_ids(n=100, seed=2), use_cache=True)  # a second prefill is observed again
+        model(prompt_ids(n=1, seed=1), **{CACHE: cache}, use_cache=True)  # decoding compresses nothing more
+        model(prompt_ids(n=100, seed=2), use_cache=True)  # a second prefill is observed again
     budgets = session.compressor.budgets(120)
     assert [s.layer_idx for s in steps] == layers * 2
     for step in steps[:len(layers)]:
@@ -295,7 +295,7 @@ def test_on_compress_sees_every_compressed_layer_once_per_prefill(arch):
 def test_right_padding_is_a_clear_error():
     # Left-padded batches are compressed row by row (tests/integrations/test_hook_batches.py); right padding is refused.
     model = tiny_model("llama")
-    ids = _ids()
+    ids = prompt_ids()
     mask = torch.ones_like(ids)
     mask[1, -10:] = 0
     with compress(model, Policy.snapkv(0.3, window=WINDOW)), torch.no_grad():
@@ -308,17 +308,17 @@ def test_right_padding_is_a_clear_error():
 
 def test_prompt_within_the_window_is_left_uncompressed():
     model = tiny_model("mistral")
-    ids, cont = _ids(n=20), _ids(n=3, seed=1)
-    stock, _ = _prefill_then_continue(model, ids, cont)
+    ids, cont = prompt_ids(n=20), prompt_ids(n=3, seed=1)
+    stock, _ = prefill_then_continue(model, ids, cont)
     with compress(model, Policy.snapkv(0.2, window=32)):
-        ours, cache = _prefill_then_continue(model, ids, cont)
+        ours, cache = prefill_then_continue(model, ids, cont)
     assert [layer.keys.shape[2] for layer in cache.layers] == [23] * 4
-    assert _max_diff(stock, ours) <= 1e-5
+    assert max_diff(stock, ours) <= 1e-5
 
 
 def test_generate_batch_under_compression():
     model = tiny_model("llama")
-    ids = _ids(n=64)
+    ids = prompt_ids(n=64)
     with compress(model, Policy.snapkv(0.5, window=WINDOW)), torch.no_grad():
         out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=6, do_sample=False,
                              pad_token_id=0)
@@ -329,7 +329,7 @@ def test_decoder_called_directly_is_compressed():
     # Engines often call the decoder stack (model.model) rather than the LM head model.
     model = tiny_model("llama")
     with compress(model, Policy.snapkv(0.5, window=WINDOW)), torch.no_grad():
-        cache = output_cache(model.get_decoder()(_ids(), use_cache=True))
+        cache = output_cache(model.get_decoder()(prompt_ids(), use_cache=True))
     assert [type(layer) for layer in cache.layers] == [CompressedLayer] * 4
     assert [layer.keys.shape[2] for layer in cache.layers] == [48] * 4
 
@@ -355,7 +355,7 @@ def _assert_same(before, after):
 
 def test_context_manager_restores_the_model():
     model = tiny_model("gemma3")
-    ids = _ids()
+    ids = prompt_ids()
     before = _snapshot(model)
     with torch.no_grad():
         stock = model(ids).logits
@@ -405,7 +405,7 @@ def test_snapshot_sees_a_refusal_that_left_the_model_changed():
 def test_second_block_on_one_model_is_refused_and_model_ends_as_it_began():
     model = tiny_model("llama", seed=0)
     before = model.config._attn_implementation
-    ids = _ids(batch=1, n=64)
+    ids = prompt_ids(batch=1, n=64)
     with torch.no_grad():
         expected = model(ids).logits
     policy = Policy.snapkv(0.5, window=8)
@@ -424,7 +424,7 @@ def test_second_block_on_one_model_is_refused_and_model_ends_as_it_began():
 
 def test_blocks_on_two_models_are_independent():
     m1, m2 = tiny_model("llama", seed=0), tiny_model("llama", seed=0)
-    ids = _ids(batch=1, n=64)
+    ids = prompt_ids(batch=1, n=64)
     before = _snapshot(m2)
     with torch.no_grad():
         stock = m2(ids).logits
@@ -443,7 +443,7 @@ def test_blocks_on_two_models_are_independent():
 
 def test_prompt_too_short_for_the_policy_passes_uncompressed_with_a_warning():
     model = tiny_model("llama", seed=0)
-    ids = _ids(batch=1, n=40)  # retention 0.5 -> average budget 20 <= window 32
+    ids = prompt_ids(batch=1, n=40)  # retention 0.5 -> average budget 20 <= window 32
     policy = Policy.snapkv(0.5)
     with torch.no_grad():
         expected = model.generate(ids, max_new_tokens=5, do_sample=False)
@@ -465,7 +465,7 @@ def test_cache_continued_while_a_block_is_open_on_another_model_is_refused(arch,
     num = len(compressible_layers(model))
     policy = (Policy.snapkv(0.3, window=WINDOW) if budgets == "equal"
               else Policy.ripplekv(toy_sensitivity(num), 0.3, window=WINDOW))
-    context, question = _ids(batch=1, n=96), _ids(batch=1, n=6, seed=1)
+    context, question = prompt_ids(batch=1, n=96), prompt_ids(batch=1, n=6, seed=1)
     cache = compress_context(model, context, policy)
     held = [(layer.keys.shape[2], layer.get_seq_length()) for layer in cache.layers]
     with compress(other, policy):
@@ -483,10 +483,10 @@ def test_cache_its_block_ran_is_refused_to_another_model_afterwards():
     model, replica = tiny_model("llama"), tiny_model("llama")
     policy = Policy.snapkv(0.3, window=WINDOW)
     with compress(model, policy), torch.no_grad():
-        cache = output_cache(model(_ids(batch=1, n=96), use_cache=True))
-        model(_ids(batch=1, n=1, seed=1), use_cache=True, **{CACHE: cache})
+        cache = output_cache(model(prompt_ids(batch=1, n=96), use_cache=True))
+        model(prompt_ids(batch=1, n=1, seed=1), use_cache=True, **{CACHE: cache})
         with pytest.raises(RuntimeError, match="only be continued inside"):
-            replica(_ids(batch=1, n=1, seed=2), use_cache=True, **{CACHE: cache})
+            replica(prompt_ids(batch=1, n=1, seed=2), use_cache=True, **{CACHE: cache})
         assert cache.get_seq_length() == 97
 
 
@@ -494,7 +494,7 @@ def test_a_replica_continues_a_cache_inside_its_own_block():
     model = tiny_model("llama")
     replica = tiny_model("llama")
     policy = Policy.snapkv(0.3, window=WINDOW)
-    context, question = _ids(batch=1, n=96), _ids(batch=1, n=6, seed=1)
+    context, question = prompt_ids(batch=1, n=96), prompt_ids(batch=1, n=6, seed=1)
     expected = continue_context(model, compress_context(model, context, policy), question, max_new_tokens=4,
                                 **GREEDY)
     assert torch.equal(continue_context(replica, compress_context(model, context, policy), question,
@@ -580,10 +580,10 @@ def smollm2():
 def test_smollm2_full_equals_stock(smollm2):
     model, _, ids = smollm2
     cont = ids[:, 5:9]
-    stock, _ = _prefill_then_continue(model, ids, cont)
+    stock, _ = prefill_then_continue(model, ids, cont)
     with compress(model, Policy.full()):
-        ours, _ = _prefill_then_continue(model, ids, cont)
-    assert _max_diff(stock, ours) <= 1e-5
+        ours, _ = prefill_then_continue(model, ids, cont)
+    assert max_diff(stock, ours) <= 1e-5
 
 
 def test_smollm2_ripplekv_generation(smollm2):

@@ -104,9 +104,10 @@ def compress_layer(cache, layer_idx: int, queries: Tensor, keys: Tensor, values:
     n = keys.shape[2]
     policy = compressor.policy
     if lengths is None and (budgets is None or len(set(budgets)) == 1):
-        kept_keys, kept_values = compressor.compress(layer_idx, queries, keys, values, scale=scale,
-                                                     budget=None if budgets is None else budgets[0])
-        key_mask, row_kept = None, [kept_keys.shape[2]] * keys.shape[0]
+        # A head-wise selector (AdaKV) comes back with a per-head key mask; every other one with None.
+        kept_keys, kept_values, key_mask = compressor.compress_heads(layer_idx, queries, keys, values, scale=scale,
+                                                                     budget=None if budgets is None else budgets[0])
+        row_kept = [kept_keys.shape[2]] * keys.shape[0]
     else:
         # A prefill's mask covers exactly its n tokens (the layer was empty before it).
         lengths = [n] * keys.shape[0] if lengths is None else lengths
@@ -157,9 +158,15 @@ def compressed_cache(cache, steps: dict, compressor: Optional[KVCompressor] = No
     """
     out = copy.copy(cache)
     out.layers = [layer if i in steps else copy.deepcopy(layer) for i, layer in enumerate(cache.layers)]
+    budgets = None
+    if compressor is not None and compressor.policy.reads_attention and steps:
+        budgets = compressor.attention_budgets({layer: (step.queries, step.keys, step.scale)
+                                                for layer, step in steps.items()},
+                                               next(iter(steps.values())).n_tokens)
     for layer_idx, step in steps.items():
-        keys, values = step.keys, step.values
+        keys, values, key_mask = step.keys, step.values, None
         if compressor is not None:
-            keys, values = compressor.compress(layer_idx, step.queries, keys, values, scale=step.scale)
-        out.layers[layer_idx] = CompressedLayer(keys, values, seen_tokens=step.n_tokens)
+            keys, values, key_mask = compressor.compress_heads(layer_idx, step.queries, keys, values, scale=step.scale,
+                                                               budget=None if budgets is None else budgets[layer_idx])
+        out.layers[layer_idx] = CompressedLayer(keys, values, seen_tokens=step.n_tokens, key_mask=key_mask)
     return out

@@ -63,7 +63,8 @@ class CompressedLayer(DynamicLayer):
     for positions and for slicing new inputs; ``physical_length`` is what the tensors hold.
 
     ``key_mask`` (bool ``[B, physical_length]`` or None: every slot real) marks the slots that hold a real token
-    of their row; a left-padded batch's rows have padding slots in front of their kept tokens.
+    of their row; a left-padded batch's rows have padding slots in front of their kept tokens. A selector whose KV
+    heads keep different counts (AdaKV) gives one per head instead, ``[B, H_kv, physical_length]``.
 
     Compression during decoding (``Policy.decode_every``) keeps, per layer, the post-RoPE queries of the newest
     ``W`` tokens (``recent_queries``), each row's prompt length and the tokens added since the last selection.
@@ -74,9 +75,10 @@ class CompressedLayer(DynamicLayer):
         self.lazy_initialization(keys, values)
         self.keys, self.values = keys, values
         self.seen_tokens = int(seen_tokens)
-        if key_mask is not None and tuple(key_mask.shape) != (keys.shape[0], keys.shape[2]):
-            raise ValueError(f"key_mask must be [B, C] = {[keys.shape[0], keys.shape[2]]}, got "
-                             f"{list(key_mask.shape)}")
+        shapes = ((keys.shape[0], keys.shape[2]), tuple(keys.shape[:3]))
+        if key_mask is not None and tuple(key_mask.shape) not in shapes:
+            raise ValueError(f"key_mask must be [B, C] = {[keys.shape[0], keys.shape[2]]} or, per KV head, "
+                             f"[B, H_kv, C] = {list(keys.shape[:3])}, got {list(key_mask.shape)}")
         self.key_mask = key_mask
         self.recent_queries: Optional[Tensor] = None  # [B, H_q, <= W, D] post-RoPE queries of the newest tokens
         self.prompt_lengths: Optional[Tensor] = None  # int64 [B] (CPU): each row's real prompt tokens
@@ -92,8 +94,8 @@ class CompressedLayer(DynamicLayer):
         self.seen_tokens += key_states.shape[-2]
         self.since_selection += key_states.shape[-2]
         if self.key_mask is not None:  # new tokens are real
-            new = self.key_mask.new_ones(self.key_mask.shape[0], key_states.shape[-2])
-            self.key_mask = torch.cat([self.key_mask, new], dim=1)
+            new = self.key_mask.new_ones(*self.key_mask.shape[:-1], key_states.shape[-2])
+            self.key_mask = torch.cat([self.key_mask, new], dim=-1)
         return super().update(key_states, value_states, *args, **kwargs)
 
     def get_seq_length(self) -> int:
@@ -123,7 +125,7 @@ class CompressedLayer(DynamicLayer):
         keep = max(self.physical_length - remove, 0)
         self.keys, self.values = self.keys[..., :keep, :], self.values[..., :keep, :]
         if self.key_mask is not None:
-            self.key_mask = self.key_mask[:, :keep]
+            self.key_mask = self.key_mask[..., :keep]
         self.seen_tokens -= remove
 
     def reset(self) -> None:
@@ -154,6 +156,8 @@ class CompressedLayer(DynamicLayer):
         """Real tokens each row holds now."""
         if self.key_mask is None:
             return [self.physical_length] * self.keys.shape[0]
+        if self.key_mask.dim() == 3:  # per KV head: what the row's longest head holds
+            return self.key_mask.sum(dim=-1).amax(dim=-1).tolist()
         return self.key_mask.sum(dim=1).tolist()
 
     def keep(self, keys: Tensor, values: Tensor, key_mask: Optional[Tensor]) -> None:
@@ -188,13 +192,17 @@ class CompressedLayer(DynamicLayer):
         if self.prompt_lengths is not None:
             self._reorder_decode_state(beam_idx)
 
-    def attention_mask(self, q_len: int, dtype: torch.dtype) -> Optional[Tensor]:
-        """Additive mask for ``q_len`` new queries over this layer's keys: end-aligned causality and the key mask;
-        ``None`` when it would mask nothing (one query, no padding)."""
+    def attention_mask(self, q_len: int, dtype: torch.dtype, query_heads: int = 1) -> Optional[Tensor]:
+        """Additive mask for ``q_len`` new queries over this layer's keys: end-aligned causality and the key mask
+        (``[B, 1, q_len, C]``, or ``[B, query_heads, q_len, C]`` for a per-head key mask, each query head reading
+        its KV head's); ``None`` when it would mask nothing (one query, no padding)."""
         kv_len, device = self.physical_length, self.keys.device
         if self.key_mask is None:
             return None if q_len == 1 else end_aligned_causal_mask(q_len, kv_len, dtype, device)
-        allowed = self.key_mask[:, None, None, :]
+        if self.key_mask.dim() == 3:
+            allowed = self.key_mask.repeat_interleave(query_heads // self.key_mask.shape[1], dim=1)[:, :, None, :]
+        else:
+            allowed = self.key_mask[:, None, None, :]
         if q_len > 1:
             allowed = allowed & end_aligned_causal(q_len, kv_len, device)
         mask = torch.zeros(allowed.shape, dtype=dtype, device=device)

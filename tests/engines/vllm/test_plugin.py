@@ -339,6 +339,7 @@ def test_the_v2_model_runner_is_refused_by_name(model_dir, monkeypatch):
 
 @pytest.mark.parametrize("ripplekv,message", [
     ({"method": "h2o", "retention": 0.2}, r"method.*must be one of .*got 'h2o'"),
+    ({"method": "cake", "retention": 0.2}, r"method.*must be one of .*got 'cake'.*cake's budgets need every layer"),
     ({"method": "snapkv", "retention": 0.2, "budget": 64}, r"unknown keys \['budget'\]"),
     ({"method": "snapkv"}, "must give \"method\" .* and \"retention\""),
     ({"method": "snapkv", "retention": 1.5}, r"retention.*must be a number in \(0, 1\]"),
@@ -346,7 +347,8 @@ def test_the_v2_model_runner_is_refused_by_name(model_dir, monkeypatch):
     ({"method": "ripplekv", "retention": 0.2}, r"profile.*must be the path of a RippleKV profile"),
     ({"method": "ripplekv", "retention": 0.2, "profile": "/nonexistent/profile.json"}, "not found"),
     ({"method": "snapkv", "retention": 0.2, "profile": "x.json"}, "only read by method ripplekv"),
-], ids=["h2o", "unknown-key", "no-retention", "retention", "tiers", "no-profile", "missing-profile", "stray-profile"])
+], ids=["h2o", "cake", "unknown-key", "no-retention", "retention", "tiers", "no-profile", "missing-profile",
+        "stray-profile"])
 def test_bad_settings_are_refused(model_dir, ripplekv, message):
     with pytest.raises(ValueError, match=message):
         config(model_dir, ripplekv)

@@ -1,0 +1,194 @@
+"""CAKE (Qin et al., ICLR 2025, "Cascading and Adaptive KV cache Eviction with Layer Preferences").
+
+CAKE decides both things at once from the prompt's own attention, read at the end of each layer's prefill:
+
+* **how much each layer keeps** (``CakeAllocator``): the layer's preference ``P = H ** (1/tau1) * V ** (1/tau2)``,
+  ``H`` the entropy of its observation window's attention over the prefix (summed over heads and window queries),
+  ``V`` the variance of that attention across the window queries (summed over heads and prefix positions); the
+  total prefix budget ``(avg - W) x L`` is split in proportion to ``P`` (``cake_budgets``);
+* **which tokens** (``CakeSelector``): each prefix position's window attention, mean plus ``gamma`` x variance over
+  the window queries, average-pooled over 5 positions and averaged over the query heads of each KV head.
+
+Every definition follows the authors' code (antgroup/cakekv at c4675ce: ``cake/model/modify_llama.py`` and
+``cake/utils.py``), in fp32. Their tuned ``tau1, tau2`` (``model2tau.json``) cover five 7-13B models and neither of
+ours, so the defaults are their script's own (``tau1 = tau2 = 1``, ``gamma = 200``).
+
+The budgets depend on every layer's attention, so a layer's cut is known only once the last layer has read the
+prompt: ``compress(model, Policy.cake(r))`` holds each layer whole until the end of the prefill forward, then cuts
+every layer (CAKE's non-cascading form). The authors' cascading form re-cuts the layers read so far by their stored
+scores as each layer arrives, against the same total, and ends at the same budgets, with a lower peak during the
+prefill. Here a prefill's memory is bounded by bounded prefill (``prefill_chunk``) instead, which needs the budgets
+before the prompt is read: a CAKE policy refuses it, and compression during decoding (``decode_every``), whose
+budgets are split again as the sequence grows.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional, Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from ripplekv_ext.allocation import Allocator, uniform_budgets
+from ripplekv_ext.checks import check_int
+from ripplekv_ext.selectors import ScoredSelector
+
+__all__ = ["CakeAllocator", "CakeSelector", "cake_budgets", "window_attention", "layer_preference",
+           "eviction_scores", "DEFAULT_TAU1", "DEFAULT_TAU2", "DEFAULT_GAMMA", "POOL_SIZE"]
+
+DEFAULT_TAU1 = 1.0
+DEFAULT_TAU2 = 1.0
+DEFAULT_GAMMA = 200.0
+POOL_SIZE = 5  # the eviction score's average pooling (the authors' kernel_size=5, zero padding counted)
+_ENTROPY_EPS = 1e-10  # inside the entropy's log, as the authors write it
+
+
+def _positive(name: str, value) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+        raise ValueError(f"{name} must be a finite number > 0, got {value!r}")
+    return float(value)
+
+
+def window_attention(queries: Tensor, keys: Tensor, window: int, scale: Optional[float] = None) -> Tensor:
+    """float32 ``[B, H_q, W, N]``: the softmax attention of the last ``window`` queries over all ``N`` keys, causal
+    inside the window (query ``i`` of the window sees keys up to its own position). ``queries`` ``[B, H_q, W', D]``
+    post-RoPE, ``W' >= window``; ``keys`` ``[B, H_kv, N, D]``."""
+    if queries.dim() != 4 or keys.dim() != 4:
+        raise ValueError(f"queries and keys must be 4-D ([B, H_q, W, D] and [B, H_kv, N, D]), got "
+                         f"{queries.dim()}-D and {keys.dim()}-D")
+    b, h_q, _, d = queries.shape
+    h_kv, n = keys.shape[1], keys.shape[2]
+    if h_q % h_kv:
+        raise ValueError(f"query heads ({h_q}) must be a multiple of KV heads ({h_kv})")
+    if not 1 <= window < n or queries.shape[2] < window:
+        raise ValueError(f"window must be in [1, N = {n}) and at most the queries given ({queries.shape[2]}), "
+                         f"got {window}")
+    q = queries[:, :, -window:].float()
+    k = keys.float().repeat_interleave(h_q // h_kv, dim=1)
+    logits = (q @ k.transpose(-1, -2)) * (1.0 / math.sqrt(d) if scale is None else float(scale))
+    query_pos = torch.arange(n - window, n, device=keys.device)[:, None]
+    logits = logits.masked_fill(torch.arange(n, device=keys.device) > query_pos, float("-inf"))
+    return torch.softmax(logits, dim=-1)
+
+
+def layer_preference(attention: Tensor, tau1: float = DEFAULT_TAU1, tau2: float = DEFAULT_TAU2) -> float:
+    """CAKE's layer preference from ``window_attention``'s ``[B, H_q, W, N]``: the entropy ``H`` of the prefix
+    columns (``-sum A log(A + 1e-10)`` over all of them) and the variance ``V`` across the window queries (unbiased,
+    summed over the rest), as ``H ** (1/tau1) * V ** (1/tau2)``."""
+    prefix = attention[..., : attention.shape[3] - attention.shape[2]]
+    entropy = -(prefix * torch.log(prefix + _ENTROPY_EPS)).sum()
+    variance = prefix.var(dim=-2).sum()
+    return float(entropy ** (1.0 / tau1) * variance ** (1.0 / tau2))
+
+
+def eviction_scores(attention: Tensor, kv_heads: int, gamma: float = DEFAULT_GAMMA) -> Tensor:
+    """float32 ``[B, H_kv, N - W]``: CAKE's score of each prefix position, the window queries' mean attention plus
+    ``gamma`` x its variance across them (unbiased), average-pooled over ``POOL_SIZE`` positions (zero padding
+    counted) and averaged over the query heads of each KV head."""
+    b, h_q, w, n = attention.shape
+    scores = attention.mean(dim=-2) + gamma * attention.var(dim=-2)
+    scores = F.avg_pool1d(scores[..., : n - w], POOL_SIZE, stride=1, padding=POOL_SIZE // 2)
+    return scores.reshape(b, kv_heads, h_q // kv_heads, n - w).mean(dim=2)
+
+
+def cake_budgets(preferences: Sequence[float], n_tokens: int, avg_budget: int, window: int) -> list[int]:
+    """Each layer's budget (window included) from its preference, as the authors' ``adjust_budgets`` computes it.
+
+    The prefix total ``T = (avg_budget - window) x L`` is split as ``int(P_l / sum(P) x T)`` (truncated); what
+    exceeds a layer's prefix ``N - window``, and what the truncation left short of ``T``, is spread evenly over the
+    layers below their prefix (the remainder to the lowest layers first), again until no layer is over. A layer
+    keeps at least the window and at most ``N``; the total is exactly ``L x avg_budget``. All preferences zero: equal
+    shares. ``N <= avg_budget``: every layer keeps all ``N`` tokens."""
+    prefs = [float(p) for p in preferences]
+    if not prefs or any(not math.isfinite(p) or p < 0 for p in prefs):
+        raise ValueError(f"preferences must be finite numbers >= 0, one per layer, got {prefs}")
+    n = check_int("n_tokens", n_tokens, 1)
+    avg = check_int("avg_budget", avg_budget, 1)
+    window = check_int("window", window, 0)
+    layers = len(prefs)
+    if n <= avg:
+        return [n] * layers
+    if avg < window:
+        raise ValueError(f"avg_budget must be >= window = {window}, got {avg}")
+    prefix, total = n - window, (avg - window) * layers
+    weight = sum(prefs)
+    budgets = [int(p / weight * total) if weight > 0 else total // layers for p in prefs]
+    # The authors spread once; where that pushes a layer past its prefix again their eviction clamps it and the
+    # total shrinks. Spreading until nothing is over keeps the total exact (it always can: T < L x (N - W)).
+    while True:
+        excess = sum(max(b - prefix, 0) for b in budgets)
+        budgets = [min(b, prefix) for b in budgets]
+        _spread(budgets, excess, [i for i, b in enumerate(budgets) if b < prefix])
+        _spread(budgets, total - sum(budgets), [i for i, b in enumerate(budgets) if b < prefix])  # the truncation's
+        if all(b <= prefix for b in budgets):
+            break
+    return [b + window for b in budgets]
+
+
+def _spread(budgets: list[int], amount: int, layers: list[int]) -> None:
+    """Add ``amount`` (negative: take it) evenly over ``layers``, one more to the first ``|amount| % len`` of them."""
+    if amount == 0 or not layers:
+        return
+    share, remainder = divmod(abs(amount), len(layers))
+    sign = 1 if amount > 0 else -1
+    for k, i in enumerate(layers):
+        budgets[i] += sign * (share + (k < remainder))
+
+
+class CakeAllocator(Allocator):
+    """CAKE's layer budgets: each layer's share of the total from its own window attention (``cake_budgets``).
+
+    ``reads_attention``: the budgets come from the prompt (``attention_budgets``, given each layer's preference);
+    ``budgets`` is the plan before the prompt is read, the total evenly, what an engine reserves.
+    ``tau1``/``tau2``: the exponents' inverses on the entropy and the variance, finite and > 0.
+    """
+
+    name = "cake"
+    reads_attention = True
+
+    def __init__(self, tau1: float = DEFAULT_TAU1, tau2: float = DEFAULT_TAU2):
+        self.tau1, self.tau2 = _positive("tau1", tau1), _positive("tau2", tau2)
+
+    def budgets(self, num_layers: int, n_tokens: int, avg_budget: int, window: int,
+                layers: Optional[Sequence[int]] = None) -> list[int]:
+        return uniform_budgets(num_layers, n_tokens, avg_budget, window)
+
+    def preference(self, queries: Tensor, keys: Tensor, window: int, scale: Optional[float] = None) -> float:
+        """One layer's preference from its window queries and keys (``layer_preference``)."""
+        return layer_preference(window_attention(queries, keys, window, scale), self.tau1, self.tau2)
+
+    def attention_budgets(self, preferences: Sequence[float], n_tokens: int, avg_budget: int,
+                          window: int) -> list[int]:
+        return cake_budgets(preferences, n_tokens, avg_budget, window)
+
+    def __repr__(self):
+        return f"CakeAllocator(tau1={self.tau1:g}, tau2={self.tau2:g})"
+
+
+class CakeSelector(ScoredSelector):
+    """CAKE's token score (``eviction_scores``): window attention mean + ``gamma`` x variance, finite and >= 0."""
+
+    name = "cake"
+
+    def __init__(self, gamma: float = DEFAULT_GAMMA):
+        if isinstance(gamma, bool) or not isinstance(gamma, (int, float)) or not math.isfinite(gamma) or gamma < 0:
+            raise ValueError(f"gamma must be a finite number >= 0, got {gamma!r}")
+        self.gamma = float(gamma)
+
+    def score(self, queries: Tensor, keys: Tensor, window: int, scale: Optional[float] = None,
+              lengths: Optional[Tensor] = None, values: Optional[Tensor] = None) -> Tensor:
+        if lengths is None:
+            return eviction_scores(window_attention(queries, keys, window, scale), keys.shape[1], self.gamma)
+        # A left-padded batch: each row scored alone on its real tokens, its pad positions -inf.
+        b, h_kv, n, _ = keys.shape
+        scores = torch.full((b, h_kv, n - window), float("-inf"), device=keys.device)
+        for row, length in enumerate(lengths.tolist()):
+            if length > window:
+                row_keys = keys[row:row + 1, :, n - length:]
+                scores[row:row + 1, :, n - length:] = self.score(queries[row:row + 1], row_keys, window, scale)
+        return scores
+
+    def __repr__(self):
+        return f"CakeSelector(gamma={self.gamma:g})"
