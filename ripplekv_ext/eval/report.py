@@ -54,13 +54,16 @@ class ReportSizes:
     """What the report runs. Lengths are in tokens (whole prompts); needle depths in percent, passkey depths are
     ``passkey_depths`` evenly spread positions from the start to the end of the context."""
 
-    # Passkey and needle: the paper's pairing (RippleKV's budgets with SnapKV's selector) beside the default, and
-    # CAKE, the published allocator that reads the prompt's own attention.
-    methods: tuple[str, ...] = ("full", "streamingllm", "snapkv", "pyramidkv", "cake", "ripplekv+snapkv", "ripplekv")
-    # Every published method, the default's selector under uniform budgets (what its budgets add), and RippleKV with
-    # the paper's SnapKV selector next to its default one.
-    fidelity_methods: tuple[str, ...] = ("full", "streamingllm", "h2o", "snapkv", "pyramidkv", "cake",
-                                         "uniform+peak-span", "ripplekv+snapkv", "ripplekv")
+    # Passkey and needle: the paper's pairing (RippleKV's budgets with SnapKV's selector) beside the default, and the
+    # two strongest published allocations it is not in the paper with: CAKE (budgets from the prompt's attention) and
+    # AdaKV (head-wise budgets in a layer) at equal kept tokens and at equal bytes.
+    methods: tuple[str, ...] = ("full", "streamingllm", "snapkv", "pyramidkv", "cake", "uniform+adakv",
+                                "uniform+adakv-padded", "ripplekv+snapkv", "ripplekv")
+    # Every published method, the default's selector under uniform budgets (what its budgets add), RippleKV with
+    # the paper's SnapKV selector next to its default one, and AdaKV inside RippleKV's layer budgets.
+    fidelity_methods: tuple[str, ...] = ("full", "streamingllm", "h2o", "snapkv", "pyramidkv", "cake", "uniform+adakv",
+                                         "uniform+adakv-padded", "uniform+peak-span", "ripplekv+snapkv",
+                                         "ripplekv+adakv", "ripplekv+adakv-padded", "ripplekv")
     retentions: tuple[float, ...] = (0.1, 0.2, 0.3)  # fidelity
     task_retentions: tuple[float, ...] = (0.2,)  # passkey and needle
     fidelity_examples: int = 16

@@ -4,7 +4,8 @@
   per-layer budgets, the value-weighted PeakSpan selection through the fused scoring, top-k and gather kernels).
 * ``RippleKVBudgetPress(press, profile)``: any kvpress ``ScorerPress`` (SnapKV, ExpectedAttention, KnormPress, TOVA,
   ...) choosing the tokens, RippleKV choosing how many each layer keeps; every layer keeps the observation window
-  (its last ``window`` tokens), as every RippleKV selector does.
+  (its last ``window`` tokens), as every RippleKV selector does. ``press`` may be an ``AdaKVPress`` over a scorer:
+  its head-wise budgets then split each layer's RippleKV budget across the layer's KV heads (``AdaKVSelector``).
 
 At a compression ratio ``c`` both keep ``L * n_kept`` tokens over the ``L`` compressed layers, ``n_kept`` being what
 kvpress's uniform press keeps per layer (``kvpress.utils.compute_n_kept``), split over the layers by the profile
@@ -30,12 +31,14 @@ from typing import Optional
 from torch import Tensor
 
 from ripplekv_ext.allocation import Allocator, RippleKVAllocator
+from ripplekv_ext.headwise import AdaKVSelector
 from ripplekv_ext.policies import DEFAULT_RIPPLEKV_SELECTOR, DEFAULT_WINDOW, Policy
 from ripplekv_ext.selectors import ScoredSelector
 
 SUPPORTED_KVPRESS = ("0.5.5",)
 
 try:
+    from kvpress.presses.adakv_press import AdaKVPress
     from kvpress.presses.prefill_decoding_press import PrefillDecodingPress
     from kvpress.presses.scorer_press import ScorerPress
     from kvpress.utils import compute_n_kept
@@ -192,19 +195,21 @@ class RippleKVBudgetPress(_BlockPress):
     press: Optional[object] = field(default=None)
 
     def __post_init__(self):
-        ScorerPressSelector(self.press)  # the press's own checks, before any model is seen
+        self.selector()  # the press's own checks, before any model is seen
         if not self.compression_ratio:
             self.compression_ratio = self.press.compression_ratio
         super().__post_init__()
 
     def selector(self):
+        if isinstance(self.press, AdaKVPress):  # its head-wise budgets inside each of our layer budgets
+            return AdaKVSelector(ScorerPressSelector(self.press.press), alpha=self.press.alpha_safeguard)
         return ScorerPressSelector(self.press)
 
     @contextlib.contextmanager
     def _layer_calls(self, model):
         # kvpress scorers read the attention module, its input hidden states and forward kwargs (position
         # embeddings, cache position), which the block's attention does not see: kept for the layer being run.
-        self.press.post_init_from_model(model)
+        self.press.post_init_from_model(model)  # an AdaKVPress passes it to its scorer
         language_model = model.model.language_model if hasattr(model.model, "language_model") else model.model
         handles = []
 

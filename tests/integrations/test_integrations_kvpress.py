@@ -9,11 +9,11 @@ pytest.importorskip("kvpress", reason="kvpress is not installed here: `make test
                     ".venv-min")
 
 import torch  # noqa: E402
-from kvpress import ComposedPress, KnormPress, ObservedAttentionPress, SnapKVPress  # noqa: E402
+from kvpress import AdaKVPress, ComposedPress, KnormPress, ObservedAttentionPress, SnapKVPress  # noqa: E402
 from kvpress.utils import compute_n_kept  # noqa: E402
 from transformers import pipeline  # noqa: E402
 
-from ripplekv_ext import Policy, compress_context, continue_context  # noqa: E402
+from ripplekv_ext import AdaKVSelector, Policy, compress_context, continue_context  # noqa: E402
 from ripplekv_ext.eval.models import shipped_profile_path  # noqa: E402
 from ripplekv_ext.eval.tiny_models import tiny_model  # noqa: E402
 from ripplekv_ext.integrations.kvpress import (KVPressTotal, RippleKVBudgetPress, RippleKVPress,  # noqa: E402
@@ -101,6 +101,27 @@ def test_kvpress_scorer_under_ripplekv_budgets(model, scorer):
                                   keys[:, :, 300 - 16:]], dim=2)
             torch.testing.assert_close(cache.layers[layer].keys, expected)
     assert answer == _pipeline_answer(model, press, context, question)  # the same run again: deterministic
+
+
+def test_adakv_press_splits_each_ripplekv_layer_budget_across_heads(model):
+    context, question = _ids(300), _ids(6, seed=1)
+    press = RippleKVBudgetPress(press=AdaKVPress(SnapKVPress(compression_ratio=0.8, window_size=16),
+                                                 alpha_safeguard=0.3), profile=SENSITIVITY, window=16)
+    policy = press.policy(model)
+    assert isinstance(policy.selector, AdaKVSelector) and policy.selector.alpha == 0.3
+    assert isinstance(policy.selector.scorer, ScorerPressSelector)
+    budgets = policy.layer_budgets(4, 300)
+    with press(model), torch.no_grad():
+        cache = output_cache(model(context, use_cache=True))
+    uneven = False
+    for layer, budget in zip(cache.layers, budgets):
+        per_head = layer.key_mask.sum(dim=-1) if layer.key_mask is not None else None
+        held = per_head.sum() if per_head is not None else layer.keys.shape[1] * layer.keys.shape[2]
+        assert int(held) == layer.keys.shape[1] * budget  # the layer's RippleKV budget, split across its heads
+        uneven |= per_head is not None and len(set(per_head.flatten().tolist())) > 1
+    assert uneven
+    answer = _pipeline_answer(model, press, context, question)
+    assert answer == _pipeline_answer(model, press, context, question)
 
 
 def test_total_follows_kvpress_rounding():
