@@ -3,11 +3,12 @@
 On an H200 (bench/results/gpu_kernels_h200.json: torch 2.11 image, Llama-3.1-8B shapes H_q=32, H_kv=8, D=128,
 W=32, 20% kept, bf16 and fp16, medians of 20 CUDA-event timings) the fused kernels lose to the torch reference at the
 long contexts KV compression is for. Until new kernels measure faster, ``auto`` runs the torch composite beyond each
-op's crossover below. The composite is the package's reference implementation (``ripplekv_ref``): the code those
-ratios were measured against, with the same tie rule (equal scores go to the lower position), the same ascending
-order and the same NaN refusal, so both paths select the same tokens from the same scores (tests/ops/test_cuda_path.py
-checks it on the CPU). It materialises what the fused kernels avoid (the ``[B, H_q, W, N]`` probabilities: 389 MiB
-against 14 MiB for ``snapkv_compress`` at 16K).
+op's crossover below (``ripplekv_ext/ops/composite/``): the same torch calls as the reference implementation those
+ratios were measured against (``ripplekv_ref``, the test oracle, which tests/ops/test_composite.py holds it to, bit
+for bit), with the same tie rule (equal scores go to the lower position), the same ascending order and the kernel's
+own argument checks, so both paths select the same tokens from the same scores and refuse the same calls
+(tests/ops/test_cuda_path.py checks it on the CPU). It materialises what the fused kernels avoid (the
+``[B, H_q, W, N]`` probabilities: 389 MiB against 14 MiB for ``snapkv_compress`` at 16K).
 
 ``RIPPLEKV_CUDA_PATH=fused|torch|auto`` (default ``auto``) forces either path. It is read at every eager call; a
 ``torch.compile``d graph keeps the path it was traced with. Calls on CPU tensors always run the CPU kernels.
@@ -86,6 +87,6 @@ def torch_composite(op: str, tensor, rank: int, extra: int = 0):
         return None
     if cuda_path(op, tensor.shape[2] + extra) != "torch":
         return None
-    import ripplekv_ref  # only here: importing ripplekv_ext loads no reference module
+    from ripplekv_ext.ops import composite  # only here: a CPU call never needs it
 
-    return getattr(ripplekv_ref, op)
+    return getattr(composite, op)

@@ -1,7 +1,8 @@
 """Which path a CUDA call runs (ripplekv_ext/ops/cuda_path.py): the rule per op and length, the forcing variable, and
 that each op wrapper runs what the rule picks. No GPU here: `is_cuda_call` is the one place the device is asked, so
 the tests make CPU calls count as CUDA calls and check which implementation ran and that both give the same result
-(the torch composite is the reference; the other side is the CPU kernel, the CUDA kernels' twin in every op test)."""
+(the torch composite, tests/ops/test_composite.py holding it to the reference; the other side is the CPU kernel, the
+CUDA kernels' twin in every op test)."""
 
 import json
 from pathlib import Path
@@ -11,7 +12,7 @@ import torch
 
 import ripplekv_ref
 from ripplekv_ext import ops
-from ripplekv_ext.ops import cuda_path
+from ripplekv_ext.ops import composite, cuda_path
 from ripplekv_ref.comparison import assert_same_selection
 
 H200_TABLE = Path(__file__).resolve().parents[2] / "bench" / "results" / "gpu_kernels_h200.json"
@@ -19,17 +20,17 @@ H200_TABLE = Path(__file__).resolve().parents[2] / "bench" / "results" / "gpu_ke
 
 @pytest.fixture
 def as_cuda(monkeypatch):
-    """CPU calls count as CUDA calls; returns the names of the reference ops that ran."""
+    """CPU calls count as CUDA calls; returns the names of the torch composites that ran."""
     monkeypatch.setattr(cuda_path, "is_cuda_call", lambda tensor: isinstance(tensor, torch.Tensor))
     ran = []
     for name in cuda_path.FUSED_UP_TO:
-        original = getattr(ripplekv_ref, name)
+        original = getattr(composite, name)
 
         def spy(*args, _original=original, _name=name, **kwargs):
             ran.append(_name)
             return _original(*args, **kwargs)
 
-        monkeypatch.setattr(ripplekv_ref, name, spy)
+        monkeypatch.setattr(composite, name, spy)
     return ran
 
 
