@@ -22,7 +22,8 @@ TESTS=(test_ops.py test_allocation.py test_library.py test_gather_kv.py test_gat
        test_select_topk_packed.py test_select_topk_rows.py test_snapkv_scores.py test_snapkv_compress.py
        test_snapkv_compress_rows.py test_h2o_scores.py test_streaming_indices.py test_hook.py test_hook_batches.py
        test_hook_decode.py test_hook_threads.py test_masks.py test_policies.py test_selectors.py test_compressor.py
-       test_context.py test_context_checks.py test_rolling_prefill.py test_cli_options.py)
+       test_context.py test_context_checks.py test_rolling_prefill.py test_cli_options.py test_cake.py test_headwise.py
+       test_hook_cake.py test_hook_headwise.py test_composite.py)
 # The benchmark harness (bench/e2e_bench.py) is the checkout's, not the wheel's: its rows of the CLI table stay out.
 DESELECT="not e2e_bench"
 # PYTEST_WORKERS (default "-n 2": two pytest-xdist workers) sets how the tests run; DIST_QUICK=1 (.ci/run) also leaves out the four slowest tests (minutes of generation on SmolLM2 and memory soaks,
