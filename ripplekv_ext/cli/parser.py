@@ -192,7 +192,7 @@ def _add_profile(p):
 
 def _add_eval_options(p, *, examples: int, prefix_len: int):
     p.add_argument("--methods", type=method_list, default=list(DEFAULT_METHODS),
-                   help="comma-separated: full, streamingllm, h2o, snapkv, pyramidkv, ripplekv or ALLOCATOR+SELECTOR")
+                   help=f"comma-separated: {', '.join(DEFAULT_METHODS)} or ALLOCATOR+SELECTOR")
     p.add_argument("--retentions", type=retention_list, default=[0.1, 0.2, 0.3], help="comma-separated, in (0, 1]")
     p.add_argument("--tasks", type=task_list, default=["fidelity", *GENERATION_TASKS],
                    help=f"comma-separated, of: {', '.join(TASKS)}")
