@@ -129,3 +129,14 @@ def test_source_distribution_carries_every_kernel_source(tmp_path):
         carried = {name.split("/", 1)[1] for name in sdist.getnames() if "/" in name}
     sources = [name for name in files if name.startswith(("csrc/", "include/"))]
     assert sources and [name for name in sources if name not in carried] == []
+
+
+def test_every_package_folder_is_in_the_wheel():
+    # setuptools installs only the packages pyproject.toml lists: a folder left out is missing from every wheel.
+    import tomllib
+
+    listed = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
+    folders = {".".join(init.parent.relative_to(ROOT).parts) for init in (ROOT / "ripplekv_ext").rglob("__init__.py")}
+    folders |= {".".join(init.parent.relative_to(ROOT / "python").parts)
+                for init in (ROOT / "python" / "ripplekv_ref").rglob("__init__.py")}
+    assert folders - listed == set()

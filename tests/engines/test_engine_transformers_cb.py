@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import ripplekv_ext
-from ripplekv_ext import Policy
+from ripplekv_ext import AdaKVSelector, Policy
 from ripplekv_ext.allocation import RippleKVAllocator, UniformAllocator, average_budget, power_budgets
 from ripplekv_ext import TieredAllocator, tier_counts
 from ripplekv_ext.eval.tiny_models import tiny_model
@@ -288,6 +288,9 @@ def test_settings_it_cannot_honour_are_named(model):
             pass
     with pytest.raises(ValueError, match=r"CakeAllocator\(tau1=1, tau2=1\) is not supported under serve"):
         with cb.serve(model, Policy.cake(0.3, window=WINDOW)):
+            pass
+    with pytest.raises(ValueError, match=r"AdaKVSelector\(.*\) is not supported under serve"):
+        with cb.serve(model, Policy(UniformAllocator(), AdaKVSelector(), 0.3, window=WINDOW)):
             pass
     with pytest.raises(ValueError, match="decode_every=16 .* not supported under serve"):
         with cb.serve(model, Policy.snapkv(0.3, window=WINDOW, decode_every=16)):

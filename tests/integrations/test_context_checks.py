@@ -7,7 +7,7 @@ import threading
 import pytest
 import torch
 
-from ripplekv_ext import Policy, compress_context, continue_context
+from ripplekv_ext import AdaKVSelector, Policy, UniformAllocator, compress_context, continue_context
 from ripplekv_ext.context import load_context, model_identity
 from ripplekv_ext.digests import weights_digest
 from ripplekv_ext.eval.tiny_models import tiny_model
@@ -172,3 +172,11 @@ def test_h2o_and_a_probe_longer_than_the_chunk_are_named():
     # H2O with a probe: it reads every query of the context and the probe in one prefill.
     cache = compress_context(model, _ids(300), Policy.h2o(0.25, window=8), probe_ids=probe)
     assert cache.layers[0].keys.shape[2] == 80 - 20
+
+
+@pytest.mark.parametrize("policy", [Policy.cake(0.3, window=8),
+                                    Policy(UniformAllocator(), AdaKVSelector(), 0.3, window=8)], ids=["cake", "adakv"])
+def test_policies_a_stamped_context_cannot_carry_are_refused_by_name(policy):
+    model = tiny_model("llama")
+    with pytest.raises(ValueError, match=rf"compress_context does not take {policy.name.replace('+', '[+]')}"):
+        compress_context(model, _ids(120), policy, scoring="tail")

@@ -68,7 +68,8 @@ class Settings:
         if method not in METHODS:
             raise ValueError(f"{where}[\"method\"] must be one of {list(METHODS)}, got {method!r} (h2o needs every "
                              "prompt query, which a chunked prefill does not keep; cake's budgets need every layer's "
-                             "attention over the whole prompt before any layer is cut)")
+                             "attention over the whole prompt before any layer is cut; AdaKV's head-wise counts do not "
+                             "fit one block table per layer)")
         retention = config["retention"]
         if isinstance(retention, bool) or not isinstance(retention, (int, float)) or not 0 < retention <= 1:
             raise ValueError(f"{where}[\"retention\"] must be a number in (0, 1], got {retention!r}")
