@@ -45,13 +45,16 @@ NO_CC="$WORK/no-compiler-bin"
 mkdir -p "$NO_CC"
 for tool in sh bash env uname cat ls rm mkdir readelf; do ln -sf "$(command -v $tool)" "$NO_CC/$tool"; done
 
+wheel_pattern() {  # kind -> the glob of its wheel in dist/
+    local kernels=${1%-torch*} release=${1#*-torch}
+    echo "$ROOT/dist/ripplekv_ext-*+$([ "$kernels" = cpu ] && echo cpu || echo cu)*.torch$release-*.whl"
+}
+
 run_one() {  # kind python-version
     local kind=$1 version=$2 wheel env tests requirements
     local kernels=${kind%-torch*} release=${kind#*-torch}
-    local pattern="$ROOT/dist/ripplekv_ext-*+$([ "$kernels" = cpu ] && echo cpu || echo cu)*.torch$release-*.whl"
     # shellcheck disable=SC2086  # the pattern is a glob
-    ls $pattern >/dev/null 2>&1 || DIST_KINDS=$kind "$ROOT/tools/make_dist.sh"  # no wheel yet: `make dist` it
-    wheel=$(ls $pattern)
+    wheel=$(ls $(wheel_pattern "$kind"))
     env="$WORK/$kind-py$version"
     tests="$WORK/$kind-py$version-tests"
     requirements="$ROOT/requirements/dist-test.txt"
@@ -104,10 +107,30 @@ pythons_for() {  # kind -> the Pythons of DIST_PYTHONS it is tested on (the tabl
 }
 
 rm -f "$WORK/summary.txt"
+# DIST_JOBS=N runs N environments at once, each printing to its own file, shown in order when all are done (.ci/run:
+# two, each pytest in one process: the installs of one overlap the tests of the other).
+JOBS=${DIST_JOBS:-1}
+runs=()
 for kind in $KINDS; do
-    for version in $(pythons_for "$kind"); do
-        run_one "$kind" "$version"
-    done
+    # shellcheck disable=SC2046  # the pattern is a glob
+    ls $(wheel_pattern "$kind") >/dev/null 2>&1 || DIST_KINDS=$kind "$ROOT/tools/make_dist.sh"  # no wheel yet: make it
+    for version in $(pythons_for "$kind"); do runs+=("$kind $version"); done
 done
+status=0
+if [ "$JOBS" -le 1 ]; then
+    for run in "${runs[@]}"; do run_one $run || status=$?; done
+else
+    pids=()
+    for run in "${runs[@]}"; do
+        while [ "$(jobs -rp | wc -l)" -ge "$JOBS" ]; do sleep 1; done
+        run_one $run > "$WORK/${run/ /-py}.console" 2>&1 &
+        pids+=($!)
+    done
+    for i in "${!runs[@]}"; do
+        wait "${pids[$i]}" || status=$?
+        cat "$WORK/${runs[$i]/ /-py}.console"
+    done
+fi
 echo "== test-dist summary ($WORK)"
 cat "$WORK/summary.txt"
+exit "$status"
