@@ -13,14 +13,16 @@ $(PY):
 	$(PYTHON) -m venv $(VENV)
 
 # Requirements are installed with uv (requirements/uv.txt, into .venv by pip): it downloads and unpacks in parallel,
-# several times faster than pip here for torch's CUDA build. It compiles the bytecode at install, as pip does: these
-# machines set PYTHONDONTWRITEBYTECODE, so every process would otherwise compile torch's sources again (2 s a
-# process, a third of the test time). uv reads no pip configuration: where the machine points pip at a local wheel
-# folder (PIP_FIND_LINKS: this machine keeps torch's CPU build there, which vLLM's CPU build pins), uv is pointed at
-# it too.
+# several times faster than pip here for torch's CUDA build. Like pip it writes no bytecode of what it installs; these
+# machines set PYTHONDONTWRITEBYTECODE, under which every process would compile torch's sources again (2 s a process,
+# a third of the test time), so the commands here run without it: each module is compiled once, when first imported
+# (compiling every installed file at install cost more than it saved). uv reads no pip configuration: where the
+# machine points pip at a local wheel folder (PIP_FIND_LINKS: this machine keeps torch's CPU build there, which
+# vLLM's CPU build pins), uv is pointed at it too.
+unexport PYTHONDONTWRITEBYTECODE
 UV := $(VENV)/bin/uv
 UV_STAMP := $(VENV)/.ripplekv-uv
-UV_INSTALL = $(UV) pip install -q --compile-bytecode $(if $(PIP_FIND_LINKS),--find-links $(PIP_FIND_LINKS)) --python
+UV_INSTALL = $(UV) pip install -q $(if $(PIP_FIND_LINKS),--find-links $(PIP_FIND_LINKS)) --python
 
 $(UV_STAMP): requirements/uv.txt | $(PY)
 	$(PY) -m pip install -q -r requirements/uv.txt

@@ -63,10 +63,10 @@ run_one() {  # kind python-version
     echo "== $kind wheel on Python $version: $(basename "$wheel")"
     rm -rf "$env" "$tests"
     "$UV" venv -q --python "$(find_python "$version")" "$env"
-    "$UV" pip install -q --compile-bytecode --python "$env/bin/python" -r "$requirements" --override "$WORK/override-$kind.txt"
-    "$UV" pip install -q --compile-bytecode --python "$env/bin/python" --no-deps -r "$ROOT/requirements/no-deps.txt"
+    "$UV" pip install -q --python "$env/bin/python" -r "$requirements" --override "$WORK/override-$kind.txt"
+    "$UV" pip install -q --python "$env/bin/python" --no-deps -r "$ROOT/requirements/no-deps.txt"
     # the CLI's dependencies come with [eval]
-    "$UV" pip install -q --compile-bytecode --python "$env/bin/python" "$wheel[eval]" --override "$WORK/override-$kind.txt"
+    "$UV" pip install -q --python "$env/bin/python" "$wheel[eval]" --override "$WORK/override-$kind.txt"
     mkdir -p "$tests"
     cp -r "$ROOT"/tests/. "$tests/"  # the selected tests import the shared helpers and each other's samples
     find "$tests" -name __pycache__ -prune -exec rm -rf {} +
