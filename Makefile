@@ -157,14 +157,13 @@ test-vllm: cpu-wheel $(VLLM_DEPS_STAMP)
 # requirements/torch-releases.txt; CUDA wheels for every GPU architecture nvcc 13.0 has for users) to dist/ and checks
 # them (tools/make_dist.sh, tools/dist_report.py); `make test-dist` installs them into fresh environments of each
 # Python with no compiler on the PATH and runs the library tests against them (tools/test_dist.sh; a wheel not built
-# yet is built first). DIST_PYTHONS / DIST_KINDS narrow either, DIST_JOBS=N tests N environments at once. .ci/run
-# tests the torch 2.13 CPU wheel (test-min's compile) on the oldest and newest Python with DIST_QUICK=1 (the four
-# slowest tests left out); `make test-vllm` tests that wheel too.
+# yet is built first). DIST_PYTHONS / DIST_KINDS narrow either. .ci/run tests the torch 2.13 CPU wheel (test-min's
+# compile) on the oldest and newest Python with DIST_QUICK=1 (the four slowest tests left out); `make test-vllm` tests
+# that wheel too.
 DIST_TOOLS_STAMP := $(VENV)/.ripplekv-dist-tools
 DIST_PYTHONS ?= 3.10 3.11 3.12 3.13
 DIST_KINDS ?= cpu-torch2.15 cuda-torch2.15 cpu-torch2.14 cuda-torch2.14 cpu-torch2.13 cuda-torch2.13
 DIST_QUICK ?= 0
-DIST_JOBS ?= 1
 
 $(DIST_TOOLS_STAMP): requirements/dist.txt $(DEPS_STAMP)
 	$(UV_INSTALL) $(PY) -r requirements/dist.txt
@@ -174,7 +173,7 @@ dist: $(DIST_TOOLS_STAMP) $(MIN_DEPS_STAMP)
 	DIST_KINDS="$(DIST_KINDS)" tools/make_dist.sh
 
 test-dist: $(DIST_TOOLS_STAMP)
-	DIST_PYTHONS="$(DIST_PYTHONS)" DIST_KINDS="$(DIST_KINDS)" DIST_QUICK="$(DIST_QUICK)" DIST_JOBS="$(DIST_JOBS)" \
+	DIST_PYTHONS="$(DIST_PYTHONS)" DIST_KINDS="$(DIST_KINDS)" DIST_QUICK="$(DIST_QUICK)" \
 		PYTEST_WORKERS="$(PYTEST_WORKERS)" tools/test_dist.sh
 
 # Long reliability runs, outside `make test`'s time budget: 1,000 compressed generations with flat

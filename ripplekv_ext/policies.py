@@ -107,15 +107,10 @@ class Policy:
         if self.is_full:
             raise ValueError("decode_every needs a compressing policy (Policy.full() keeps every token); use e.g. "
                              "Policy.snapkv(0.2, decode_every=128)")
-        if self.selector.needs_all_queries:
-            raise ValueError(f"decode_every is not supported with {self.selector!r}: it scores with every query of "
-                             "the sequence, which a compressed cache no longer has; use SnapKV or StreamingLLM")
-        if self.selector.head_wise:
-            raise ValueError(f"decode_every is not supported with {self.selector!r}: its heads keep different "
-                             "counts, and re-selection during decoding keeps one count per head")
-        if self.reads_attention:
-            raise ValueError(f"decode_every is not supported with {self.allocator!r}: its budgets come from the "
-                             "prompt's attention at the prefill, not from a plan a growing sequence can be split by")
+        refusal = self.reselection_refusal()
+        if refusal is not None:
+            raise ValueError(f"decode_every is not supported with {refusal[0]}: {refusal[1]}; use SnapKV, PeakSpan or "
+                             "StreamingLLM")
         if self.decode_budget is not None and (not is_integer(self.decode_budget)
                                                or self.decode_budget <= self.window):
             raise ValueError(f"decode_budget must be an integer > window = {self.window} (the newest window tokens "
@@ -132,22 +127,28 @@ class Policy:
         return int(chunk)
 
     def check_reads_in_chunks(self, what: str) -> None:
-        """``ValueError`` naming ``what`` unless this policy can cut a prompt read in chunks after each chunk: not with
-        a selector that scores with every query of the prompt (H2O), nor with budgets read from the whole prompt's
-        attention (CAKE)."""
+        """``ValueError`` naming ``what`` unless this policy can cut a prompt read in chunks after each chunk
+        (``reselection_refusal``)."""
+        refusal = self.reselection_refusal()
+        if refusal is not None:
+            raise ValueError(f"{what} is not supported with {refusal[0]}: {refusal[1]}; read the prompt in one "
+                             "forward, or use SnapKV, PeakSpan or StreamingLLM")
+
+    def reselection_refusal(self) -> Optional[tuple[str, str]]:
+        """Why this policy can select only once, at the end of a prompt read in one forward (not after each chunk of
+        a prompt, nor again during decoding, nor in an engine's chunked prefill): ``(what, reason)``, or None when
+        it can. Its selector may score with every prompt query (H2O), keep a different count per KV head (AdaKV),
+        or its allocator read every layer's attention to the whole prompt (CAKE)."""
         if self.is_full:
-            return
+            return None
         if self.selector.needs_all_queries:
-            raise ValueError(f"{what} is not supported with {self.selector!r}: it scores with every query of the "
-                             "prompt, and a prefill in chunks keeps only the newest; use SnapKV, PeakSpan or "
-                             "StreamingLLM, or read the prompt in one forward")
+            return repr(self.selector), "it scores with every prompt query, which only a one-forward prefill has"
         if self.selector.head_wise:
-            raise ValueError(f"{what} is not supported with {self.selector!r}: its heads keep different counts, and "
-                             "a prefill in chunks re-selects with one count per head; read the prompt in one forward")
+            return repr(self.selector), "its heads keep different counts, and a later selection keeps one per KV head"
         if self.reads_attention:
-            raise ValueError(f"{what} is not supported with {self.allocator!r}: its budgets come from every layer's "
-                             "attention over the whole prompt, and a prefill in chunks cuts each layer before the "
-                             "prompt is read; read the prompt in one forward")
+            return repr(self.allocator), ("its budgets come from the prompt's attention over every layer, read once "
+                                          "at the end of a one-forward prefill")
+        return None
 
     @property
     def is_full(self) -> bool:

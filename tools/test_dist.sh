@@ -107,30 +107,14 @@ pythons_for() {  # kind -> the Pythons of DIST_PYTHONS it is tested on (the tabl
 }
 
 rm -f "$WORK/summary.txt"
-# DIST_JOBS=N runs N environments at once, each printing to its own file, shown in order when all are done (.ci/run:
-# two, each pytest in one process: the installs of one overlap the tests of the other).
-JOBS=${DIST_JOBS:-1}
-runs=()
+status=0
 for kind in $KINDS; do
     # shellcheck disable=SC2046  # the pattern is a glob
     ls $(wheel_pattern "$kind") >/dev/null 2>&1 || DIST_KINDS=$kind "$ROOT/tools/make_dist.sh"  # no wheel yet: make it
-    for version in $(pythons_for "$kind"); do runs+=("$kind $version"); done
+    for version in $(pythons_for "$kind"); do
+        run_one "$kind" "$version" || status=$?
+    done
 done
-status=0
-if [ "$JOBS" -le 1 ]; then
-    for run in "${runs[@]}"; do run_one $run || status=$?; done
-else
-    pids=()
-    for run in "${runs[@]}"; do
-        while [ "$(jobs -rp | wc -l)" -ge "$JOBS" ]; do sleep 1; done
-        run_one $run > "$WORK/${run/ /-py}.console" 2>&1 &
-        pids+=($!)
-    done
-    for i in "${!runs[@]}"; do
-        wait "${pids[$i]}" || status=$?
-        cat "$WORK/${runs[$i]/ /-py}.console"
-    done
-fi
 echo "== test-dist summary ($WORK)"
 cat "$WORK/summary.txt"
 exit "$status"

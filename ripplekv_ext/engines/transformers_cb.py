@@ -209,16 +209,10 @@ def serve(model, policy: Policy, tiers: Optional[int] = None, on_compress: Optio
     check_transformers_version()
     if not isinstance(policy, Policy):
         raise TypeError(f"policy must be a ripplekv_ext.Policy, got {type(policy).__name__}")
-    if not policy.is_full and policy.selector.needs_all_queries:
-        raise ValueError(f"selector {policy.selector.name} needs every prompt query, which chunked prefills do not "
-                         "keep; use a SnapKV or StreamingLLM policy under serve")
-    if not policy.is_full and policy.selector.head_wise:
-        raise ValueError(f"{policy.selector!r} is not supported under serve: the engine's paged cache holds one count "
-                         "per KV head, and AdaKV's heads keep different counts")
-    if policy.reads_attention:
-        raise ValueError(f"{policy.allocator!r} is not supported under serve: its budgets come from every layer's "
-                         "attention over the whole prompt, and the engine cuts each layer when its prefill ends; use "
-                         "a policy whose budgets are planned before the prompt (Policy.snapkv, Policy.ripplekv)")
+    refusal = policy.reselection_refusal()  # the engine prefills in chunks and keeps one count per KV head
+    if refusal is not None:
+        raise ValueError(f"{refusal[0]} is not supported under serve: {refusal[1]}; use a SnapKV, PeakSpan, "
+                         "StreamingLLM or RippleKV policy under serve")
     if policy.decode_every is not None:
         raise ValueError(f"decode_every={policy.decode_every} (compression during decoding) is not supported under "
                          "serve: the engine compresses each request once, after its prefill. Use a policy without "

@@ -164,14 +164,16 @@ def test_example_validation():
 # ---- one prefill for many policies (the report's fidelity grid) ---------------------------------------------------
 
 def _shared_prefill_policies(num_layers):
-    from ripplekv_ext import Policy
+    from ripplekv_ext import AdaKVSelector, Policy, UniformAllocator
 
     sensitivity = [0.5 + (i % 3) for i in range(num_layers)]
     return {f"{name}@{r}": make(r) for r in (0.25, 0.5) for name, make in {
         "snapkv": lambda r: Policy.snapkv(r, window=8),
         "pyramidkv": lambda r: Policy.pyramidkv(r, window=8),
         "ripplekv": lambda r: Policy.ripplekv(sensitivity, r, window=8),
-        "streamingllm": lambda r: Policy.streamingllm(r, window=8)}.items()}
+        "streamingllm": lambda r: Policy.streamingllm(r, window=8),
+        "cake": lambda r: Policy.cake(r, window=8),  # budgets from every layer's window: cut at the end
+        "adakv": lambda r: Policy(UniformAllocator(), AdaKVSelector(), r, window=8)}.items()}  # per-head masks
 
 
 @pytest.mark.parametrize("arch", ["llama", "gemma3"])  # gemma3: sliding-window layers beside compressed ones

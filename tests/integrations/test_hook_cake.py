@@ -11,7 +11,6 @@ import ripplekv_ref
 from ripplekv_ext import Policy, compress
 from ripplekv_ext.allocation import average_budget
 from ripplekv_ext.cake import cake_budgets
-from ripplekv_ext.eval.fidelity import SharedPrefill, continuation_logits_fn
 from ripplekv_ext.eval.tiny_models import tiny_model
 from ripplekv_ext.model_info import compressible_layers
 from test_hook import WINDOW, MaskedReference, max_diff, prefill_then_continue, prompt_ids
@@ -80,15 +79,6 @@ def test_cake_decoding_matches_the_authors_masked_computation(arch):
         assert cache.layers[layer].keys.shape[2] == kept[layer] + 5
     assert max_diff(ours, reference) <= 1e-4
     assert max_diff(ours[1:], full[1:]) > 1e-3
-
-
-def test_shared_prefill_runs_cake_as_the_hook_does():
-    model = tiny_model("llama")
-    policy = Policy.cake(0.3, window=WINDOW)
-    prefix, continuation = prompt_ids(batch=1, n=80), prompt_ids(batch=1, n=6, seed=2)
-    shared = SharedPrefill(model, window=WINDOW).logits_fn(policy)(prefix, continuation)
-    hooked = continuation_logits_fn(model, lambda: compress(model, policy))(prefix, continuation)
-    assert torch.allclose(shared, hooked, atol=1e-4)
 
 
 def test_generate_under_cake_keeps_the_policy_s_total():

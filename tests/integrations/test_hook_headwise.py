@@ -1,11 +1,10 @@
 """AdaKV inside ``compress`` (ripplekv_ext.compress_block): each KV head keeps its own count, held padded with a
-per-head key mask; checked against the stock model with each head's dropped tokens masked, and in SharedPrefill."""
+per-head key mask; checked against the stock model with each head's dropped tokens masked."""
 
 import pytest
 import torch
 
 from ripplekv_ext import AdaKVSelector, Policy, UniformAllocator, compress
-from ripplekv_ext.eval.fidelity import SharedPrefill, continuation_logits_fn
 from ripplekv_ext.eval.tiny_models import tiny_model
 from ripplekv_ext.headwise import headwise_selection
 from ripplekv_ext.model_info import compressible_layers
@@ -53,15 +52,6 @@ def test_headwise_decoding_matches_the_masked_reference(arch, padded):
     assert uneven  # some layer's heads really keep different counts
     assert max_diff(ours, reference) <= 1e-4
     assert max_diff(ours[1:], full[1:]) > 1e-3
-
-
-def test_shared_prefill_runs_headwise_as_the_hook_does():
-    model = tiny_model("llama")
-    policy = Policy(UniformAllocator(), AdaKVSelector(), 0.3, window=WINDOW)
-    prefix, continuation = prompt_ids(batch=1, n=80), prompt_ids(batch=1, n=6, seed=2)
-    shared = SharedPrefill(model, window=WINDOW).logits_fn(policy)(prefix, continuation)
-    hooked = continuation_logits_fn(model, lambda: compress(model, policy))(prefix, continuation)
-    assert torch.allclose(shared, hooked, atol=1e-4)
 
 
 def test_a_padded_batch_is_refused_by_name():
