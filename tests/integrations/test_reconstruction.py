@@ -51,9 +51,12 @@ def test_reconstruction_keeps_each_layers_budget_and_answers():
     assert [layer.keys.shape[2] for layer in cache.layers] == budgets and len(set(budgets)) > 1
     with torch.no_grad():
         full = output_cache(model(context, use_cache=True))
-    for kept, whole in zip(cache.layers, full.layers):  # the sinks and the window are kept
-        assert torch.equal(kept.keys[:, :, :4], whole.keys[:, :, :4])
-        assert torch.equal(kept.keys[:, :, -8:], whole.keys[:, :, -8:])
+    # The sinks and the window are kept. The scoring's own forward may run the context in another shape than this
+    # one, which rounds a key's float32 dot products in another order (differences ~1e-7 seen for keys ~1): equal
+    # within 1e-5, far below the distance between two positions' keys.
+    for kept, whole in zip(cache.layers, full.layers):
+        torch.testing.assert_close(kept.keys[:, :, :4], whole.keys[:, :, :4], rtol=0, atol=1e-5)
+        torch.testing.assert_close(kept.keys[:, :, -8:], whole.keys[:, :, -8:], rtol=0, atol=1e-5)
     out = continue_context(model, cache, _ids(6, seed=3), max_new_tokens=4, **GREEDY)
     assert out.shape == (1, 710)
 

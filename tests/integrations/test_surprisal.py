@@ -22,11 +22,19 @@ def _ids(n, seed=0, batch=1):
     return torch.randint(3, 500, (batch, n), generator=torch.Generator().manual_seed(seed))
 
 
+# Two forwards of the same tokens in different shapes (the context alone, or with the probe after it) round a key's
+# float32 dot products in another order: the issue's AVX-512/AMX host measured differences up to 1.5e-7 for keys of
+# magnitude ~1. KEY_ATOL is 60x that, and far below the distance between two positions' keys (_positions checks).
+KEY_ATOL = 1e-5
+
+
 def _positions(kept_keys, all_keys):
-    """The context positions a layer kept, per (row, head): each kept key matched to the context's keys."""
-    b, h = kept_keys.shape[:2]
-    return [[sorted(int((all_keys[i, j] == key).all(-1).nonzero()[0]) for key in kept_keys[i, j]) for j in range(h)]
-            for i in range(b)]
+    """The context positions a layer kept, per (row, head): each kept key matched to the nearest of the context's
+    keys, which must lie within KEY_ATOL of it (the same token's key, perhaps from a forward of another shape)."""
+    distance = (kept_keys[..., :, None, :] - all_keys[..., None, :, :]).abs().amax(-1)  # [B, H, kept, n]
+    nearest = distance.min(-1)
+    assert (nearest.values <= KEY_ATOL).all(), float(nearest.values.max())
+    return nearest.indices.sort(-1).values.tolist()
 
 
 @torch.no_grad()
@@ -48,8 +56,12 @@ def test_no_surprisal_share_is_the_probe_scoring():
     context = _ids(400)
     probe = compress_context(model, context, policy, probe_ids=PROBE)
     mine = surprisal_cache(model, context, policy, PROBE, share=0.0)
-    for a, b in zip(probe.layers, mine.layers):
-        assert torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values)
+    full = output_cache(model(context, use_cache=True))
+    # The two run the context's forward in different shapes: the same kept positions, values equal to rounding.
+    for a, b, whole in zip(probe.layers, mine.layers, full.layers):
+        assert _positions(a.keys, whole.keys) == _positions(b.keys, whole.keys)
+        torch.testing.assert_close(a.keys, b.keys, rtol=0, atol=KEY_ATOL)
+        torch.testing.assert_close(a.values, b.values, rtol=0, atol=KEY_ATOL)
 
 
 @torch.no_grad()
@@ -80,8 +92,8 @@ def test_surprisal_keeps_the_probe_scorings_budgets_and_answers():
     lengths = [layer.keys.shape[2] for layer in cache.layers]
     assert lengths == [layer.keys.shape[2] for layer in probe.layers] and len(set(lengths)) > 1
     full = output_cache(model(context, use_cache=True))
-    for kept, whole in zip(cache.layers, full.layers):  # the sinks stay
-        assert torch.equal(kept.keys[:, :, :4], whole.keys[:, :, :4])
+    for kept, whole in zip(cache.layers, full.layers):  # the sinks stay (from a forward of another shape)
+        torch.testing.assert_close(kept.keys[:, :, :4], whole.keys[:, :, :4], rtol=0, atol=KEY_ATOL)
     assert cache.ripplekv_context.probe_tokens == PROBE.shape[1]
     out = continue_context(model, cache, _ids(6, seed=3), max_new_tokens=4, **GREEDY)
     assert out.shape == (1, 710)
