@@ -165,7 +165,10 @@ def test_probe_is_the_window_then_dropped(arch):
         if layer_idx not in compressible_layers(model):
             expected = stock.layers[layer_idx]
             assert type(layer) is type(expected) and layer.get_seq_length() == expected.get_seq_length() == 96
-            assert torch.equal(layer.keys, expected.keys) and torch.equal(layer.values, expected.values)
+            # The context's prefill ran with the probe after it (108 tokens, not 96): the same keys within the
+            # rounding of a forward of another shape.
+            torch.testing.assert_close(layer.keys, expected.keys, rtol=0, atol=1e-5)
+            torch.testing.assert_close(layer.values, expected.values, rtol=0, atol=1e-5)
     assert cache.ripplekv_context.probe_tokens == 12 and cache.ripplekv_context.policy == policy
     tokens, _ = _answer(model, cache, _ids(n=6, seed=1))  # and it answers like any compressed context
     assert tokens.shape == (1, 4)

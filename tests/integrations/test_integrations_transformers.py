@@ -218,6 +218,8 @@ def test_probe_cache_holds_the_probe_beyond_each_sliding_window_and_no_more():
     drop_probe(cache, 12)
     for layer, expected in zip(cache.layers, stock.layers):
         assert type(layer) is type(expected) and layer.get_seq_length() == expected.get_seq_length() == 96
-        assert torch.equal(layer.keys, expected.keys) and torch.equal(layer.values, expected.values)
+        # A forward of 108 tokens against one of 96: the same keys within the rounding of another shape.
+        torch.testing.assert_close(layer.keys, expected.keys, rtol=0, atol=1e-5)
+        torch.testing.assert_close(layer.values, expected.values, rtol=0, atol=1e-5)
     with pytest.raises(ValueError, match="probe_tokens must be at least 1"):
         drop_probe(cache, 0)
