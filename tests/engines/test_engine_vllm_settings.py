@@ -102,20 +102,60 @@ def test_a_hybrid_plan_compresses_and_tiers_its_full_attention_layers_only():
                  layers=[1, 3, 5])
 
 
-def test_pristine_tokens_are_the_slots_no_compaction_rewrites():
+def test_shared_tokens_end_at_the_first_compaction_and_hits_leave_its_window_computed():
     warnings.simplefilter("ignore", PromptTooShortWarning)  # the 40-token prompt is kept whole
     one_shot = plan_for(Settings.from_config({"method": "snapkv", "retention": 0.2}), LAYERS, BLOCK)
     n = 1000
-    assert one_shot.pristine_tokens(0, n) == one_shot.dropped_blocks(0, n) * BLOCK == n - one_shot.tier_budget(0, n)
-    assert one_shot.pristine_tokens(0, 40) == 40  # kept whole: nothing is rewritten
+    # One compaction, after the prompt: every whole block of it holds what a full prefill writes.
+    assert one_shot.first_compaction(n) == n and one_shot.shared_tokens(n) == 992
+    assert one_shot.hit_limit(n) == 960  # the window [968, 1000) is computed
+    assert one_shot.first_compaction(40) is None and one_shot.shared_tokens(40) == one_shot.hit_limit(40) == 40
     bounded = plan_for(Settings.from_config({"method": "snapkv", "retention": 0.2, "prefill_chunk": 128}), LAYERS,
                        BLOCK)
-    # The first compaction that drops a block frees the first slots; every later one writes above them.
+    # Tokens after the first compaction that drops a block attend to a compacted cache: never shared.
     first = next(b for b in bounded.boundaries(n) if bounded.dropped_blocks(0, n, b))
-    assert bounded.pristine_tokens(0, n) == bounded.dropped_blocks(0, n, first) * BLOCK
-    assert all(bounded.dropped_blocks(0, n, b) * BLOCK >= bounded.pristine_tokens(0, n)
-               for b in bounded.boundaries(n) if b >= first)
-    assert 0 < bounded.pristine_tokens(0, n) < one_shot.pristine_tokens(0, n)
+    assert bounded.first_compaction(n) == first < n and bounded.shared_tokens(n) == first
+    assert bounded.hit_limit(n) == (first - 32) // BLOCK * BLOCK
+
+
+def _held_columns(layout, first_kept, n):
+    """The columns a request holds once its compactions keep logical blocks ``first_kept`` to its prompt's end."""
+    return {layout.column(block) for block in range(first_kept, -(-n // BLOCK))}
+
+
+@pytest.mark.parametrize("ripplekv,n", [({"method": "snapkv", "retention": 0.2}, 1000),
+                                        ({"method": "snapkv", "retention": 0.2}, 333),
+                                        ({"method": "pyramidkv", "retention": 0.3, "tiers": 2}, 700),
+                                        ({"method": "snapkv", "retention": 0.2, "prefill_chunk": 128}, 1000)])
+def test_kept_tokens_of_shared_blocks_go_to_private_blocks(ripplekv, n):
+    plan = plan_for(Settings.from_config(ripplekv), LAYERS, BLOCK)
+    shared = plan.shared_tokens(n) // BLOCK
+    for tier in range(plan.num_tiers):
+        layout = plan.tier_layout(tier, n, shared=True)
+        f, m = layout.first_kept, layout.private
+        assert layout.rewrite_at is not None and f == plan.dropped_blocks(tier, n, layout.rewrite_at)
+        # Exactly the full shared blocks the first compaction keeps tokens in get a private block.
+        assert m == shared - f > 0
+        base = layout.private_column
+        assert base == -(-layout.rewrite_at // BLOCK)
+        assert [layout.column(b) for b in range(f, f + m)] == list(range(base, base + m))
+        held = _held_columns(layout, f, n)
+        # No held column is one of the prompt's shared blocks: nothing the request writes is shared.
+        assert not held & set(range(shared)) and len(held) == -(-n // BLOCK) - f
+        # vLLM's length-based allocation: the columns of n tokens are the logical blocks plus the private ones.
+        assert layout.columns_needed(n) == max(held) + 1 == -(-n // BLOCK) + m
+        assert not layout.has_private(layout.rewrite_at - 1) and layout.has_private(layout.rewrite_at)
+        # Once the prompt is compacted the request lets go of every other column it had.
+        last_kept = plan.dropped_blocks(tier, n, n)
+        freed = set(layout.freed_columns(last_kept, compacted_private=True))
+        assert freed.isdisjoint(_held_columns(layout, last_kept, n))
+        assert freed | _held_columns(layout, last_kept, n) == set(range(layout.columns_needed(n)))
+        assert list(layout.columns(layout.columns_needed(n) + 8)[:-(-n // BLOCK)]) == [
+            layout.column(b) for b in range(-(-n // BLOCK))]
+        # Without prefix caching nothing is shared: the compaction writes the prompt's blocks in place.
+        alone = plan.tier_layout(tier, n, shared=False)
+        assert alone.private == 0 and [alone.column(b) for b in range(40)] == list(range(40))
+        assert alone.freed_columns(last_kept, True) == list(range(last_kept))
 
 
 @pytest.mark.parametrize("ripplekv,max_model_len,whole", [

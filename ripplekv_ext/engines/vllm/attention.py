@@ -79,7 +79,8 @@ class _Compaction:
     end: int  # the boundary: prompt tokens read so far
     held_from: int  # first slot held before the compaction (whole blocks freed before it)
     kept_from: int  # first slot held after it
-    block_ids: Tensor  # int64 [ceil(end / block_size)] the row's first blocks in this tier
+    read_blocks: Tensor  # int64 [ceil(end / block_size)] the row's logical blocks as the compaction reads them
+    write_blocks: Tensor  # int64 [ceil(end / block_size)] and as it writes them (block_layout: private blocks)
     tokens: Tensor  # int64: batch tokens of this step's positions before ``end`` (the newest queries)
     start: int  # the prompt position of ``tokens[0]``
 
@@ -133,6 +134,7 @@ class RippleKVCPUBuilder(CPUAttentionMetadataBuilder):
             check_cache_layout(self.dtype, self.block_size, self.num_kv_heads, self.head_dim, self.isa)
             self.plan = plan_of_spec(kv_cache_spec)
             self.tier = kv_cache_spec.tier
+            self.shared = bool(vllm_config.cache_config.enable_prefix_caching)
             self._dropped: dict[tuple[int, Optional[int]], int] = {}
 
     def _dropped_tokens(self, n: int, read: Optional[int]) -> int:
@@ -145,24 +147,48 @@ class RippleKVCPUBuilder(CPUAttentionMetadataBuilder):
             dropped = self._dropped[(n, read)] = self.plan.dropped_blocks(self.tier, n, read) * self.block_size
         return dropped
 
-    def _parts(self, r: int, n: int, s0: int, s1: int, token0: int, block_table: Tensor):
-        """Row ``r``'s parts in this step: ``[(begin, end, offset, compaction or None)]`` in prompt positions."""
+    def _parts(self, r: int, n: int, s0: int, s1: int, token0: int, before: Tensor, after: Tensor):
+        """Row ``r``'s parts in this step: ``[(begin, end, offset, compaction or None, table)]`` in prompt
+        positions; ``table``: its logical blocks as the part reads them (``before``, or ``after`` once the tier's
+        first compaction has written the row's private blocks)."""
+        rewrite_at = self.plan.tier_layout(self.tier, n, self.shared).rewrite_at
+
+        def table(end):
+            return before if rewrite_at is None or end <= rewrite_at else after
+
         if s0 >= n:  # decoding
-            return [(s0, s1, self._dropped_tokens(n, n), None)]
+            return [(s0, s1, self._dropped_tokens(n, n), None, after)]
         if not self._dropped_tokens(n, n):  # a prompt the plan keeps whole
-            return [(s0, s1, 0, None)]
+            return [(s0, s1, 0, None, before)]
         parts, begin = [], s0
         offset = self._dropped_tokens(n, self.plan.last_boundary(n, s0))
         for end in (b for b in self.plan.boundaries(n) if s0 < b <= s1):
             kept_from = self._dropped_tokens(n, end)
-            compaction = _Compaction(self._req_ids[r], n, end, offset, kept_from,
-                                     block_table[r, :-(-end // self.block_size)].to(torch.int64),
-                                     torch.arange(token0 + s0, token0 + end), s0)
-            parts.append((begin, end, offset, compaction))
+            blocks = -(-end // self.block_size)
+            compaction = _Compaction(self._req_ids[r], n, end, offset, kept_from, table(end)[:blocks],
+                                     after[:blocks], torch.arange(token0 + s0, token0 + end), s0)
+            parts.append((begin, end, offset, compaction, table(end)))
             begin, offset = end, kept_from
         if begin < s1:
-            parts.append((begin, s1, offset, None))
+            parts.append((begin, s1, offset, None, table(s1)))
         return parts
+
+    def _after_compaction(self, n: int, s1: int, row: Tensor, cm, begin: int, s0: int) -> Tensor:
+        """Row ``row``'s logical blocks once the tier's first compaction wrote its private blocks, and vLLM's slot
+        mapping of this step's tokens (``begin``: the first, at prompt position ``s0``) moved past them where it
+        counted the private blocks' columns as logical blocks (``block_layout``)."""
+        layout = self.plan.tier_layout(self.tier, n, self.shared)
+        if not layout.has_private(s1):
+            return row
+        columns = torch.from_numpy(layout.columns(row.shape[0]))
+        after = row.index_select(0, columns)
+        past = max(layout.private_column * self.block_size, s0)
+        if past < s1:
+            positions = torch.arange(past, s1)
+            blocks = after.index_select(0, positions // self.block_size).to(cm.slot_mapping.dtype)
+            tokens = torch.arange(begin + past - s0, begin + s1 - s0)
+            cm.slot_mapping[tokens] = blocks * self.block_size + positions.to(blocks.dtype) % self.block_size
+        return after
 
     def build(self, common_prefix_len: int, common_attn_metadata, fast_build: bool = False):
         batch = self.step
@@ -180,13 +206,15 @@ class RippleKVCPUBuilder(CPUAttentionMetadataBuilder):
         for r in range(cm.num_reqs):
             begin, end = int(qsl[r]), int(qsl[r + 1])
             if r >= num_reqs:  # rows beyond the scheduled batch: attended as they are
-                rows.append([(begin, end, int(seq_lens[r]), 0, None)])
+                rows.append([(begin, end, int(seq_lens[r]), 0, None, cm.block_table_tensor[r].to(torch.int64))])
                 continue
             n, s0 = int(batch.prompt_tokens[r]), int(batch.computed_tokens[r])
             s1 = s0 + end - begin
             token0 = begin - s0  # batch token of position p: token0 + p
-            rows.append([(token0 + b, token0 + e, e, offset, compaction)
-                         for b, e, offset, compaction in self._parts(r, n, s0, s1, token0, cm.block_table_tensor)])
+            before = cm.block_table_tensor[r].to(torch.int64)
+            after = self._after_compaction(n, s1, before, cm, begin, s0)
+            rows.append([(token0 + b, token0 + e, e, offset, compaction, table)
+                         for b, e, offset, compaction, table in self._parts(r, n, s0, s1, token0, before, after)])
             if s0 < n <= s1:
                 done.append(batch.req_ids[r])
             elif s1 < n and self._dropped_tokens(n, n):
@@ -194,7 +222,8 @@ class RippleKVCPUBuilder(CPUAttentionMetadataBuilder):
         extra = dict(save=save, done=done, live=batch.live, plan=self.plan)
         if all(len(parts) == 1 for parts in rows):
             offsets = np.array([parts[0][3] for parts in rows], dtype=np.int64)
-            meta = super().build(common_prefix_len, self._shifted(cm, seq_lens, offsets), fast_build)
+            table = torch.stack([parts[0][5] for parts in rows]).to(cm.block_table_tensor.dtype)
+            meta = super().build(common_prefix_len, self._shifted(cm, table, seq_lens, offsets), fast_build)
             return RippleKVMetadata(**_fields(meta), first_compactions=[parts[0][4] for parts in rows
                                                                         if parts[0][4] is not None], **extra)
         # Rows cut by compactions attend in phases: each row's k-th part in phase k.
@@ -202,29 +231,28 @@ class RippleKVCPUBuilder(CPUAttentionMetadataBuilder):
         for k in range(max(len(parts) for parts in rows)):
             members = [(r, parts[k]) for r, parts in enumerate(rows) if len(parts) > k]
             tokens = np.concatenate([np.arange(p[0], p[1]) for _, p in members])
-            meta = super().build(common_prefix_len, self._subset(cm, [(r, p[1] - p[0], p[2], p[3])
-                                                                       for r, p in members]), fast_build)
+            meta = super().build(common_prefix_len, self._subset(cm, [(p[5], p[1] - p[0], p[2], p[3])
+                                                                       for _, p in members]), fast_build)
             phases.append(_Phase(meta, torch.from_numpy(tokens), [p[4] for _, p in members if p[4] is not None]))
         first = phases[0]
         return RippleKVMetadata(**_fields(first.meta), first_tokens=first.tokens,
                                 first_compactions=first.compactions, later=phases[1:], **extra)
 
-    def _shifted(self, cm, seq_lens: np.ndarray, offsets: np.ndarray):
-        """``cm`` with each row reading from slot ``offsets[r]`` (a whole number of blocks) on."""
-        if not offsets.any():
-            return cm
+    def _shifted(self, cm, table: Tensor, seq_lens: np.ndarray, offsets: np.ndarray):
+        """``cm`` with each row's logical blocks ``table[r]``, read from slot ``offsets[r]`` (a whole number of
+        blocks) on."""
         new_lens = torch.from_numpy(seq_lens - offsets).to(cm.seq_lens.dtype)
         return cm.replace(seq_lens=new_lens, max_seq_len=int(new_lens.max()),
-                          block_table_tensor=_shift_rows(cm.block_table_tensor, offsets // self.block_size))
+                          block_table_tensor=_shift_rows(table, offsets // self.block_size))
 
     def _subset(self, cm, rows: list):
-        """``cm`` for the given ``(row, query tokens, seq_len, offset)`` rows, their query tokens packed in order."""
-        index = torch.tensor([r for r, *_ in rows], dtype=torch.int64)
+        """``cm`` for the given ``(logical blocks, query tokens, seq_len, offset)`` rows, their query tokens packed
+        in order."""
         counts = np.array([q for _, q, _, _ in rows], dtype=np.int64)
         lens = np.array([s - o for _, _, s, o in rows], dtype=np.int64)
         blocks = np.array([o // self.block_size for *_, o in rows], dtype=np.int64)
         qsl = torch.from_numpy(np.concatenate([[0], np.cumsum(counts)])).to(cm.query_start_loc_cpu.dtype)
-        table = _shift_rows(cm.block_table_tensor.index_select(0, index), blocks)
+        table = _shift_rows(torch.stack([t for t, *_ in rows]).to(cm.block_table_tensor.dtype), blocks)
         return cm.replace(query_start_loc=qsl, query_start_loc_cpu=qsl,
                           seq_lens=torch.from_numpy(lens).to(cm.seq_lens.dtype), num_reqs=len(rows),
                           num_actual_tokens=int(counts.sum()), max_query_len=int(counts.max()),
@@ -312,10 +340,10 @@ class RippleKVCPUImpl(CPUAttentionBackendImpl):
             raise RuntimeError(f"ripplekv: request {row.req_id} reached a compaction after {row.end} prompt tokens "
                                f"with the queries of only {current.shape[0]} of its newest {window} positions")
         queries = current.permute(1, 0, 2).unsqueeze(0)  # [1, H_q, W, D]
-        keys, values = read_prompt(kv_cache, row.block_ids[row.held_from // block_size:], held)
+        keys, values = read_prompt(kv_cache, row.read_blocks[row.held_from // block_size:], held)
         keys_c, values_c = plan.compressor.compress(layer_idx, queries, keys, values, scale=self.scale,
                                                     budget=kept)
-        write_slots(kv_cache, row.block_ids, row.kept_from, keys_c, values_c, layer, self.kv_cache_dtype)
+        write_slots(kv_cache, row.write_blocks, row.kept_from, keys_c, values_c, layer, self.kv_cache_dtype)
 
 
 @functools.lru_cache(maxsize=None)

@@ -4,10 +4,11 @@ Every attention layer of a model run with the plugin reports a ``RippleKVSpec``:
 the layer's tier and the engine's settings. Layers of one tier have equal specs, so vLLM forms one KV cache group
 (one block table) per tier; tiers have equal sizes, so every group has the same page size and all draw from one
 block pool. vLLM picks each group's manager by spec type: ``RippleKVManager``, a ``FullAttentionManager`` whose
-``remove_skipped_blocks`` (which vLLM calls before every allocation) frees, once a request's prompt is computed,
-the whole blocks the worker's compaction emptied (``EnginePlan.dropped_blocks``), replacing them with the null
-block as vLLM's sliding-window manager does. Block tables keep their length, so slot mapping and block accounting
-stay vLLM's own.
+``remove_skipped_blocks`` (which vLLM calls before every allocation) lets go, once a request's prompt is computed,
+of the whole blocks the worker's compaction emptied (``EnginePlan.dropped_blocks``) and, with prefix caching, of
+the shared blocks whose kept tokens went to the request's own (``block_layout``), replacing them with the null
+block as vLLM's sliding-window manager does. Block tables keep their length and only grow by appending, as vLLM's
+workers expect; the private blocks' columns are counted in the length-based allocation.
 """
 
 from __future__ import annotations
@@ -45,6 +46,12 @@ class RippleKVSpec(FullAttentionSpec):
         if self.held_tokens is None:
             return super().max_memory_usage_bytes(vllm_config)
         return cdiv(self.held_tokens, self.block_size) * self.page_size_bytes
+
+    def max_num_blocks_per_req(self, vllm_config, max_len: int) -> int:
+        # The workers' block table row: with prefix caching, a request's private blocks (block_layout) take columns
+        # beside its prompt's, fewer than the prompt's own.
+        blocks = super().max_num_blocks_per_req(vllm_config, max_len)
+        return 2 * blocks if vllm_config.cache_config.enable_prefix_caching else blocks
 
     @classmethod
     def merge(cls, specs: list["RippleKVSpec"]) -> "RippleKVSpec":
@@ -87,9 +94,12 @@ def plan_of_spec(spec: RippleKVSpec) -> EnginePlan:
 
 
 class RippleKVManager(FullAttentionManager):
-    """Frees the first ``EnginePlan.dropped_blocks(tier, n, b)`` blocks of a request once its ``n``-token prompt is
-    computed up to a compaction boundary ``b`` (``EnginePlan.boundaries``: its end, and every ``prefill_chunk``
-    tokens when set; the worker compacted the tier's kept tokens into the last blocks before ``b`` in that step)."""
+    """A tier's blocks of each request, laid out as ``block_layout`` says: once a request's prompt is computed up to
+    a compaction boundary ``b`` (``EnginePlan.boundaries``; the workers compacted the tier's kept tokens in that
+    step) it lets go of the blocks before its first kept one, and, after the tier's first compaction, of the shared
+    blocks its private ones replaced (prefix caching keeps them). In the step that reaches that compaction it
+    allocates the private blocks, in the columns the layout names; blocks are hashed up to
+    ``EnginePlan.shared_tokens`` only."""
 
     def __init__(self, kv_cache_spec: RippleKVSpec, **kwargs) -> None:
         super().__init__(kv_cache_spec, **kwargs)
@@ -98,12 +108,18 @@ class RippleKVManager(FullAttentionManager):
         if kv_cache_spec.held_tokens is not None:
             # vLLM's admission check of a whole prompt, capped as for its block-recycling specs (sliding windows).
             self.max_admission_blocks_per_request = cdiv(kv_cache_spec.held_tokens, kv_cache_spec.block_size)
+        self._prompt_tokens: dict[str, int] = {}  # request -> its prompt length (vLLM passes it before allocating)
         self._compressed: dict[str, int] = {}  # request -> the prompt length its blocks were freed for
+
+    def layout(self, request_id: str):
+        n = self._prompt_tokens.get(request_id)
+        return None if n is None else self.plan.tier_layout(self.tier, n, self.enable_caching)
 
     def remove_skipped_blocks(self, request_id: str, processed_computed_tokens: int,
                               num_prompt_tokens: int | None = None) -> None:
         if num_prompt_tokens is None:
             return
+        self._prompt_tokens[request_id] = num_prompt_tokens
         done = self._compressed.get(request_id)
         if done is not None and done != num_prompt_tokens:
             # A resumable (streaming-input) request extended its prompt: its cache was compressed for the old one.
@@ -113,25 +129,54 @@ class RippleKVManager(FullAttentionManager):
         boundary = self.plan.last_boundary(num_prompt_tokens, processed_computed_tokens)
         if boundary is None:
             return
-        dropped = self.plan.dropped_blocks(self.tier, num_prompt_tokens, boundary)
-        if dropped:
-            # Walks back from the last dropped block and stops at the first null one: a second call frees only
-            # what the compaction at a later boundary emptied.
-            self._remove_blocks_in_range(request_id, 0, dropped)
+        layout = self.layout(request_id)
+        first_kept = self.plan.dropped_blocks(self.tier, num_prompt_tokens, boundary)
+        compacted = layout.rewrite_at is not None and boundary >= layout.rewrite_at
+        blocks = self.req_to_blocks[request_id]
+        # Later columns first, so that vLLM's LRU evicts a shared prompt's tail before its head.
+        released = []
+        for column in reversed(layout.freed_columns(first_kept, compacted)):
+            if column < len(blocks) and not blocks[column].is_null:
+                released.append(blocks[column])
+                blocks[column] = self._null_block
+        if released:
+            self.block_pool.free_blocks(released)
+        if first_kept:
             self._compressed[request_id] = num_prompt_tokens
 
-    def cache_limit(self, num_prompt_tokens: int) -> int:
-        """Tokens of a request's prompt this tier may share through prefix caching: the slots its compactions never
-        rewrite (``EnginePlan.pristine_tokens``). Later blocks, and decoded ones after them, hold compacted keys."""
-        return self.plan.pristine_tokens(self.tier, num_prompt_tokens)
+    def get_num_blocks_to_allocate(self, request_id: str, num_tokens: int, *args, **kwargs) -> int:
+        return super().get_num_blocks_to_allocate(request_id, self._slots(request_id, num_tokens), *args, **kwargs)
+
+    def allocate_new_blocks(self, request_id: str, num_tokens: int, num_tokens_main_model: int):
+        layout = self.layout(request_id)
+        blocks = self.req_to_blocks[request_id]
+        if layout is None or not layout.has_private(num_tokens) or len(blocks) >= layout.columns_needed(
+                layout.rewrite_at):
+            return super().allocate_new_blocks(request_id, self._slots(request_id, num_tokens),
+                                               num_tokens_main_model)
+        # The step reaching the first compaction: the prompt's blocks up to it, the private ones, then the rest.
+        new = super().allocate_new_blocks(request_id, layout.rewrite_at, num_tokens_main_model)
+        private = self.block_pool.get_new_blocks(layout.private)
+        blocks.extend(private)
+        rest = super().allocate_new_blocks(request_id, self._slots(request_id, num_tokens), num_tokens_main_model)
+        return list(new) + private + list(rest)
+
+    def _slots(self, request_id: str, num_tokens: int) -> int:
+        """``num_tokens`` as vLLM's length-based allocation must count it: the private blocks' columns added."""
+        layout = self.layout(request_id)
+        if layout is None or not layout.has_private(num_tokens):
+            return num_tokens
+        return num_tokens + layout.private * self.block_size
 
     def cache_blocks(self, request, num_tokens: int, *args, **kwargs) -> None:
-        # Blocks are hashed as they fill, before the compaction rewrites them: only the never-rewritten ones are.
-        super().cache_blocks(request, min(num_tokens, self.cache_limit(request.num_prompt_tokens)), *args, **kwargs)
+        # Blocks are hashed as they are allocated: only those holding what a full prefill writes may be.
+        super().cache_blocks(request, min(num_tokens, self.plan.shared_tokens(request.num_prompt_tokens)),
+                             *args, **kwargs)
 
     def pop_blocks_for_free(self, request_id: str):
         # Finished or preempted: a preempted request is compressed again after its recompute.
         self._compressed.pop(request_id, None)
+        self._prompt_tokens.pop(request_id, None)
         return super().pop_blocks_for_free(request_id)
 
 

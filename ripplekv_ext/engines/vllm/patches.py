@@ -12,14 +12,16 @@ fails ``make test-vllm`` rather than a server.
   group per tier, managed by ``RippleKVManager``); a hybrid model's sliding-window layers keep vLLM's spec.
 - wrapped: ``GPUModelRunner._build_attention_metadata``: hands each step's batch (request ids, prompt lengths,
   tokens computed) to the plugin's metadata builders.
-- wrapped: ``KVCacheManager.get_computed_blocks``: caps a prefix-cache hit at the slots the request's own compactions
-  never rewrite.
+- wrapped: ``KVCacheManager.get_computed_blocks``: caps a prefix-cache hit before the window of the request's first
+  compaction (``EnginePlan.hit_limit``).
 - registered: ``register_backend(CPU_ATTN, ...)``: the plugin's CPU attention backend takes the place of vLLM's (and
   defers to it for stock engines); ``KVCacheSpecRegistry.register``: ``RippleKVSpec`` is served by
   ``RippleKVManager``.
-- subclassed: ``FullAttentionManager`` (frees a compressed request's first blocks, hashes only its never-rewritten
-  ones); ``CPUAttentionMetadataBuilder`` and ``CPUAttentionBackendImpl`` (attention over the compacted layout, the
-  compactions).
+- subclassed: ``FullAttentionManager`` (a compressed request's blocks as ``block_layout`` places them: private blocks
+  for the kept tokens of shared ones, the blocks it no longer needs let go, only shared ones hashed);
+  ``CPUAttentionMetadataBuilder`` and ``CPUAttentionBackendImpl`` (attention over the compacted layout, the
+  compactions); ``FullAttentionSpec.max_num_blocks_per_req`` (room for the private blocks in the workers' block
+  table).
 - called: ``cpu_attn_reshape_and_cache`` (kept tokens written with vLLM's own op), ``_get_attn_isa`` (the kernel
   variant, to refuse a layout the plugin does not read), ``extract_layer_index`` (a layer's index from its name).
 
@@ -65,6 +67,14 @@ TARGETS = (
            ("self", "request", "num_tokens", "retention_interval", "replay_boundaries")),
     Target("vllm.v1.core.single_type_kv_cache_manager:FullAttentionManager.pop_blocks_for_free",
            ("self", "request_id")),
+    Target("vllm.v1.core.single_type_kv_cache_manager:FullAttentionManager.get_num_blocks_to_allocate",
+           ("self", "request_id", "num_tokens", "new_computed_blocks", "total_computed_tokens",
+            "num_local_computed_tokens", "num_tokens_main_model", "apply_admission_cap", "prefill_end")),
+    Target("vllm.v1.core.single_type_kv_cache_manager:FullAttentionManager.allocate_new_blocks",
+           ("self", "request_id", "num_tokens", "num_tokens_main_model")),
+    Target("vllm.v1.core.block_pool:BlockPool.get_new_blocks", ("self", "num_blocks")),
+    Target("vllm.v1.core.block_pool:BlockPool.free_blocks", ("self", "ordered_blocks")),
+    Target("vllm.v1.kv_cache_interface:FullAttentionSpec.max_num_blocks_per_req", ("self", "vllm_config", "max_len")),
     Target("vllm.v1.core.single_type_kv_cache_manager:FullAttentionManager._remove_blocks_in_range",
            ("self", "request_id", "first_block", "last_block")),
     Target("vllm.v1.attention.backends.cpu_attn:CPUAttentionMetadataBuilder.__init__",
@@ -228,10 +238,9 @@ def _wrap_prefix_cache_hit() -> None:
             managers = [m for m in self.coordinator.single_type_managers if isinstance(m, RippleKVManager)]
             if not managers or not self.enable_caching:
                 return original(self, request)
-            # A hit is read, never written: its blocks must lie where every tier's compactions of this request's
-            # prompt leave the slots alone (below each tier's first freed block), and the window's queries are
-            # always computed (they follow every kept slot).
-            limit = min(m.cache_limit(request.num_prompt_tokens) for m in managers)
+            # A hit covers shared blocks only (nothing else is hashed), and never the window of the request's first
+            # compaction: that compaction scores the keys with those positions' queries, so they are computed.
+            limit = managers[0].plan.hit_limit(request.num_prompt_tokens)
             if request.num_tokens - 1 <= limit:
                 return original(self, request)
             return original(self, _CappedRequest(request, limit + 1))

@@ -21,6 +21,7 @@ from typing import Optional, Sequence
 from ripplekv_ext.allocation import Allocator, PyramidKVAllocator, RippleKVAllocator, UniformAllocator
 from ripplekv_ext.checks import check_int, is_integer
 from ripplekv_ext.compressor import KVCompressor
+from ripplekv_ext.engines.vllm.block_layout import TierLayout
 from ripplekv_ext.tiers import TieredAllocator, tier_counts
 from ripplekv_ext.policies import DEFAULT_RIPPLEKV_SELECTOR, DEFAULT_WINDOW, Policy, PromptTooShortWarning
 from ripplekv_ext.selectors import SnapKVSelector, StreamingLLMSelector
@@ -189,7 +190,7 @@ class EnginePlan:
         self.tier_of = {layer: t for t, tier in enumerate(self.tiers) for layer in tier}
         self.compressor = KVCompressor(self.policy, num_layers, layers)
         self._held_bounds: dict[tuple[int, int], list[int]] = {}
-        self._pristine: dict[tuple[int, int], int] = {}
+        self._layouts: dict[tuple, object] = {}  # per prompt length, read by the scheduler at every step
         # Profile problems (a profile for another layer count) surface here, when the engine starts.
         self.compressor.budgets(max(4 * settings.window, 1024))
 
@@ -250,16 +251,44 @@ class EnginePlan:
             self._held_bounds[key] = bounds
         return self._held_bounds[key][tier]
 
-    def pristine_tokens(self, tier: int, n_tokens: int) -> int:
-        """The first slots of an ``n_tokens`` prompt that ``tier`` never rewrites: what its first compaction frees
-        (later ones write above it), or the whole prompt when no compaction drops anything. Their keys and values
-        are the uncompressed prompt's, so prefix caching may share them; the slots after them are rewritten."""
-        # Read by the scheduler for every running request at every step (prefix caching): computed once per length.
-        key = (tier, n_tokens)
-        if key not in self._pristine:
-            dropped = (self.dropped_blocks(tier, n_tokens, b) for b in self.boundaries(n_tokens))
-            self._pristine[key] = next((d * self.block_size for d in dropped if d), n_tokens)
-        return self._pristine[key]
+    def first_compaction(self, n_tokens: int) -> Optional[int]:
+        """The first boundary of an ``n_tokens`` prompt at which some tier drops blocks (None: none does). Every
+        token before it is computed on the whole prompt in every layer; tokens after it attend to compacted layers."""
+        key = ("first", n_tokens)
+        if key not in self._layouts:
+            self._layouts[key] = next((b for b in self.boundaries(n_tokens)
+                                       if any(self.dropped_blocks(t, n_tokens, b) for t in range(self.num_tiers))),
+                                      None)
+        return self._layouts[key]
+
+    def shared_tokens(self, n_tokens: int) -> int:
+        """The first tokens of an ``n_tokens`` prompt whose blocks hold exactly what a full prefill writes, in whole
+        blocks: what prefix caching may hash and share. The whole prompt when nothing is dropped."""
+        first = self.first_compaction(n_tokens)
+        return n_tokens if first is None else first // self.block_size * self.block_size
+
+    def hit_limit(self, n_tokens: int) -> int:
+        """The most tokens of an ``n_tokens`` prompt a prefix-cache hit may cover: shared blocks only, and never the
+        last ``window`` positions before the first compaction (its scoring reads their queries, so they are
+        computed)."""
+        first = self.first_compaction(n_tokens)
+        if first is None:
+            return n_tokens
+        return max(0, first - self.settings.window) // self.block_size * self.block_size
+
+    def tier_layout(self, tier: int, n_tokens: int, shared: bool) -> TierLayout:
+        """Where ``tier``'s blocks of an ``n_tokens`` prompt sit (``block_layout``); ``shared``: prefix caching is on,
+        so the compaction writes no block of the first ``shared_tokens``."""
+        key = (tier, n_tokens, shared)
+        if key not in self._layouts:
+            rewrite_at = next((b for b in self.boundaries(n_tokens) if self.dropped_blocks(tier, n_tokens, b)), None)
+            first_kept = private = 0
+            if rewrite_at is not None:
+                first_kept = self.dropped_blocks(tier, n_tokens, rewrite_at)
+                if shared:
+                    private = max(0, self.shared_tokens(n_tokens) // self.block_size - first_kept)
+            self._layouts[key] = TierLayout(self.block_size, rewrite_at, first_kept, private)
+        return self._layouts[key]
 
     def blocks_held(self, n_tokens: int, generated: int = 0) -> int:
         """Blocks (summed over tiers) a request holds after an ``n_tokens`` prompt and ``generated`` new tokens."""

@@ -105,3 +105,32 @@ def held_blocks(llm, request_id):
     block."""
     managers = scheduler(llm).kv_cache_manager.coordinator.single_type_managers
     return sum(sum(1 for block in m.req_to_blocks.get(request_id, ()) if not block.is_null) for m in managers)
+
+
+def shared_prefix_prompts(vocab=VOCAB):
+    """A 320-token document asked five ways: four questions of 40-90 tokens after it, and its first 200 tokens
+    alone (a request whose own first compaction's window lies inside what others cached)."""
+    document = prompts([320], seed=7, vocab=vocab)[0]
+    questions = prompts([40, 64, 90, 50], seed=8, vocab=vocab)
+    return [document + q for q in questions] + [document[:200]]
+
+
+def run_first_then_rest(llm, token_lists, first_alone=True):
+    """Tokens and cached prompt tokens per request: the first request runs alone (its blocks enter the cache), then
+    the others together."""
+    engine_ = llm.llm_engine
+    params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
+    tokens, cached = {}, {}
+    batches = [token_lists[:1], token_lists[1:]] if first_alone else [token_lists]
+    offset = 0
+    for batch in batches:
+        for i, t in enumerate(batch):
+            engine_.add_request(str(offset + i), {"prompt_token_ids": t}, params)
+        offset += len(batch)
+        while engine_.has_unfinished_requests():
+            for out in engine_.step():
+                if out.finished:
+                    tokens[out.request_id] = list(out.outputs[0].token_ids)
+                    cached[out.request_id] = out.num_cached_tokens
+    order = [str(i) for i in range(len(token_lists))]
+    return [tokens[k] for k in order], [cached[k] for k in order]

@@ -19,7 +19,8 @@ import torch  # noqa: E402
 from vllm.v1.kv_cache_interface import SlidingWindowSpec  # noqa: E402
 
 from tiny_llama import load_reference_model, save_given_profile  # noqa: E402
-from harness import BLOCK, engine, greedy, prompts, reference, running, scheduler  # noqa: E402
+from harness import (BLOCK, engine, greedy, prompts, reference, run_first_then_rest, running,  # noqa: E402
+                     scheduler, shared_prefix_prompts)
 from ripplekv_ext.engines.vllm.kv_cache import RippleKVManager, RippleKVSpec  # noqa: E402
 from ripplekv_ext.engines.vllm.settings import Settings, plan_for  # noqa: E402
 from ripplekv_ext.eval.models import shipped_profile_path  # noqa: E402
@@ -76,6 +77,24 @@ def test_hybrid_model_compresses_its_full_attention_layers_to_the_hook_tokens(ge
     with engine(gemma3_dir, None, model_config=GEMMA3_CONFIG, max_num_batched_tokens=64) as llm:
         stock = greedy(llm, prompts())
     assert any(t != s for t, s in zip(tokens, stock)) and tokens[0] == stock[0]
+
+
+def test_hybrid_model_reads_shared_prefixes_from_the_cache(gemma3_dir, gemma3_model):
+    """Prefix caching on a hybrid model: a hit must hold in every group, the sliding-window ones (the window before
+    its end) and the plugin's (shared blocks only, before its own window): the questions of a shared document read
+    from the cache what they read on stock vLLM, and give the hook's tokens."""
+    ripplekv = {"method": "snapkv", "retention": 0.2}
+    plan = plan_for(Settings.from_config(ripplekv), GEMMA3_CONFIG["num_hidden_layers"], BLOCK, FULL_LAYERS)
+    token_lists = shared_prefix_prompts(vocab=GEMMA3_CONFIG["vocab_size"])
+    kwargs = dict(model_config=GEMMA3_CONFIG, max_num_batched_tokens=64, enable_prefix_caching=True)
+    with engine(gemma3_dir, ripplekv, **kwargs) as llm:
+        tokens, cached = run_first_then_rest(llm, token_lists)
+    with engine(gemma3_dir, None, **kwargs) as llm:
+        _, stock_cached = run_first_then_rest(llm, token_lists)
+    assert tokens == reference(gemma3_model, plan.policy, token_lists)
+    # vLLM's hybrid rule (a hit must also cover the sliding window before its end in the sliding groups) decides
+    # which requests hit; the plugin's groups take nothing away from it here.
+    assert cached == stock_cached and max(cached) == 320, (cached, stock_cached)
 
 
 GEMMA3_270M = Path(os.environ.get("RIPPLEKV_CACHE_DIR", Path.home() / ".cache" / "ripplekv")) / "gemma-3-270m"

@@ -20,7 +20,8 @@ pytest.importorskip("vllm.entrypoints.llm", reason="vLLM is not installed here: 
 
 from vllm import SamplingParams  # noqa: E402
 
-from harness import BLOCK, LAYERS, engine, greedy, prompts, reference, scheduler  # noqa: E402
+from harness import (BLOCK, LAYERS, engine, greedy, prompts, reference, scheduler,  # noqa: E402
+                     shared_prefix_prompts)
 from ripplekv_ext.engines.vllm.settings import Settings, plan_for  # noqa: E402
 
 # Tiers, bounded prefill in steps of 64 tokens, and a pool of 15 blocks per tier for four requests growing by 100
@@ -62,9 +63,12 @@ def test_parallel_engines_give_the_single_request_tokens(model_dir, hf_model, pr
                                                                            new_tokens=100)
 
 
-def test_tensor_parallel_one_shot_equals_one_process(model_dir, hf_model):
+def test_tensor_parallel_one_shot_with_prefix_caching_equals_one_process(model_dir, hf_model):
+    # Questions of a shared document, all sent at once: later ones hit the blocks the first computes in the same
+    # step, and every rank writes their kept tokens to the same private blocks.
     ripplekv = {"method": "snapkv", "retention": 0.2}
     plan = plan_for(Settings.from_config(ripplekv), LAYERS, BLOCK)
-    with engine(model_dir, ripplekv, tensor_parallel_size=2) as llm:
-        tokens = greedy(llm, prompts())
-    assert tokens == reference(hf_model, plan.policy, prompts())
+    token_lists = prompts() + shared_prefix_prompts()
+    with engine(model_dir, ripplekv, tensor_parallel_size=2, enable_prefix_caching=True) as llm:
+        tokens = greedy(llm, token_lists)
+    assert tokens == reference(hf_model, plan.policy, token_lists)

@@ -1,10 +1,10 @@
 """The plugin with vLLM's prefix caching on (its default), on the tiny random Llama, engines in this process.
 
-A compacted request rewrites the slots from its first kept one on, and frees the blocks before it. Only those first
-blocks (``EnginePlan.pristine_tokens``: the ones its first compaction frees) hold the uncompressed prompt's keys and
-values: the plugin hashes those alone, and caps a new request's hit at its own first freed block, so its
-compactions never write to a shared block and the queries of its window are always computed. Requests sharing a
-prefix then read it from the cache and give the tokens of an engine without prefix caching.
+A request's prompt blocks hold what a full prefill writes up to its first compaction (``EnginePlan.shared_tokens``):
+those are hashed and shared, and a compaction never writes to them; the kept tokens of shared blocks go to blocks of
+the request's own (``block_layout``), and the request lets go of the shared ones, which stay in the prefix cache. A
+new request with the same document then reads the whole document from the cache, as on stock vLLM, except the
+window of its own first compaction (``EnginePlan.hit_limit``), whose queries are computed.
 """
 
 import pytest
@@ -14,64 +14,146 @@ pytest.importorskip("vllm.entrypoints.llm", reason="vLLM is not installed here: 
 
 from vllm import SamplingParams  # noqa: E402
 
-from harness import BLOCK, LAYERS, NEW_TOKENS, engine, prompts, reference, scheduler  # noqa: E402
+import ripplekv_ext.engines.vllm.attention as plugin_attention  # noqa: E402
+from harness import (BLOCK, LAYERS, NEW_TOKENS, engine, prompts, reference, run_first_then_rest,  # noqa: E402
+                     scheduler, shared_prefix_prompts)
 from ripplekv_ext.engines.vllm.settings import Settings, plan_for  # noqa: E402
 
 
-def shared_prefix_prompts():
-    """A 320-token document asked five ways: four questions of 40-90 tokens after it, and its first 200 tokens
-    alone (a request whose own first freed block comes before the blocks others cached)."""
-    document = prompts([320], seed=7)[0]
-    questions = prompts([40, 64, 90, 50], seed=8)
-    return [document + q for q in questions] + [document[:200]]
+@pytest.fixture
+def writes_to_shared_blocks(monkeypatch):
+    """Every block a compaction writes to that another request could read at that moment (hashed, so a new request
+    can hit it, or held by another request), as it happens: the engines run in this process, so the worker's writes
+    are checked against the scheduler's block pool."""
+    shared, pools = [], []
+    original = plugin_attention.write_slots
 
+    def checked_write_slots(kv_cache, block_ids, first, keys, values, layer, kv_cache_dtype):
+        written = {int(block_ids[p // BLOCK]) for p in range(first, first + keys.shape[2])}
+        for pool in pools:
+            shared.extend(b for b in written if pool.blocks[b].block_hash is not None or pool.blocks[b].ref_cnt > 1)
+        return original(kv_cache, block_ids, first, keys, values, layer, kv_cache_dtype)
 
-def run(llm, token_lists, first_alone=True):
-    """Tokens and cached prompt tokens per request: the first request runs alone (its blocks enter the cache), then
-    the others together."""
-    engine_ = llm.llm_engine
-    params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
-    tokens, cached = {}, {}
-    batches = [token_lists[:1], token_lists[1:]] if first_alone else [token_lists]
-    offset = 0
-    for batch in batches:
-        for i, t in enumerate(batch):
-            engine_.add_request(str(offset + i), {"prompt_token_ids": t}, params)
-        offset += len(batch)
-        while engine_.has_unfinished_requests():
-            for out in engine_.step():
-                if out.finished:
-                    tokens[out.request_id] = list(out.outputs[0].token_ids)
-                    cached[out.request_id] = out.num_cached_tokens
-    order = [str(i) for i in range(len(token_lists))]
-    return [tokens[k] for k in order], [cached[k] for k in order]
+    monkeypatch.setattr(plugin_attention, "write_slots", checked_write_slots)
+    return shared, pools
 
 
 @pytest.mark.parametrize("ripplekv", [{"method": "snapkv", "retention": 0.2},
                                       {"method": "ripplekv", "retention": 0.3, "tiers": 2, "prefill_chunk": 128}],
                          ids=["snapkv", "ripplekv-2tiers-bounded"])
 def test_shared_prefixes_are_read_from_the_cache_and_give_the_uncached_tokens(model_dir, hf_model, profile_path,
-                                                                             ripplekv):
+                                                                             ripplekv, writes_to_shared_blocks):
     if ripplekv["method"] == "ripplekv":
         ripplekv = {**ripplekv, "profile": profile_path}
     plan = plan_for(Settings.from_config(ripplekv), LAYERS, BLOCK)
     token_lists = shared_prefix_prompts()
+    shared_writes, pools = writes_to_shared_blocks
     with engine(model_dir, ripplekv, enable_prefix_caching=True, max_num_batched_tokens=128) as llm:
-        tokens, cached = run(llm, token_lists)
         manager = scheduler(llm).kv_cache_manager
+        pools.append(manager.block_pool)
+        tokens, cached = run_first_then_rest(llm, token_lists)
         assert manager.block_pool.get_num_free_blocks() == manager.block_pool.num_gpu_blocks - 1
     assert tokens == reference(hf_model, plan.policy, token_lists)
-    limits = [min(plan.pristine_tokens(t, len(p)) for t in range(plan.num_tiers)) for p in token_lists]
+    assert shared_writes == []
+    limits = [plan.hit_limit(len(p)) for p in token_lists]
     assert cached[0] == 0 and all(0 < c <= limit for c, limit in zip(cached[1:], limits[1:])), (cached, limits)
     if ripplekv["method"] == "snapkv":
-        # The document's first 200 tokens: 288 of them cached by longer requests, the hit stopped at the request's
-        # own first freed block (160), so its compaction writes to no shared block.
-        assert cached[-1] == limits[-1] == 160 < limits[0] == 288
+        # The questions read the whole document (its 10 blocks), as on stock vLLM below; the document's first 200
+        # tokens stop before their own window: 160 tokens, where stock reads 192.
+        assert cached[1:4] == [320] * 3 and cached[-1] == limits[-1] == 160
+
+
+def test_the_guard_sees_a_compaction_that_writes_into_shared_blocks(model_dir, writes_to_shared_blocks, monkeypatch):
+    """Without private blocks (a compaction written in place, as before prefix caching kept shared blocks whole),
+    the same run writes into hashed blocks: the guard above would see it."""
+    from ripplekv_ext.engines.vllm.settings import EnginePlan
+
+    in_place = EnginePlan.tier_layout
+    monkeypatch.setattr(EnginePlan, "tier_layout", lambda plan, tier, n, shared: in_place(plan, tier, n, False))
+    shared_writes, pools = writes_to_shared_blocks
+    with engine(model_dir, {"method": "snapkv", "retention": 0.2}, enable_prefix_caching=True,
+                max_num_batched_tokens=128) as llm:
+        pools.append(scheduler(llm).kv_cache_manager.block_pool)
+        run_first_then_rest(llm, shared_prefix_prompts()[:2])
+    assert shared_writes
+
+
+def test_preempted_and_aborted_requests_keep_the_shared_blocks_whole(model_dir, hf_model, writes_to_shared_blocks,
+                                                                      monkeypatch):
+    """Two questions of a document are preempted while decoding (vLLM's reset_prefix_cache with running requests)
+    and recompute prompt and output in one step that runs past the prompt's end: the step allocates the private
+    blocks, compacts at the prompt's end, then writes the output's keys past them. A third question, aborted after
+    its hit and before its compaction, leaves nothing behind; a fourth reads the document the first two recomputed."""
+    ripplekv = {"method": "snapkv", "retention": 0.2}
+    plan = plan_for(Settings.from_config(ripplekv), LAYERS, BLOCK)
+    token_lists = shared_prefix_prompts()[:4]
+    params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
+    shared_writes, pools = writes_to_shared_blocks
+    outputs, cached = {}, {}
+    split_steps = []  # attention in parts: a step that compacts and goes on past the prompt's end
+    attend_part = plugin_attention.RippleKVCPUImpl._attend_part
+    monkeypatch.setattr(plugin_attention.RippleKVCPUImpl, "_attend_part",
+                        lambda self, *args: (split_steps.append(1), attend_part(self, *args))[1])
+
+    def step(engine_):
+        for out in engine_.step():
+            if out.finished:
+                outputs[out.request_id] = list(out.outputs[0].token_ids)
+                cached[out.request_id] = out.num_cached_tokens
+
+    with engine(model_dir, ripplekv, enable_prefix_caching=True, max_num_batched_tokens=1024) as llm:
+        engine_ = llm.llm_engine
+        sched = scheduler(llm)
+        pools.append(sched.kv_cache_manager.block_pool)
+        for i in (0, 1):
+            engine_.add_request(str(i), {"prompt_token_ids": token_lists[i]}, params)
+        for _ in range(4):
+            step(engine_)
+        assert len(sched.running) == 2 and all(r.num_output_tokens > 1 for r in sched.running)
+        assert llm.reset_prefix_cache(reset_running_requests=True)
+        step(engine_)  # both resume: prompt and output recomputed in one step each
+        engine_.add_request("aborted", {"prompt_token_ids": token_lists[2]}, params)
+        step(engine_)
+        engine_.abort_request(["aborted"])
+        engine_.add_request("3", {"prompt_token_ids": token_lists[3]}, params)
+        while engine_.has_unfinished_requests():
+            step(engine_)
+        pool = sched.kv_cache_manager.block_pool
+        assert pool.get_num_free_blocks() == pool.num_gpu_blocks - 1
+    expected = reference(hf_model, plan.policy, [token_lists[i] for i in (0, 1, 3)])
+    assert [outputs[k] for k in ("0", "1", "3")] == expected
+    assert cached["3"] == 320 and shared_writes == [] and split_steps
+
+
+def test_a_chat_reads_its_earlier_turns_from_the_cache_but_never_an_answer(model_dir, hf_model):
+    """Each turn resends the conversation: the earlier prompt, the answer computed against a compacted cache (not
+    what a full prefill of it gives), and a new message. The answer's blocks are never hashed; the next turn reads
+    the earlier prompt's blocks and computes the answer's tokens again, as part of its own prompt."""
+    ripplekv = {"method": "snapkv", "retention": 0.2}
+    plan = plan_for(Settings.from_config(ripplekv), LAYERS, BLOCK)
+    messages = prompts([300, 40, 40], seed=11)
+    params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
+    turns, answers, cached = [], [], []
+    with engine(model_dir, ripplekv, enable_prefix_caching=True, max_num_batched_tokens=128) as llm:
+        pool = scheduler(llm).kv_cache_manager.block_pool
+        conversation = []
+        for message in messages:
+            conversation = conversation + (answers[-1] if answers else []) + message
+            turns.append(conversation)
+            out = llm.generate([{"prompt_token_ids": conversation}], params, use_tqdm=False)[0]
+            answers.append(list(out.outputs[0].token_ids))
+            cached.append(out.num_cached_tokens)
+            # Hashed: the whole blocks of every turn's prompt so far, never a block holding an answer's tokens.
+            hashed = sum(1 for block in pool.blocks if block.block_hash is not None)
+            assert hashed == plan.shared_tokens(len(conversation)) // BLOCK, (len(conversation), hashed)
+    assert answers == reference(hf_model, plan.policy, turns)
+    # Turn k + 1 reads turn k's prompt (its whole blocks), then computes the answer and the new message.
+    assert cached == [0] + [plan.shared_tokens(len(turn)) for turn in turns[:-1]]
 
 
 def test_stock_engines_keep_vllm_prefix_caching(model_dir):
     token_lists = shared_prefix_prompts()
     with engine(model_dir, None, enable_prefix_caching=True, max_num_batched_tokens=128) as llm:
-        _, cached = run(llm, token_lists)
+        _, cached = run_first_then_rest(llm, token_lists)
     # vLLM's own rule: every full block of the shared document, up to one token short of a whole prompt.
     assert cached[1:4] == [320 // BLOCK * BLOCK] * 3 and cached[-1] == (200 - 1) // BLOCK * BLOCK
