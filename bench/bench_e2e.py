@@ -177,13 +177,12 @@ def bench_e2e_peer_script_continuation():
 
             @contextlib.contextmanager
             def ctx():
-                from ripplekv_ext.integrations import transformers_integration
 
-                door = transformers_integration()
 
                 def hook(module, args, kwargs, output):
+                    from ripplekv_ext.integrations.transformers import layer_at
                     cache = kwargs.get("past_key_values", kwargs.get("cache"))  # transformers < 5.3 / 5.24
-                    layer = door.layer_at(cache, module.layer_idx)
+                    layer = layer_at(cache, module.layer_idx)
                     layer.keys, layer.values = layer.keys[:, :, ::2], layer.values[:, :, ::2]
                     return output
                 handles = [layer.self_attn.register_forward_hook(hook, with_kwargs=True)

@@ -42,8 +42,6 @@ from torch import Tensor
 from ripplekv_ext.bounded_prefill import (ChunkedPrompt, check_chunk, chunk_row_budgets, chunked_generate,
                                           prompt_in_chunks, prompt_inputs, row_read)
 from ripplekv_ext.compressor import CompressionObserver, KVCompressor
-# The door to transformers, imported when a block opens: `import ripplekv_ext` must not pay for (or require) it.
-from ripplekv_ext.integrations import transformers_integration
 from ripplekv_ext.masks import check_batch, row_lengths
 from ripplekv_ext.model_info import text_config
 from ripplekv_ext.policies import Policy
@@ -59,18 +57,17 @@ class CompressionSession:
     """
 
     def __init__(self, model, policy: Policy, attention: str, on_compress: Optional[CompressionObserver] = None):
-        door = transformers_integration()
+        from ripplekv_ext.integrations.transformers import base_attention, unique_attention_name
         self.model = model
         self.policy = policy
         self.attention = attention
         self.compressor = KVCompressor.for_model(model, policy, on_compress)
         self._compressible = set(self.compressor.compressible_layers)
         # The name transformers shows when it refuses the block (continuous batching does): it says which block.
-        self.name = door.unique_attention_name("ripplekv_ext.compress_block")
-        self._door = door
+        self.name = unique_attention_name("ripplekv_ext.compress_block")
         self._calls = threading.local()
         self._latest_row_kept: dict[int, list[int]] = {}
-        self.base, self.mask_function = door.base_attention(attention)
+        self.base, self.mask_function = base_attention(attention)
 
     @property
     def cache(self):
@@ -135,6 +132,7 @@ class CompressionSession:
 
     # -- forward pre-hook on the model: sees the cache of every call ------------------------------------------
     def before_forward(self, module, args, kwargs):
+        from ripplekv_ext.integrations.transformers import cache_argument, new_cache
         if self.policy.is_full:
             return None
         check_batch(args, kwargs)
@@ -158,8 +156,8 @@ class CompressionSession:
                             mask.shape[-1] if isinstance(mask, Tensor) else None)
         if cache is None and use_cache:
             # The model would create this cache itself, out of our sight; create it here so it can be compressed.
-            cache = self._door.new_cache(self.model)
-            kwargs[self._door.cache_argument()] = cache
+            cache = new_cache(self.model)
+            kwargs[cache_argument()] = cache
         self.cache = cache
         return args, kwargs
 
@@ -175,41 +173,44 @@ class CompressionSession:
     def _cut_by_attention(self, held: dict) -> None:
         """Cut the layers held whole through a prefill, now that every layer's attention gave its preference (an
         allocator that ``reads_attention``: CAKE)."""
+        from ripplekv_ext.integrations.transformers import compress_layer
         n = next(iter(held.values()))[1].shape[2]
         budgets = self.compressor.attention_budgets({layer: (queries, keys, scale) for layer, (queries, keys, _,
                                                      scale) in held.items()}, n)
         for layer_idx, (queries, keys, values, scale) in held.items():
-            row_kept = self._door.compress_layer(self.cache, layer_idx, queries, keys, values, self.compressor,
-                                                 scale=scale, budgets=[budgets[layer_idx]])
+            row_kept = compress_layer(self.cache, layer_idx, queries, keys, values, self.compressor,
+                                      scale=scale, budgets=[budgets[layer_idx]])
             self._record_row_kept(layer_idx, row_kept)
 
     # -- the registered attention function -------------------------------------------------------------------
     def attention_forward(self, module, query: Tensor, key: Tensor, value: Tensor,
                           attention_mask: Optional[Tensor], **kwargs):
-        door, layer_idx = self._door, getattr(module, "layer_idx", None)
+        from ripplekv_ext.integrations.transformers import (CompressedLayer, compress_layer, is_prefill, layer_at,
+                                                            reselect_layer)
+        layer_idx = getattr(module, "layer_idx", None)
         cache = self.cache
-        layer = door.layer_at(cache, layer_idx)
+        layer = layer_at(cache, layer_idx)
         scaling = kwargs.get("scaling")
         prompt = self.prompt
-        if isinstance(layer, door.CompressedLayer) and layer.keys is key:
+        if isinstance(layer, CompressedLayer) and layer.keys is key:
             # The model-wide mask is sized for one layer; this layer's key length and padding slots are its own.
             mask = layer.attention_mask(query.shape[2], query.dtype, query.shape[1])
             output = self.base(module, query, key, value, mask, **kwargs)
             if prompt is not None and prompt.reads(layer.seen_tokens - query.shape[2]):  # a chunk of the prompt
                 layer.remember_queries(query, self.policy.window)
                 read = row_read(self.lengths, key.shape[0], layer.seen_tokens)
-                door.reselect_layer(layer, layer_idx, self.compressor, scaling,
-                                    budgets=chunk_row_budgets(self.compressor, layer_idx, read, prompt))
+                reselect_layer(layer, layer_idx, self.compressor, scaling,
+                               budgets=chunk_row_budgets(self.compressor, layer_idx, read, prompt))
                 layer.prompt_read(read)
                 self._record_row_kept(layer_idx, layer.held_per_row())
             elif self.policy.decode_every is not None and layer.prompt_lengths is not None:  # during decoding
                 layer.remember_queries(query, self.policy.window)
                 if layer.since_selection >= self.policy.decode_every:
-                    door.reselect_layer(layer, layer_idx, self.compressor, scaling)
+                    reselect_layer(layer, layer_idx, self.compressor, scaling)
             return output
 
         output = self.base(module, query, key, value, attention_mask, **kwargs)
-        if layer_idx in self._compressible and door.is_prefill(layer, query, key):
+        if layer_idx in self._compressible and is_prefill(layer, query, key):
             queries = query if self.policy.selector.needs_all_queries else query[:, :, -self.policy.window:]
             if self.policy.reads_attention:  # cut at the end of the forward, every layer's attention read
                 held = getattr(self._calls, "held_whole", None) or {}
@@ -220,8 +221,8 @@ class CompressionSession:
             if prompt is not None:  # the first chunk of a prompt read in chunks
                 read = row_read(self.lengths, key.shape[0], key.shape[2])
                 budgets = chunk_row_budgets(self.compressor, layer_idx, read, prompt)
-            row_kept = door.compress_layer(cache, layer_idx, queries.contiguous(), key, value, self.compressor,
-                                           self.lengths, scaling, budgets=budgets, rolling=prompt is not None)
+            row_kept = compress_layer(cache, layer_idx, queries.contiguous(), key, value, self.compressor,
+                                      self.lengths, scaling, budgets=budgets, rolling=prompt is not None)
             self._record_row_kept(layer_idx, row_kept)
         return output
 
@@ -258,11 +259,13 @@ def compress(model, policy: Policy, attention: Optional[str] = None,
     attention implementations, and transformers refuses the block's by name (``ripplekv_ext.compress_block_N``).
     ``ripplekv_ext.engines.transformers_cb.serve`` compresses there instead.
     """
+    # transformers is imported when a block opens: `import ripplekv_ext` must not pay for (or require) it.
+    from ripplekv_ext.integrations.transformers import (attention_implementation, check_versions, close_block,
+                                                        open_block, registered_attention)
     if not isinstance(policy, Policy):
         raise TypeError(f"policy must be a ripplekv_ext.Policy, got {type(policy).__name__}")
-    door = transformers_integration()
-    door.check_versions()
-    current = door.attention_implementation(model)
+    check_versions()
+    current = attention_implementation(model)
     if current is None:
         raise TypeError(f"model must be a transformers model (a PreTrainedModel with a .config whose attention goes "
                         f"through AttentionInterface), got {type(model).__name__}; other inference code uses "
@@ -272,7 +275,7 @@ def compress(model, policy: Policy, attention: Optional[str] = None,
     if attention not in ("sdpa", "eager"):
         raise ValueError(f"attention must be 'sdpa' or 'eager', got {attention!r}")
     session = CompressionSession(model, policy, attention, on_compress)
-    other = door.open_block(model, session)
+    other = open_block(model, session)
     if other is not None:
         raise RuntimeError(f"a ripplekv_ext.compress block ({other.policy.name}) is already open on this model: "
                            "one block per model at a time (blocks on one model, nested or from two threads, "
@@ -280,7 +283,7 @@ def compress(model, policy: Policy, attention: Optional[str] = None,
                            "give each thread its own model object.")
     handles = []
     try:
-        with door.registered_attention(model, session.name, session.attention_forward, session.mask_function):
+        with registered_attention(model, session.name, session.attention_forward, session.mask_function):
             # On the model and on its decoder stack, so that calling either one is seen (and the cache created by
             # the outer call is the one the inner call reports).
             for module in _entry_points(model):
@@ -293,7 +296,7 @@ def compress(model, policy: Policy, attention: Optional[str] = None,
         for handle in handles:
             handle.remove()
         session.close()
-        door.close_block(model, session)
+        close_block(model, session)
 
 
 @contextlib.contextmanager
@@ -312,4 +315,5 @@ def _generate_in_chunks(model, session: CompressionSession):
 
 def compress_block_open(model) -> bool:
     """Whether a ``compress`` block is open on ``model`` (from any thread)."""
-    return transformers_integration().block_on(model) is not None
+    from ripplekv_ext.integrations.transformers import block_on
+    return block_on(model) is not None

@@ -48,7 +48,6 @@ from ripplekv_ext.context_stamp import (STAMP_ATTRIBUTE, ContextStamp, check_con
                                         model_identity)
 from ripplekv_ext.digests import cache_digest
 from ripplekv_ext.compress_block import compress, compress_block_open
-from ripplekv_ext.integrations import transformers_integration
 from ripplekv_ext.masks import row_lengths
 from ripplekv_ext.policies import Policy
 from ripplekv_ext.bounded_prefill import prefill_in_chunks
@@ -152,6 +151,7 @@ def compress_context(model, context_ids: Tensor, policy: Policy, *, tokenizer=No
     whole instead of compressed), at any length, one token included; only retention 1 (keep all) and Full take
     every context. Raise the retention, shrink the window or the probe, or give a longer context.
     """
+    from ripplekv_ext.integrations.transformers import cache_argument, drop_probe, output_cache, probe_cache
     check_model(model)
     if not isinstance(policy, Policy):
         raise TypeError(f"policy must be a ripplekv_ext.Policy, got {type(policy).__name__}")
@@ -225,18 +225,17 @@ def compress_context(model, context_ids: Tensor, policy: Policy, *, tokenizer=No
         inputs["attention_mask"] = prefill_mask.to(device)
         inputs["position_ids"] = (inputs["attention_mask"].long().cumsum(-1) - 1).clamp(min=0)
     if probe_tokens:
-        door = transformers_integration()
-        inputs[door.cache_argument()] = door.probe_cache(model, probe_tokens)
+        inputs[cache_argument()] = probe_cache(model, probe_tokens)
     with compress(model, prefill_policy, attention=attention) as session, torch.no_grad():
         chunk = prefill_policy.prefill_chunk
         if chunk is None or prefill_ids.shape[1] <= chunk:
             output = model(**inputs)
         else:  # bounded prefill: the context in chunks, each compressed to its final budgets
-            output = prefill_in_chunks(model, session, inputs, chunk, transformers_integration().cache_argument())
-    cache = transformers_integration().output_cache(output)
+            output = prefill_in_chunks(model, session, inputs, chunk, cache_argument())
+    cache = output_cache(output)
     if probe_tokens:
         # Every row's window (its last probe_tokens slots) is the probe: drop it from every layer.
-        transformers_integration().drop_probe(cache, probe_tokens)
+        drop_probe(cache, probe_tokens)
     return _stamped(cache, model, policy, context_ids, attention_mask, probe_tokens)
 
 
@@ -279,20 +278,22 @@ def _whole_context_refusal(scoring: str, attention_mask, policy) -> None:
 
 
 def _reconstruct(model, context_ids, attention_mask, policy, tokenizer, probe_ids):
+    from ripplekv_ext.integrations.transformers import reconstructed_cache, reconstruction_ids
     why = ("it needs the model's tokenizer (tokenizer=...) for its instruction" if tokenizer is None else
            "it scores with its own instruction, not probe_ids" if probe_ids is not None else None)
     if why is not None:
         raise ValueError(f"scoring='reconstruction': {why}")
     _whole_context_refusal("reconstruction", attention_mask, policy)
-    for ids in transformers_integration().reconstruction_ids(tokenizer):
+    for ids in reconstruction_ids(tokenizer):
         _check_vocab("the tokenizer's reconstruction instruction", ids, model)
     _check_budget(policy, [context_ids.shape[1]] * context_ids.shape[0], 0)
     with torch.no_grad():
         device = next(model.parameters()).device
-        return transformers_integration().reconstructed_cache(model, context_ids.to(device), policy, tokenizer)
+        return reconstructed_cache(model, context_ids.to(device), policy, tokenizer)
 
 
 def _surprisal(model, context_ids, attention_mask, policy, tokenizer, probe_ids):
+    from ripplekv_ext.integrations.transformers import surprisal_cache
     if probe_ids is None and tokenizer is None:
         raise ValueError("scoring='surprisal': it needs the model's tokenizer (tokenizer=...) for its probe, or "
                          "probe_ids")
@@ -305,7 +306,7 @@ def _surprisal(model, context_ids, attention_mask, policy, tokenizer, probe_ids)
     _check_budget(policy, [context_ids.shape[1]] * context_ids.shape[0], probe_tokens)
     device = next(model.parameters()).device
     with torch.no_grad():
-        cache = transformers_integration().surprisal_cache(model, context_ids.to(device), policy, probe_ids)
+        cache = surprisal_cache(model, context_ids.to(device), policy, probe_ids)
     return cache, probe_tokens
 
 
@@ -329,6 +330,7 @@ def continue_context(model, cache, question_ids: Tensor, *, copy_cache: bool = T
     Returns what ``model.generate`` returns: sequences of context, question and answer (the answer starts at
     ``context_ids.shape[1] + q``).
     """
+    from ripplekv_ext.integrations.transformers import cache_argument, cache_device
     stamp = check_context(model, cache)
     held, context_tokens = cache.get_seq_length(), stamp.context_ids.shape[1]
     if held != context_tokens:
@@ -355,7 +357,7 @@ def continue_context(model, cache, question_ids: Tensor, *, copy_cache: bool = T
         raise TypeError(f"continue_context builds {sorted(built)} itself (context + question, the compressed "
                         "cache); pass only generation options")
     device = next(model.parameters()).device
-    stored = transformers_integration().cache_device(cache)
+    stored = cache_device(cache)
     if stored is not None and stored != device:
         raise ValueError(f"the compressed context is on {stored} but the model is on {device}; move the model "
                          "back or compress the context on this device")
@@ -372,4 +374,4 @@ def continue_context(model, cache, question_ids: Tensor, *, copy_cache: bool = T
              else compress(model, stamp.policy, attention=attention))
     with block:
         return model.generate(input_ids, attention_mask=attention_mask,
-                              **{transformers_integration().cache_argument(): work}, **generate_kwargs)
+                              **{cache_argument(): work}, **generate_kwargs)

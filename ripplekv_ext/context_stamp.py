@@ -13,7 +13,6 @@ import torch
 from torch import Tensor
 
 from ripplekv_ext.digests import cache_digest, weights_digest
-from ripplekv_ext.integrations import transformers_integration
 from ripplekv_ext.policies import Policy
 
 __all__ = ["ContextStamp", "STAMP_ATTRIBUTE", "check_context", "check_model", "load_context", "model_identity"]
@@ -87,12 +86,13 @@ def check_context(model, cache) -> ContextStamp:
 def _saved_classes() -> list:
     """The classes a saved context is made of: transformers' cache and layers, this package's layer, stamp, policy,
     allocators and selectors (and a RippleKV profile)."""
+    from ripplekv_ext.integrations.transformers import cache_classes
     from ripplekv_ext.allocation import PyramidKVAllocator, RippleKVAllocator, RippleKVRatioAllocator, UniformAllocator
     from ripplekv_ext.profile_file import Profile
     from ripplekv_ext.selectors import (H2OSelector, KeyNormSelector, PeakSpanSelector, SnapKVSelector,
                                         StreamingLLMSelector)
 
-    return [*transformers_integration().cache_classes(), ContextStamp, Policy, UniformAllocator, PyramidKVAllocator,
+    return [*cache_classes(), ContextStamp, Policy, UniformAllocator, PyramidKVAllocator,
             RippleKVAllocator, RippleKVRatioAllocator, Profile, SnapKVSelector, PeakSpanSelector, KeyNormSelector,
             H2OSelector, StreamingLLMSelector]
 

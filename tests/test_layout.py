@@ -1,4 +1,5 @@
-"""The source tree's shape: one door to transformers, no import cycles, no private reach-ins, small modules.
+"""The source tree's shape: one integration touches transformers, imported by plain imports; no import cycles, no
+private reach-ins, small modules.
 
 These read the sources (ast and text), so they run from a source checkout only.
 """
@@ -90,6 +91,28 @@ def test_no_import_cycle_between_modules():
         if module not in state:
             visit(module, [module])
     assert cycles == []
+
+
+def test_the_transformers_integration_is_imported_when_used_by_plain_imports():
+    """Functions that need transformers import its integration when they are called (so ``import ripplekv_ext``
+    loads no transformers), with import statements every reader and the checks above follow: none at a module's top
+    outside the integration, and no module of the package imported by name at run time."""
+    seam = "ripplekv_ext.integrations.transformers"
+    at_top, by_name = [], []
+    for path in PACKAGE_FILES:
+        if DOOR in path.parents:
+            continue
+        tree = ast.parse(path.read_text())
+        for node in tree.body:
+            if isinstance(node, ast.ImportFrom) and ((node.module or "").startswith(seam) or (
+                    node.module == "ripplekv_ext.integrations" and any(a.name == "transformers" for a in node.names))):
+                at_top.append(f"{_relative(path)}:{node.lineno}")
+        for node in ast.walk(tree):
+            called = getattr(node.func, "attr", getattr(node.func, "id", None)) if isinstance(node, ast.Call) else None
+            if called in ("import_module", "__import__") and any(
+                    isinstance(a, ast.Constant) and str(a.value).startswith("ripplekv_ext") for a in node.args):
+                by_name.append(f"{_relative(path)}:{node.lineno}")
+    assert at_top == [] and by_name == []
 
 
 def test_core_imports_neither_eval_cli_nor_engines():

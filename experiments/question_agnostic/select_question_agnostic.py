@@ -149,12 +149,11 @@ def compressed(model, tokenizer, context, policy, scoring: str):
 def fidelity(args, model, tokenizer, policy, cells, results, out):
     """KL(Full || compressed) per text window, each scoring (``tail`` always: one-shot compression's), with the
     paired difference from ``tail``."""
+    from ripplekv_ext.integrations.transformers import cache_argument
     from ripplekv_ext import compress
     from ripplekv_ext.jsonio import write_json_atomic
     from ripplekv_ext.eval.fidelity import fidelity_examples, kl_per_position, paired_kl_comparison
-    from ripplekv_ext.integrations import transformers_integration
 
-    door = transformers_integration()
 
     prefix_len, cont_len = 2048, 64
     scorings = ["tail"] + [s for s in args.scorings.split(",") if s not in ("tail", "h2o")]
@@ -176,7 +175,7 @@ def fidelity(args, model, tokenizer, policy, cells, results, out):
                     cache = compressed(model, tokenizer, row[None, :prefix_len], policy, scoring)
                     with compress(model, policy):  # compressed layers are continued inside the hook
                         logits = model(row[None, prefix_len:], use_cache=True,
-                                       **{door.cache_argument(): cache}).logits[0, :-1]
+                                       **{cache_argument(): cache}).logits[0, :-1]
                 kl.append(kl_per_position(full, logits.float()).mean().item())
             cells[key] = {"kl_mean": sum(kl) / len(kl), "kl": kl, "examples": len(kl), "prefix_len": prefix_len,
                           "cont_len": cont_len}

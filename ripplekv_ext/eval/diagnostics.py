@@ -23,7 +23,6 @@ import torch
 
 from ripplekv_ext.jsonio import write_json_atomic
 from ripplekv_ext.allocation import average_budget
-from ripplekv_ext.integrations import transformers_integration
 from ripplekv_ext.policies import DEFAULT_WINDOW
 from ripplekv_ext.selectors import SnapKVSelector
 from ripplekv_ext.profile_file import Profile
@@ -44,7 +43,8 @@ class AttentionTap:
         self.keep: torch.Tensor | None = None  # bool [B, H_kv, P]
 
     def __call__(self, module, query, key, value, attention_mask, *args, **kwargs):
-        sdpa_attention_forward = transformers_integration().base_attention("sdpa")[0]
+        from ripplekv_ext.integrations.transformers import base_attention
+        sdpa_attention_forward = base_attention("sdpa")[0]
         layer = getattr(module, "layer_idx", None)
         if self.capture and query.shape[2] >= self.window:
             self.q_window[layer] = query[:, :, -self.window:, :].detach().clone()
@@ -72,9 +72,9 @@ class AttentionTap:
 
 def _tapped(model, tap: AttentionTap):
     """``model`` runs its attention through ``tap`` (with SDPA's mask) inside the block."""
-    door = transformers_integration()
-    sdpa_mask = door.base_attention("sdpa")[1]
-    return door.registered_attention(model, door.unique_attention_name("ripplekv_diagnostic"), tap, sdpa_mask)
+    from ripplekv_ext.integrations.transformers import base_attention, registered_attention, unique_attention_name
+    sdpa_mask = base_attention("sdpa")[1]
+    return registered_attention(model, unique_attention_name("ripplekv_diagnostic"), tap, sdpa_mask)
 
 
 def snapkv_keep_mask(q_window: torch.Tensor, keys: torch.Tensor, budget: int,
@@ -93,7 +93,8 @@ def compression_damage(model, examples: torch.Tensor, prefix_len: int, layers: S
                        retentions: Sequence[float] = (0.2,), window: int = DEFAULT_WINDOW, reuse: bool = True,
                        progress: bool = True) -> dict[float, list[float]]:
     """Mean KL on the continuation when only layer `l` is SnapKV-compressed, per retention and layer."""
-    implementation = transformers_integration().attention_implementation(model)
+    from ripplekv_ext.integrations.transformers import attention_implementation
+    implementation = attention_implementation(model)
     if implementation != "sdpa":
         raise ValueError(f"model must use attn_implementation='sdpa', got {implementation!r}")
     if not 0 < window < prefix_len:

@@ -21,7 +21,6 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from ripplekv_ext.integrations import transformers_integration
 from ripplekv_ext.policies import DEFAULT_WINDOW
 
 LogitsFn = Callable[[Tensor, Tensor], Tensor]
@@ -36,14 +35,14 @@ def continuation_logits_fn(model, compression: Optional[Callable[[], ContextMana
     """
 
     def logits_fn(prefix_ids: Tensor, continuation_ids: Tensor) -> Tensor:
+        from ripplekv_ext.integrations.transformers import cache_argument, output_cache
         device = next(model.parameters()).device
         context = compression() if compression is not None else contextlib.nullcontext()
-        door = transformers_integration()
         with context, torch.inference_mode():
             # Only the prefix's last position is scored: its [n, vocab] logits would be most of the prefill's
             # memory (about 1 GB for gemma-3-270m's 262K-token vocabulary at 1K tokens).
             prefill = model(prefix_ids.to(device), use_cache=True, logits_to_keep=1)
-            rest = model(continuation_ids.to(device), **{door.cache_argument(): door.output_cache(prefill)},
+            rest = model(continuation_ids.to(device), **{cache_argument(): output_cache(prefill)},
                          use_cache=True)
         # The prefix's last position predicts continuation token 0; continuation position t predicts t + 1.
         return torch.cat([prefill.logits[0, -1:], rest.logits[0, :-1]]).float()
@@ -81,6 +80,7 @@ class SharedPrefill:
 
     def _prefill(self, prefix_ids: Tensor):
         """(logit of the prefix's last position, cache after the prefill, {layer: CompressionStep})."""
+        from ripplekv_ext.integrations.transformers import output_cache
         from ripplekv_ext.compress_block import compress
 
         key = prefix_ids.numpy().tobytes()
@@ -89,7 +89,7 @@ class SharedPrefill:
             with compress(self.model, self.capture_policy, on_compress=lambda s: steps.__setitem__(s.layer_idx, s)), \
                     torch.inference_mode():
                 out = self.model(prefix_ids.to(self.device), use_cache=True, logits_to_keep=1)
-            self._prefills[key] = (out.logits[0, -1:].float(), transformers_integration().output_cache(out), steps)
+            self._prefills[key] = (out.logits[0, -1:].float(), output_cache(out), steps)
         return self._prefills[key]
 
     def logits_fn(self, policy) -> LogitsFn:
@@ -102,13 +102,13 @@ class SharedPrefill:
                              "the window's queries and no decode_every; use continuation_logits_fn")
         compressor = None if policy.is_full else KVCompressor.for_model(self.model, policy)
         run_policy = self.capture_policy if policy.is_full else policy
-        door = transformers_integration()
 
         def logits_fn(prefix_ids: Tensor, continuation_ids: Tensor) -> Tensor:
+            from ripplekv_ext.integrations.transformers import cache_argument, compressed_cache
             last_logit, captured, steps = self._prefill(prefix_ids)
-            cache = door.compressed_cache(captured, steps, compressor)
+            cache = compressed_cache(captured, steps, compressor)
             with compress(self.model, run_policy), torch.inference_mode():
-                rest = self.model(continuation_ids.to(self.device), **{door.cache_argument(): cache}, use_cache=True)
+                rest = self.model(continuation_ids.to(self.device), **{cache_argument(): cache}, use_cache=True)
             return torch.cat([last_logit, rest.logits[0, :-1].float()])
 
         return logits_fn

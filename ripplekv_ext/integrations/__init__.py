@@ -1,13 +1,6 @@
 """Integrations with the libraries ripplekv_ext runs inside.
 
-``ripplekv_ext.integrations.transformers`` is the one door to transformers (it imports transformers at its top);
-the core reaches it through ``transformers_integration()`` when a block opens, so ``import ripplekv_ext`` loads no
+``ripplekv_ext.integrations.transformers`` is the one module that imports transformers (at its top); the core's
+functions that need it import it when they are called, with ordinary imports, so ``import ripplekv_ext`` loads no
 transformers.
 """
-
-import importlib
-
-
-def transformers_integration():
-    """The ``ripplekv_ext.integrations.transformers`` module (importing it imports transformers)."""
-    return importlib.import_module("ripplekv_ext.integrations.transformers")

@@ -7,7 +7,6 @@ from typing import Sequence
 import torch
 
 from ripplekv_ext.profiler.noise import FISHER_SAMPLES, noise_seed
-from ripplekv_ext.integrations import transformers_integration
 from ripplekv_ext.profiler.runner import log_probs
 
 
@@ -22,17 +21,17 @@ def fisher_example(model, ids: torch.Tensor, prefix_len: int, layers: Sequence[i
     that for every layer at once (cross-position terms have expectation zero: each position's score has mean
     zero and the draws are independent). `samples` draws average several such backward passes.
     """
-    door = transformers_integration()
-    device = door.input_device(model)
+    from ripplekv_ext.integrations.transformers import cache_argument, input_device, layer_at, output_cache
+    device = input_device(model)
     ids = ids.to(device).view(1, -1)
     prefix, cont = ids[:, :prefix_len], ids[:, prefix_len:]
     with torch.no_grad():
-        cache = door.output_cache(model(input_ids=prefix, use_cache=True, logits_to_keep=1))
+        cache = output_cache(model(input_ids=prefix, use_cache=True, logits_to_keep=1))
     kinds = [k for k in ("values", "keys") if target in (k, "both")]
     leaves, scales = [], []
     for layer in layers:
         for kind in kinds:
-            entry = door.layer_at(cache, layer)
+            entry = layer_at(cache, layer)
             x = getattr(entry, kind).detach().clone().requires_grad_(True)
             setattr(entry, kind, x)
             leaves.append(x)
@@ -42,7 +41,7 @@ def fisher_example(model, ids: torch.Tensor, prefix_len: int, layers: Sequence[i
     generator = torch.Generator().manual_seed(noise_seed(seed, example_index, 0, 0, FISHER_SAMPLES))
     with torch.enable_grad():
         logits = model(input_ids=cont, position_ids=position_ids, use_cache=True,
-                       **{door.cache_argument(): cache}).logits[0]
+                       **{cache_argument(): cache}).logits[0]
         logp = log_probs(logits)
         totals = torch.zeros(len(leaves), dtype=torch.float64)
         for s in range(samples):

@@ -24,7 +24,6 @@ from ripplekv_ext.profiler.cost import tokens_processed
 from ripplekv_ext.profiler.fisher import fisher_example
 from ripplekv_ext.profiler.partial import load_partial, partial_path, save_partial
 from ripplekv_ext.profiler.perturbation import perturbation_example
-from ripplekv_ext.integrations import transformers_integration
 from ripplekv_ext.stats import split_half_spearman, standard_errors
 
 METRIC = "kl(p_ref || p_perturbed), natural log, mean over continuation positions"
@@ -122,6 +121,7 @@ def profile_model(model, *, examples: torch.Tensor, prefix_len: int = 1024, cont
     is then the number of sampled tokens per position); `antithetic` adds each draw's negated noise;
     `batch_rows` runs that many perturbed continuations as one batch (same numbers, fewer calls).
     """
+    from ripplekv_ext.integrations.transformers import input_device
     _check_options(prefix_len, cont_len, num_examples, sigma, draws, target, until_stable, stability_threshold,
                    max_examples, estimator, antithetic, batch_rows)
     compressible = model_compressible_layers(model)
@@ -193,7 +193,7 @@ def profile_model(model, *, examples: torch.Tensor, prefix_len: int = 1024, cont
               "tokens_processed": tokens_processed(n, prefix_len, cont_len, layers, draws,
                                                    text_config(model).num_hidden_layers, reused_flags,
                                                    estimator=estimator, antithetic=antithetic),
-              "device": str(transformers_integration().input_device(model)),
+              "device": str(input_device(model)),
               "reuse_hidden_states": bool(all(reused_flags))},
     )
     if out_path:

@@ -13,8 +13,6 @@ from typing import Callable, Sequence
 
 import torch
 
-# The door to transformers, imported when a continuation runs (not with the profiler).
-from ripplekv_ext.integrations import transformers_integration
 
 
 def log_probs(logits: torch.Tensor) -> torch.Tensor:
@@ -31,17 +29,17 @@ class ContinuationRunner:
     """
 
     def __init__(self, model, ids: torch.Tensor, prefix_len: int, reuse: bool = True):
+        from ripplekv_ext.integrations.transformers import decoder_layers, input_device, output_cache
         self.model = model
-        self._door = door = transformers_integration()
-        device = door.input_device(model)
+        device = input_device(model)
         ids = ids.to(device).view(1, -1)
         self.prefix_len = prefix_len
         self.prefix, self.cont = ids[:, :prefix_len], ids[:, prefix_len:]
         self.position_ids = torch.arange(prefix_len, ids.shape[1], device=device).unsqueeze(0)
-        self.layers = door.decoder_layers(model) if reuse else None
+        self.layers = decoder_layers(model) if reuse else None
         self.reuse = self.layers is not None
         out = model(input_ids=self.prefix, use_cache=True, logits_to_keep=1)
-        cache = door.output_cache(out)
+        cache = output_cache(out)
         if cache is None or not hasattr(cache, "layers"):
             raise RuntimeError(f"{type(model).__name__} returned no transformers Cache with .layers; "
                                "the profiler needs the Cache API")
@@ -63,6 +61,7 @@ class ContinuationRunner:
         # Forward hooks on whole decoder layers, not an attention registration (as compress blocks use):
         # the profiler changes no attention computation (the perturbation is applied to the cache beforehand); it
         # records and replays each layer's *output* hidden states, which only a layer-level hook can see or replace.
+        from ripplekv_ext.integrations.transformers import cache_argument, forwards_replaced
         cache = self._fresh_cache()
         handles = []
         if record:
@@ -76,9 +75,9 @@ class ContinuationRunner:
         # Layers below `replay_below` return their recorded output.
         replay = {self.layers[i]: (lambda out: (lambda *a, **k: out))(self.recorded[i]) for i in range(replay_below)}
         try:
-            with self._door.forwards_replaced(replay):
+            with forwards_replaced(replay):
                 out = self.model(input_ids=self.cont, position_ids=self.position_ids, use_cache=True,
-                                 **{self._door.cache_argument(): cache})
+                                 **{cache_argument(): cache})
         finally:
             for h in handles:
                 h.remove()
@@ -117,6 +116,7 @@ class ContinuationRunner:
         perturbed at or below `i` (a prefix of the sorted batch); the other rows still hold the reference, so
         they take the recorded output. That is the same token-layer work as one run per row, in fewer calls.
         """
+        from ripplekv_ext.integrations.transformers import cache_argument, forwards_replaced
         order = sorted(range(len(rows)), key=lambda r: rows[r][0])
         row_layers = [rows[r][0] for r in order]
         batch = len(rows)
@@ -138,9 +138,9 @@ class ContinuationRunner:
         if self.reuse:
             replay = {module: _rows_replaying(module.forward, self.recorded[i], active[i], batch)
                       for i, module in enumerate(self.layers) if active[i] < batch}
-        with self._door.forwards_replaced(replay):
+        with forwards_replaced(replay):
             out = self.model(input_ids=self.cont.expand(batch, -1), position_ids=self.position_ids, use_cache=True,
-                             **{self._door.cache_argument(): cache})
+                             **{cache_argument(): cache})
         kls = self.kl_per_position(log_probs(out.logits))
         result = torch.empty_like(kls)
         result[torch.tensor(order)] = kls

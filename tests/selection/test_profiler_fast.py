@@ -10,7 +10,6 @@ import pytest
 import torch
 
 import ripplekv_ext.profiler as profiler
-from ripplekv_ext.integrations import transformers_integration
 from ripplekv_ext.eval.tiny_models import TINY_ARCHS, tiny_model
 from ripplekv_ext.profiler import ContinuationRunner, perturber, profile_model, tokens_processed
 
@@ -109,6 +108,7 @@ def test_bad_estimator_options_are_refused():
 
 @pytest.mark.parametrize("placement", ["device_map", "cpu_offload"])
 def test_profiles_a_model_placed_by_accelerate(placement, tmp_path):
+    from ripplekv_ext.integrations.transformers import input_device
     accelerate = pytest.importorskip("accelerate")
     model = tiny_model("llama", seed=3)
     ids = token_ids(2, seed=4)
@@ -127,7 +127,7 @@ def test_profiles_a_model_placed_by_accelerate(placement, tmp_path):
     else:
         placed = accelerate.cpu_offload(placed, execution_device=torch.device("cpu"))
         assert placed.get_input_embeddings().weight.device.type == "meta"
-    assert transformers_integration().input_device(placed) == torch.device("cpu")
+    assert input_device(placed) == torch.device("cpu")
     got = run(placed, ids, draws=1)
     assert got.cost["reuse_hidden_states"] is True
     np.testing.assert_allclose(got.per_example, expected.per_example, rtol=1e-5, atol=1e-12)

@@ -1,7 +1,8 @@
-"""The one door between ripplekv_ext and transformers: everything that depends on transformers' internals.
+"""The one module between ripplekv_ext and transformers: everything that depends on transformers' internals.
 
-Imported lazily by the core (``import ripplekv_ext`` loads no transformers); importing it imports transformers,
-and fails with the supported range named when transformers is missing. What lives here:
+The core's functions import what they need from here when they are called, by plain imports (``import
+ripplekv_ext`` loads no transformers); importing it imports transformers, and fails with the supported range named
+when transformers is missing. What lives here:
 
 * ``versions``: the supported torch / transformers ranges and the adapters for the differences within them;
 * ``CompressedLayer`` (``compressed_layer``): a full-attention cache layer after compression, an ordinary
@@ -20,7 +21,7 @@ and fails with the supported range named when transformers is missing. What live
 from ripplekv_ext.integrations.transformers.versions import SUPPORTED_TRANSFORMERS_TEXT
 
 try:
-    import transformers  # noqa: F401  (the door's reason to exist: fail here, by name, when it is missing)
+    import transformers  # noqa: F401  (fail here, by name, when it is missing)
 except ImportError as error:
     raise ImportError(f"ripplekv_ext's transformers integration needs {SUPPORTED_TRANSFORMERS_TEXT}: "
                       f"pip install '{SUPPORTED_TRANSFORMERS_TEXT}'") from error
