@@ -84,17 +84,29 @@ def check_context(model, cache) -> ContextStamp:
 
 
 def _saved_classes() -> list:
-    """The classes a saved context is made of: transformers' cache and layers, this package's layer, stamp, policy,
-    allocators and selectors (and a RippleKV profile)."""
+    """The classes a saved context is made of: transformers' cache and layers, this package's layer, stamp, policy
+    and profile, and every allocator and selector the package defines (found as subclasses, so that a new one cannot
+    be left out)."""
+    from ripplekv_ext import cake, headwise, tiers  # noqa: F401  (they define allocators and selectors too)
+    from ripplekv_ext.allocation import Allocator
     from ripplekv_ext.integrations.transformers import cache_classes
-    from ripplekv_ext.allocation import PyramidKVAllocator, RippleKVAllocator, RippleKVRatioAllocator, UniformAllocator
     from ripplekv_ext.profile_file import Profile
-    from ripplekv_ext.selectors import (H2OSelector, KeyNormSelector, PeakSpanSelector, SnapKVSelector,
-                                        StreamingLLMSelector)
+    from ripplekv_ext.selectors import Selector
 
-    return [*cache_classes(), ContextStamp, Policy, UniformAllocator, PyramidKVAllocator,
-            RippleKVAllocator, RippleKVRatioAllocator, Profile, SnapKVSelector, PeakSpanSelector, KeyNormSelector,
-            H2OSelector, StreamingLLMSelector]
+    return [*cache_classes(), ContextStamp, Policy, Profile, *_package_subclasses(Allocator),
+            *_package_subclasses(Selector)]
+
+
+def _package_subclasses(base: type) -> list[type]:
+    """``base``'s subclasses, at any depth, that this package defines (a user's own are theirs to allow)."""
+    found, todo = [], [base]
+    while todo:
+        for sub in todo.pop().__subclasses__():
+            if sub not in found:
+                todo.append(sub)
+                if sub.__module__.split(".")[0] == "ripplekv_ext":
+                    found.append(sub)
+    return found
 
 
 def load_context(path, *, map_location=None):

@@ -8,6 +8,9 @@ import pytest
 import torch
 
 from ripplekv_ext import AdaKVSelector, Policy, UniformAllocator, compress_context, continue_context
+from ripplekv_ext.allocation import RippleKVAllocator
+from ripplekv_ext.cake import CakeSelector
+from ripplekv_ext.tiers import TieredAllocator
 from ripplekv_ext.context import load_context, model_identity
 from ripplekv_ext.digests import weights_digest
 from ripplekv_ext.eval.tiny_models import tiny_model
@@ -33,6 +36,23 @@ def test_decode_time_policy_after_the_probe_with_a_question_shorter_than_the_pro
     assert layer.prompt_tokens == 200 and layer.prompt_lengths.tolist() == [200] and layer.get_seq_length() == 200
     out = continue_context(model, context, _ids(question_tokens, seed=1), max_new_tokens=12, **GREEDY)
     assert out.shape[1] == 200 + question_tokens + 12
+
+
+@pytest.mark.parametrize("allocator,selector", [
+    (UniformAllocator(), CakeSelector()),
+    (RippleKVAllocator([1.0, 3.0, 2.0, 0.5]), CakeSelector()),
+    (TieredAllocator(RippleKVAllocator([1.0, 3.0, 2.0, 0.5]), 2), None),
+], ids=["uniform+cake", "ripplekv+cake", "tiered"])
+def test_contexts_of_the_packages_own_policies_load(tmp_path, allocator, selector):
+    # Each class the package defines is allowed by torch's safe loader, found as a subclass (none left out by hand).
+    model = tiny_model("llama")
+    policy = Policy(allocator, selector or Policy.snapkv(0.25).selector, 0.25, window=8)
+    context = compress_context(model, _ids(120), policy)
+    torch.save(context, tmp_path / "context.pt")
+    loaded = load_context(tmp_path / "context.pt")
+    assert loaded.ripplekv_context.policy == policy
+    assert torch.equal(continue_context(model, loaded, _ids(4, seed=1), max_new_tokens=2, **GREEDY),
+                       continue_context(model, context, _ids(4, seed=1), max_new_tokens=2, **GREEDY))
 
 
 def test_a_changed_weight_of_the_same_shape_is_refused(tmp_path):
