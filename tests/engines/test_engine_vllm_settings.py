@@ -8,8 +8,8 @@ import warnings
 import pytest
 
 import ripplekv_ext
-from ripplekv_ext.engines.vllm.settings import (BlockAlignedAllocator, Settings, aligned_budget, kv_cache_bytes,
-                                                plan_for)
+from ripplekv_ext.engines.vllm.settings import (BlockAlignedAllocator, EnginePlan, Settings, aligned_budget,
+                                                kv_cache_bytes, plan_for)
 from ripplekv_ext.eval.tiny_models import tiny_model
 from ripplekv_ext.policies import PromptTooShortWarning
 from ripplekv_ext.profile_file import Profile, save_profile
@@ -34,6 +34,17 @@ def test_import_ripplekv_ext_does_not_import_vllm(tmp_path):
     # Outside the checkout: its ripplekv_ext folder (no compiled library) would shadow the installed package.
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=tmp_path)
     assert out.stdout.strip() == "False"
+
+
+def test_a_profile_rewritten_in_place_is_a_new_plan(tmp_path):
+    model = tiny_model("llama", num_layers=LAYERS)
+    path = tmp_path / "profile.json"
+    settings = Settings.from_config({"method": "ripplekv", "retention": 0.3, "profile": str(path)})
+    save_profile(Profile.from_sensitivity(model, [0.5, 0.05, 0.2, 0.01], "tiny-llama"), path)
+    before = plan_for(settings, LAYERS, BLOCK).compressor.budgets(1000)
+    save_profile(Profile.from_sensitivity(model, [0.01, 0.2, 0.05, 0.5], "tiny-llama"), path)
+    after = plan_for(settings, LAYERS, BLOCK).compressor.budgets(1000)
+    assert after != before and after == EnginePlan(settings, LAYERS, BLOCK).compressor.budgets(1000)
 
 
 def test_kv_cache_bytes_are_the_blocks_of_every_layer():

@@ -12,10 +12,12 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import hashlib
 import json
 import math
 import os
 import warnings
+from pathlib import Path
 from typing import Optional, Sequence
 
 from ripplekv_ext.allocation import Allocator, PyramidKVAllocator, RippleKVAllocator, UniformAllocator
@@ -297,8 +299,19 @@ class EnginePlan:
 
 
 @functools.lru_cache(maxsize=16)
-def _plan(settings_json: str, num_layers: int, block_size: int, layers: Optional[tuple]) -> EnginePlan:
+def _plan(settings_json: str, profile_digest: Optional[str], num_layers: int, block_size: int,
+          layers: Optional[tuple]) -> EnginePlan:
     return EnginePlan(Settings.from_json(settings_json), num_layers, block_size, layers)
+
+
+def _file_digest(path: Optional[str]) -> Optional[str]:
+    """The profile file's content digest: a profile rewritten in place is another plan (the path alone is not)."""
+    if path is None:
+        return None
+    try:
+        return hashlib.sha256(Path(path).read_bytes()).hexdigest()
+    except OSError:
+        return None  # EnginePlan's load_profile names the problem
 
 
 def plan_for(settings: Settings, num_layers: int, block_size: int,
@@ -308,7 +321,7 @@ def plan_for(settings: Settings, num_layers: int, block_size: int,
     layers = None if layers is None else tuple(sorted(layers))
     if layers == tuple(range(num_layers)):
         layers = None  # every layer: one cached plan, however the caller names them
-    return _plan(settings.to_json(), num_layers, block_size, layers)
+    return _plan(settings.to_json(), _file_digest(settings.profile), num_layers, block_size, layers)
 
 
 def plan_for_model(settings: Settings, text_config, block_size: int) -> EnginePlan:
