@@ -147,6 +147,11 @@ class CompressionSession:
             if inputs is not None and inputs.shape[0] != 1:
                 raise ValueError(f"{self.policy.allocator!r} reads each prompt's own attention for its budgets: one "
                                  f"prompt per forward, got a batch of {inputs.shape[0]}")
+            if self.lengths is not None and (cache is None or cache.get_seq_length() == 0):
+                # Its window attention and budgets would span the pad slots: not the prompt's own.
+                raise ValueError(f"{self.policy.allocator!r} reads the prompt's own attention for its budgets: pass "
+                                 f"the prompt without padding (its attention_mask marks {int(self.lengths[0])} of "
+                                 f"{kwargs['attention_mask'].shape[-1]} tokens real)")
         if prompt is not None:
             inputs = prompt_inputs(args, kwargs)
             if inputs is not None:

@@ -89,7 +89,13 @@ def names_among(text: str, choices, what: str) -> list[str]:
 def allocator_list(text: str) -> list[str]:
     from ripplekv_ext.methods import ALLOCATORS
 
-    return names_among(text, ALLOCATORS, "allocator")
+    names = names_among(text, ALLOCATORS, "allocator")
+    if "cake" in names:
+        # Its budgets come from a prompt's own attention; from a length alone it would print the even plan.
+        raise argparse.ArgumentTypeError("cake's budgets come from each prompt's own attention, not from its length: "
+                                         "allocate cannot print them (ripplekv eval --methods cake compresses with "
+                                         "them); drop cake from --allocators")
+    return names
 
 
 def task_list(text: str) -> list[str]:

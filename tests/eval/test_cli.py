@@ -278,6 +278,8 @@ def test_unknown_architecture_is_one_line_naming_model(tiny_dir, tmp_path, capsy
      ["argument --allocators: expected comma-separated names"]),
     (["allocate", "--prompt-len", "500", "--retention", "0.2", "--allocators", "uniform,bogus"],
      ["argument --allocators: unknown allocator(s) bogus"]),
+    (["allocate", "--prompt-len", "500", "--retention", "0.2", "--allocators", "uniform,cake"],
+     ["argument --allocators: cake's budgets come from each prompt's own attention", "drop cake"]),
     (["allocate", "--prompt-len", "20", "--retention", "0.2"],
      ["--prompt-len 20 is too short to compress", "at least 163 tokens", "pass a longer --prompt-len"]),
     (["eval", "--methods", ","], ["argument --methods: expected comma-separated names"]),

@@ -97,6 +97,12 @@ def test_generate_under_cake_keeps_the_policy_s_total():
     (lambda model: model.generate(prompt_ids(batch=1), max_new_tokens=2, do_sample=False, pad_token_id=0,
                                   prefill_chunk_size=32),
      r"prefill_chunk_size=32 is not supported with CakeAllocator"),
+    # One left-padded prompt: its window attention and budgets would span the pad slots.
+    (lambda model: model.generate(prompt_ids(batch=1), attention_mask=torch.cat(
+        [torch.zeros(1, 5, dtype=torch.long), torch.ones(1, 91, dtype=torch.long)], 1), max_new_tokens=2,
+        do_sample=False, pad_token_id=0),
+     r"CakeAllocator\(tau1=1, tau2=1\) reads the prompt's own attention for its budgets: pass the prompt without "
+     r"padding \(its attention_mask marks 91 of 96 tokens real\)"),
 ])
 def test_cake_refuses_what_it_cannot_read_before_any_layer_runs(call, message):
     model = tiny_model("llama")

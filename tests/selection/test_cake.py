@@ -150,6 +150,23 @@ def test_cake_budgets_under_another_selector_and_another_allocator_with_cake_s_s
     assert uniform_cake.attention_budgets(windows, 120) == [30] * 3
 
 
+def test_compressing_a_layer_without_its_budget_is_refused_not_planned_evenly():
+    # An engine compressing layer by layer (KVCompressor, no transformers) must read CAKE's budgets first.
+    compressor = KVCompressor(Policy.cake(0.25, window=8), num_layers=4)
+    windows = _windows(4)
+    q, k, _ = windows[0]
+    with pytest.raises(ValueError, match=r"reads every layer's attention .* attention_budgets.* pass each layer's "
+                                         r"budget= \(without it the budgets would be the even plan"):
+        compressor.compress(0, q, k, k)
+    with pytest.raises(ValueError, match="pass each layer's budgets="):
+        compressor.compress_rows(0, q, k, k, lengths=[120])
+    budgets = compressor.attention_budgets(windows, 120)
+    for layer, (q, k, _) in windows.items():
+        assert compressor.compress(layer, q, k, k, budget=budgets[layer])[0].shape[2] == budgets[layer]
+    # A prompt the plan keeps whole needs no budget.
+    assert compressor.compress(0, q[..., :8, :], k[..., :20, :], k[..., :20, :])[0].shape[2] == 20
+
+
 def test_compressor_refuses_a_missing_layer_or_a_batch():
     compressor = KVCompressor(Policy.cake(0.25, window=8), num_layers=3)
     windows = _windows(3)
