@@ -78,9 +78,17 @@ def layer_preference(attention: Tensor, tau1: float = DEFAULT_TAU1, tau2: float 
     columns (``-sum A log(A + 1e-10)`` over all of them) and the variance ``V`` across the window queries (unbiased,
     summed over the rest), as ``H ** (1/tau1) * V ** (1/tau2)``."""
     prefix = attention[..., : attention.shape[3] - attention.shape[2]]
-    entropy = -(prefix * torch.log(prefix + _ENTROPY_EPS)).sum()
-    variance = prefix.var(dim=-2).sum()
-    return float(entropy ** (1.0 / tau1) * variance ** (1.0 / tau2))
+    entropy = float(-(prefix * torch.log(prefix + _ENTROPY_EPS)).sum())
+    variance = float(prefix.var(dim=-2).sum())
+    try:
+        preference = entropy ** (1.0 / tau1) * variance ** (1.0 / tau2)
+    except OverflowError:
+        preference = math.inf
+    if not math.isfinite(preference):
+        raise ValueError(f"CAKE's layer preference H ** (1/tau1) x V ** (1/tau2) is not a finite number with "
+                         f"tau1={tau1:g}, tau2={tau2:g} (this layer's H = {entropy:.4g}, V = {variance:.4g}): use "
+                         "larger tau1 and tau2 (1, the authors' default, or a few tenths)")
+    return preference
 
 
 def eviction_scores(attention: Tensor, kv_heads: int, gamma: float = DEFAULT_GAMMA) -> Tensor:

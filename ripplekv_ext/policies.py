@@ -88,6 +88,10 @@ class Policy:
             raise ValueError(f"retention must be in (0, 1], got {self.retention!r}")
         # Stored as Python ints: NumPy integers are accepted, and the policy's name and equality stay the same.
         object.__setattr__(self, "window", check_int("window", self.window, 1))
+        cake = [part for part in (self.allocator, self.selector) if isinstance(part, (CakeAllocator, CakeSelector))]
+        if cake and self.window < 2:
+            raise ValueError(f"window must be at least 2 with {cake[0]!r}: CAKE takes the variance across the "
+                             f"window's queries, which one query does not have; got window={self.window}")
         self._check_decode_options()
         if self.prefill_chunk is not None:
             self.check_prefill_chunk("prefill_chunk", self.prefill_chunk)

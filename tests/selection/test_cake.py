@@ -8,7 +8,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ripplekv_ext import CakeAllocator, CakeSelector, KVCompressor, Policy
+from ripplekv_ext import CakeAllocator, CakeSelector, KVCompressor, Policy, UniformAllocator
 from ripplekv_ext.cake import cake_budgets, eviction_scores, layer_preference, window_attention
 from ripplekv_ext.methods import make_policy
 from ripplekv_ext.selectors import SnapKVSelector
@@ -186,6 +186,11 @@ def test_compressor_refuses_a_missing_layer_or_a_batch():
     (lambda: Policy.cake(0.2, gamma=-5), "gamma must be a finite number >= 0, got -5"),
     (lambda: Policy.cake(0.2, gamma=float("inf")), "gamma must be a finite number >= 0"),
     (lambda: Policy.cake(0.2, gamma=True), "gamma must be a finite number >= 0"),
+    (lambda: Policy.cake(0.2, window=1), r"window must be at least 2 with CakeAllocator.*got window=1"),
+    (lambda: Policy(UniformAllocator(), CakeSelector(), 0.2, window=1), r"window must be at least 2 with CakeSelector"),
+    (lambda: layer_preference(window_attention(*_windows(1)[0][:2], 8), tau1=1e-3),
+     r"preference H \*\* \(1/tau1\) x V \*\* \(1/tau2\) is not a finite number with tau1=0.001, tau2=1 .*use "
+     r"larger tau1 and tau2"),
     (lambda: Policy(CakeAllocator(), SnapKVSelector(), 0.2, decode_every=16),
      r"decode_every is not supported with CakeAllocator\(tau1=1, tau2=1\): its budgets come from the prompt"),
     (lambda: Policy(CakeAllocator(), CakeSelector(), 0.2, prefill_chunk=256),
