@@ -16,6 +16,10 @@ from ripplekv_ext.compressor import CompressionStep, KVCompressor
 from ripplekv_ext.compress_block import compress
 from ripplekv_ext.context import compress_context, continue_context, load_context
 
+from ripplekv_ext._renamed import install_renamed_module_finder
+
+install_renamed_module_finder()
+
 __version__ = "0.1.0"
 
 __all__ = ["build_report", "cuda_built", "cuda_version", "gather_kv", "gather_kv_packed", "h2o_scores", "select_topk",

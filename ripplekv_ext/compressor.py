@@ -327,27 +327,14 @@ class KVCompressor:
     def _budget(self, layer_idx: int, n_tokens: int, budget: Optional[int]) -> Optional[int]:
         """The given budget (checked), or the policy's for an ``n_tokens`` prompt; None: layer not compressible."""
         if budget is None:
-            return self._unread_budget(self.layer_budget(layer_idx, n_tokens), n_tokens, "budget")
+            return self.policy.layer_alone_budget(self.layer_budget(layer_idx, n_tokens), n_tokens, "budget")
         if not self._is_compressible(layer_idx):
             return None
         return _check_budget("budget", budget, self.policy.window, n_tokens)
 
-    def _unread_budget(self, planned: Optional[int], n_tokens: int, argument: str) -> Optional[int]:
-        """The policy's budget when none is given, unless the allocator reads the prompt's attention (CAKE): its
-        budgets are not the plan's, and a layer compressed alone cannot know them."""
-        if self.policy.reads_attention and planned is not None and planned < n_tokens:
-            raise ValueError(f"{self.policy.allocator!r} reads every layer's attention for its budgets: call "
-                             "attention_budgets({layer: (queries, keys, scale), ...}, n_tokens) once every "
-                             f"compressible layer's prefill is done, and pass each layer's {argument}= (without it "
-                             "the budgets would be the even plan, not CAKE's)")
-        return planned
-
     def _row_budgets(self, layer_idx: int, lengths: tuple[int, ...], budgets) -> Optional[list[int]]:
         if budgets is None:
-            planned = self.layer_row_budgets(layer_idx, lengths)
-            for budget, n_tokens in zip(planned or (), lengths):
-                self._unread_budget(budget, n_tokens, "budgets")
-            return planned
+            return self.policy.layer_alone_budget(self.layer_row_budgets(layer_idx, lengths), lengths, "budgets")
         if not self._is_compressible(layer_idx):
             return None
         budgets = list(_as_lengths(budgets, "budgets"))

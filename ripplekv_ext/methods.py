@@ -35,6 +35,9 @@ SELECTORS = {"snapkv": SnapKVSelector, "peak-span": PeakSpanSelector, "keynorm":
 
 def check_method(method: str) -> str:
     """The method's canonical (lower-case) name. Raises ValueError on an unknown name."""
+    if not isinstance(method, str):
+        raise TypeError(f"method must be a method name like 'snapkv' or 'uniform+peakspan' (a str), got "
+                        f"{type(method).__name__}: {method!r}")
     name = method.strip().lower()
     if name == "full" or name in PUBLISHED:
         return name

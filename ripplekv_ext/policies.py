@@ -154,6 +154,17 @@ class Policy:
                                           "at the end of a one-forward prefill")
         return None
 
+    def layer_alone_budget(self, planned, n_tokens, argument: str):
+        """``planned``, the plan's budget of a layer compressed on its own for an ``n_tokens`` prompt (or lists of
+        both, one per row), unless the allocator reads every layer's attention (CAKE) and the plan would compress:
+        one layer alone cannot know those budgets."""
+        rows = zip(planned, n_tokens) if isinstance(planned, list) else [(planned, n_tokens)]
+        if self.reads_attention and any(budget is not None and budget < n for budget, n in rows):
+            raise ValueError(f"{self.allocator!r} reads every layer's attention for its budgets: call "
+                             "attention_budgets({layer: (queries, keys, scale), ...}, n_tokens) after every layer's "
+                             f"prefill and pass each layer's {argument}= (without it they would be the even plan)")
+        return planned
+
     @property
     def is_full(self) -> bool:
         return self.selector is None

@@ -40,3 +40,26 @@ def test_named_methods_are_the_policy_constructors():
         got = make_policy(name, 0.2, profile)
         assert got.name == expected.name and type(got.selector) is type(expected.selector)
     assert make_policy("ripplekv+h2o", 0.3, profile).name == "ripplekv+h2o@0.3"
+
+
+def test_renamed_modules_name_their_new_place():
+    import importlib
+
+    import pytest
+
+    for old, new in (("hook", "compress_block"), ("rolling", "bounded_prefill"), ("_jsonio", "jsonio")):
+        with pytest.raises(ModuleNotFoundError, match=f"'ripplekv_ext.{old}': it was renamed ripplekv_ext.{new}"):
+            importlib.import_module(f"ripplekv_ext.{old}")
+        importlib.import_module(f"ripplekv_ext.{new}")
+    # A module that never existed keeps Python's own message.
+    with pytest.raises(ModuleNotFoundError, match="^No module named 'ripplekv_ext.nothing_here'$"):
+        importlib.import_module("ripplekv_ext.nothing_here")
+
+
+def test_a_method_that_is_not_a_name_is_refused_by_type():
+    import pytest
+
+    from ripplekv_ext.methods import make_policy
+
+    with pytest.raises(TypeError, match="method must be a method name like 'snapkv' .* got NoneType: None"):
+        make_policy(None, 0.2)
