@@ -62,6 +62,16 @@ DEFAULT_PROBE = "\n\nRepeat the text above."
 # compress_context's scorings (None: the default, "probe" with a tokenizer or probe_ids, else "tail").
 SCORINGS = (None, "probe", "surprisal", "reconstruction", "tail")
 
+def context_refusal(policy: Policy) -> Optional[str]:
+    """Why ``compress_context`` cannot compress a context alone with ``policy`` (None: it can)."""
+    if policy.is_full or not (policy.selector.head_wise or policy.reads_attention):
+        return None
+    return (f"compress_context does not take {policy.name}: a context is stamped and continued with one count per KV "
+            "head and budgets planned before the prompt is read (not AdaKV's per-head counts, nor CAKE's budgets "
+            "from the prompt's attention); compress with the question inside the prompt under ripplekv_ext.compress "
+            "instead")
+
+
 def _check_ids(name: str, ids, batch: Optional[int] = None) -> Tensor:
     if not isinstance(ids, Tensor):
         raise TypeError(f"{name} must be a torch.Tensor of token ids [batch, tokens], got {type(ids).__name__}")
@@ -172,11 +182,9 @@ def compress_context(model, context_ids: Tensor, policy: Policy, *, tokenizer=No
                          f"{scoring!r}")
     if scoring is None:
         scoring = default_scoring(policy, tokenizer, probe_ids, attention_mask)
-    if not policy.is_full and (policy.selector.head_wise or policy.reads_attention):
-        raise ValueError(f"compress_context does not take {policy.name}: a context is stamped and continued with one "
-                         "count per KV head and budgets planned before the prompt is read (not AdaKV's per-head "
-                         "counts, nor CAKE's budgets from the prompt's attention); compress with the question "
-                         "inside the prompt under ripplekv_ext.compress instead")
+    refusal = context_refusal(policy)
+    if refusal is not None:
+        raise ValueError(refusal)
     if scoring in ("surprisal", "reconstruction") and not policy.is_full and policy.selector.needs_all_queries:
         raise ValueError(f"scoring={scoring!r} selects with its own scores, not {policy.selector!r}, which needs "
                          "every query of the context: pass scoring='probe' or 'tail' for H2O (or another selector)")

@@ -230,9 +230,9 @@ def _add_report_options(p):
     p.add_argument("--parts", type=part_list, default=list(PARTS), help=f"comma-separated, of: {', '.join(PARTS)}")
     p.add_argument("--methods", type=method_list, default=list(R.methods),
                    help=f"methods of the passkey and needle parts (default {','.join(R.methods)})")
-    p.add_argument("--after-methods", type=method_list, default=list(R.after_methods),
-                   help="those of --methods also asked after a context compressed before its question (default "
-                        f"{','.join(R.after_methods)})")
+    p.add_argument("--after-methods", type=method_list, default=None,
+                   help="those of --methods also asked after a context compressed before its question (default: "
+                        f"those of {','.join(R.after_methods)} in --methods)")
     p.add_argument("--fidelity-methods", type=method_list, default=list(R.fidelity_methods),
                    help=f"methods of the fidelity part (default {','.join(R.fidelity_methods)})")
     p.add_argument("--retentions", type=retention_list, default=list(R.retentions),

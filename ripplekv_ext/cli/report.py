@@ -33,8 +33,16 @@ def known_profile(model_arg: str, model, log=print, reprofile: bool = False):
 def report_sizes(args):
     from ripplekv_ext.eval.report import REPORT_SIZES, sizes_with
 
+    if args.after_methods is None:  # the default's methods among those run
+        after = tuple(m for m in REPORT_SIZES.after_methods if m in args.methods)
+    else:
+        after = tuple(args.after_methods)
+        if any(m not in args.methods for m in after):
+            raise CliError(f"--after-methods {','.join(m for m in after if m not in args.methods)}: not among "
+                           f"--methods {','.join(args.methods)}; a method is asked after compression as well as "
+                           "inside, so add it to --methods")
     try:
-        return sizes_with(REPORT_SIZES, methods=tuple(args.methods), after_methods=tuple(args.after_methods),
+        return sizes_with(REPORT_SIZES, methods=tuple(args.methods), after_methods=after,
                           fidelity_methods=tuple(args.fidelity_methods),
                           retentions=tuple(args.retentions), task_retentions=tuple(args.task_retentions),
                           fidelity_examples=args.fidelity_examples, prefix_len=args.prefix_len,
@@ -70,7 +78,8 @@ def command_line(args, sizes) -> str:
         return ",".join(f"{v:g}" if isinstance(v, float) else str(v) for v in values)
 
     words = ["ripplekv", "report", "--model", args.model, "--parts", join(args.parts),
-             "--methods", join(sizes.methods), "--after-methods", join(sizes.after_methods),
+             "--methods", join(sizes.methods), *(["--after-methods", join(sizes.after_methods)]
+                                                 if sizes.after_methods else []),
              "--fidelity-methods", join(sizes.fidelity_methods),
              "--retentions", join(sizes.retentions), "--task-retentions", join(sizes.task_retentions),
              "--fidelity-examples", str(sizes.fidelity_examples), "--prefix-len", str(sizes.prefix_len),

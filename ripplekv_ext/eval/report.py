@@ -231,6 +231,27 @@ def _seconds(results: dict) -> float:
     return sum(c["seconds"] for c in results["cells"].values())
 
 
+def check_after_methods(sizes: ReportSizes, parts: Sequence[str], profile) -> None:
+    """Before the first cell: the parts asked "after" compression name methods the report runs, each of which can
+    compress a context before its question is known (a refusal after hours of cells would lose the report)."""
+    from ripplekv_ext.context import context_refusal
+    from ripplekv_ext.methods import make_policy
+
+    asked = [p for p in parts if "after" in (sizes.needle_protocols if p == "needle" else
+                                             sizes.passkey_protocols if p in PASSKEY_PARTS else ())]
+    if not asked:
+        return
+    run = [m for m in sizes.after_methods if m in sizes.methods]
+    if not run:
+        raise ValueError(f"no method of --methods {list(sizes.methods)} is asked after compression (--after-methods "
+                         f"{list(sizes.after_methods)}; by default those of {list(REPORT_SIZES.after_methods)}), and "
+                         f"{', '.join(asked)} asks after compression: name one of --methods in --after-methods")
+    for method in run:
+        refusal = context_refusal(make_policy(method, 0.5, profile, sizes.window))
+        if refusal is not None:
+            raise ValueError(f"after_methods (--after-methods) {method}: {refusal}; drop it from --after-methods")
+
+
 def run_report(model, tokenizer, model_name: str, profile, out_dir, sizes: ReportSizes = REPORT_SIZES,
                parts: Sequence[str] = PARTS, command: str = "", progress: bool = True, log=print) -> Path:
     """Run the ``parts`` (resuming from the JSON files in ``out_dir``), then write ``out_dir/report.md`` and its
@@ -244,6 +265,7 @@ def run_report(model, tokenizer, model_name: str, profile, out_dir, sizes: Repor
     unknown = [p for p in parts if p not in PARTS]
     if unknown or not parts:
         raise ValueError(f"parts must be some of {PARTS}, got {list(parts)}")
+    check_after_methods(sizes, parts, profile)
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     settings = {"model": model_name, "seed": sizes.seed}

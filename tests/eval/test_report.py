@@ -209,6 +209,30 @@ def test_report_refuses_bad_options_before_loading(tmp_path, capsys):
         assert code == 2 and fragment in err, (flags, err)
 
 
+def test_after_methods_that_cannot_run_are_refused_before_the_first_cell(report_dir, tmp_path, capsys):
+    out, argv = report_dir
+    flags = argv[:argv.index("--out-dir")]
+    methods = flags.index("--methods") + 1
+    for change, fragment in (
+            # None of the methods asked after is run: the report's plots had nothing to draw, after every cell.
+            ({methods: "pyramidkv,streamingllm"},
+             "no method of --methods ['pyramidkv', 'streamingllm'] is asked after compression"),
+            ({"--after-methods": "snapkv"}, "--after-methods snapkv: not among --methods full,ripplekv"),
+            # compress_context cannot take CAKE or AdaKV: refused before the first cell, not when its cell starts.
+            ({methods: "full,cake", "--after-methods": "full,cake"},
+             "after_methods (--after-methods) cake: compress_context does not take cake")):
+        run = list(flags)
+        for key, value in change.items():
+            if isinstance(key, int):
+                run[key] = value
+            else:
+                run += [key, value]
+        code = cli.main([*run, "--parts", "passkey", "--out-dir", str(tmp_path / "out")])
+        err = capsys.readouterr().err
+        assert code != 0 and fragment in err, (change, err)
+        assert not (tmp_path / "out" / "passkey.json").exists()  # no cell ran
+
+
 def test_a_saved_cell_is_reused_for_its_policy_and_a_field_added_since_at_its_default():
     import dataclasses
 
