@@ -10,7 +10,7 @@ from ripplekv_ext.cli.profiling import cmd_allocate, cmd_diagnose, cmd_profile
 from ripplekv_ext.cli.report import cmd_report
 from ripplekv_ext.eval.report import DEMO_PARTS, DEMO_SIZES, PARTS
 from ripplekv_ext.eval.models import DEFAULT_MODEL
-from ripplekv_ext.methods import DEFAULT_METHODS
+from ripplekv_ext.methods import ALLOCATORS, DEFAULT_METHODS, SELECTORS
 from ripplekv_ext.policies import DEFAULT_WINDOW
 
 DESCRIPTION = """The `ripplekv` command line (also `python -m ripplekv_ext`).
@@ -87,8 +87,6 @@ def names_among(text: str, choices, what: str) -> list[str]:
 
 
 def allocator_list(text: str) -> list[str]:
-    from ripplekv_ext.methods import ALLOCATORS
-
     names = names_among(text, ALLOCATORS, "allocator")
     if "cake" in names:
         # Its budgets come from a prompt's own attention; from a length alone it would print the even plan.
@@ -198,7 +196,8 @@ def _add_profile(p):
 
 def _add_eval_options(p, *, examples: int, prefix_len: int):
     p.add_argument("--methods", type=method_list, default=list(DEFAULT_METHODS),
-                   help=f"comma-separated: {', '.join(DEFAULT_METHODS)} or ALLOCATOR+SELECTOR")
+                   help=f"comma-separated: {', '.join(DEFAULT_METHODS)} or ALLOCATOR+SELECTOR, ALLOCATOR one of "
+                        f"{', '.join(ALLOCATORS)} and SELECTOR one of {', '.join(SELECTORS)}")
     p.add_argument("--retentions", type=retention_list, default=[0.1, 0.2, 0.3], help="comma-separated, in (0, 1]")
     p.add_argument("--tasks", type=task_list, default=["fidelity", *GENERATION_TASKS],
                    help=f"comma-separated, of: {', '.join(TASKS)}")

@@ -410,3 +410,12 @@ def test_model_folder_without_tokenizer_files_says_what_is_missing(tmp_path, cap
     _one_line_error(["eval", "--model", str(folder), "--methods", "full", "--out-dir", str(tmp_path / "out")], capsys,
                     f"--model {folder} cannot be loaded: transformers found no tokenizer it can load in {folder}",
                     "tokenizer.json")
+
+
+def test_eval_help_names_every_method_part(capsys):
+    from ripplekv_ext.methods import ALLOCATORS, DEFAULT_METHODS, SELECTORS
+
+    cli.main(["eval", "--help"])
+    out = capsys.readouterr().out
+    methods_help = " ".join(out.split("--methods METHODS", 2)[2].split("--retentions")[0].split())
+    assert [name for name in (*DEFAULT_METHODS, *ALLOCATORS, *SELECTORS) if name not in methods_help] == []
