@@ -12,10 +12,35 @@ REBUILD_HINT = (
 )
 
 
+def _shadowed_install() -> str:
+    """Where an installed ripplekv_ext with a compiled library is, when this one is a source checkout's package
+    imported before it (Python puts the working folder first on ``sys.path`` for ``python -m`` and ``-c``)."""
+    import importlib.metadata
+    from pathlib import Path
+
+    here = Path(__file__).resolve().parent
+    if not (here.parent / "setup.py").is_file():
+        return ""
+    try:
+        installed = Path(importlib.metadata.distribution("ripplekv_ext").locate_file("ripplekv_ext")).resolve()
+    except importlib.metadata.PackageNotFoundError:
+        return ""
+    if installed == here or not any(installed.glob("_C*.so")):
+        return ""
+    return str(installed)
+
+
 def _load():
     try:
         from ripplekv_ext import _C
     except ImportError as err:
+        installed = _shadowed_install()
+        if installed:
+            raise ImportError(
+                f"ripplekv_ext: this is the source checkout's ripplekv_ext ({__file__.rsplit('/', 1)[0]}), which has "
+                f"no compiled library, imported before the installed one ({installed}) because the working folder "
+                "comes first on sys.path (python -m, python -c): start from another folder"
+            ) from err
         raise ImportError(
             f"ripplekv_ext: the compiled library ripplekv_ext._C could not be loaded ({err}). "
             f"It is missing, or was built against another torch than {torch.__version__}. {REBUILD_HINT}"

@@ -55,11 +55,17 @@ def _check_blocks(vllm_config, settings: Settings) -> None:
                        for t in range(plan.num_tiers))
     needed = per_tier * plan.num_tiers + 1  # and the null block vLLM's pool keeps back
     if blocks < needed:
+        held = ""
+        if settings.prefill_chunk is not None:
+            # What a request holds at most with bounded prefill: its kept tokens, a chunk and one step of vLLM's.
+            held = (f"; with prefill_chunk={settings.prefill_chunk} a request holds at most its budget plus a chunk "
+                    f"and one scheduler step (max_num_batched_tokens={vllm_config.max_in_flight_tokens}): a smaller "
+                    "max_num_batched_tokens or prefill_chunk needs fewer blocks")
         raise UnsupportedConfigError(
             f"ripplekv vLLM plugin: num_gpu_blocks_override={blocks} cannot hold one sequence of max_model_len="
             f"{max_len} in each of the engine's {plan.num_tiers} tiers (needs {needed} with vLLM's null block: a "
-            f"tier's block holds 1/{plan.num_tiers} of a stock block's layers); multiply the blocks of a stock engine "
-            f"by the tiers ({plan.num_tiers}), or size the cache in bytes (kv_cache_memory_bytes)")
+            f"tier's block holds 1/{plan.num_tiers} of a stock block's layers){held}; multiply the blocks of a stock "
+            f"engine by the tiers ({plan.num_tiers}), or size the cache in bytes (kv_cache_memory_bytes)")
 
 
 def _check_stages(settings: Settings, text_config, block_size: int, stages: int) -> None:
@@ -177,4 +183,35 @@ def validate(vllm_config) -> None:
         _check_stages(settings, text, cache.block_size, parallel.pipeline_parallel_size)
     _check_blocks(vllm_config, settings)
     # Builds the plan: bad tiers or an unreadable profile fail here, not in a worker.
-    plan_for_model(settings, text, cache.block_size)
+    plan = plan_for_model(settings, text, cache.block_size)
+    _log_start(settings, plan, model.max_model_len, bool(cache.enable_prefix_caching), text)
+
+
+def kept_share(plan, n_tokens: int) -> float:
+    """The share of an ``n_tokens`` prompt a request keeps, over the compressed layers (whole blocks only)."""
+    return sum(plan.tier_budget(t, n_tokens) for t in range(plan.num_tiers)) / (plan.num_tiers * n_tokens)
+
+
+def _log_start(settings: Settings, plan, max_model_len: int, caching: bool, text) -> None:
+    """One line when an engine starts with the plugin (the server's log says it is active and what it keeps), and a
+    warning when whole blocks keep far more than the retention asked for (a block size large for the prompts)."""
+    import logging
+    import warnings
+
+    from ripplekv_ext.policies import PromptTooShortWarning
+
+    logger = logging.getLogger("vllm.ripplekv")  # vLLM's handler and format
+    lengths = [n for n in (512, 2048, 8192) if n <= max_model_len] or [max_model_len]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", PromptTooShortWarning)
+        kept = {n: kept_share(plan, n) for n in lengths}
+        small = plan_for_model(settings, text, 32) if plan.block_size > 32 else None
+        logger.info("ripplekv plugin active: %s at retention %g, %d tier(s), window %d, block size %d, prefill_chunk "
+                    "%s, prefix caching %s; a request keeps %s of its prompt (whole blocks only)", settings.method,
+                    settings.retention, plan.num_tiers, settings.window, plan.block_size, settings.prefill_chunk,
+                    "on" if caching else "off", ", ".join(f"{kept[n]:.0%} of {n} tokens" for n in lengths))
+        n = lengths[-1]
+        if kept[n] > settings.retention + 0.05 and small is not None:
+            logger.warning("ripplekv plugin: with %d-token blocks a retention of %g keeps %.0f%% of a %d-token prompt "
+                           "(whole blocks only; %.0f%% with --block-size 32)", plan.block_size, settings.retention,
+                           100 * kept[n], n, 100 * kept_share(small, n))

@@ -46,6 +46,52 @@ def test_entry_point_registers_the_plugin():
     assert found.get("ripplekv") == "ripplekv_ext.engines.vllm:register"
 
 
+def test_a_checkout_that_shadows_the_installed_package_says_so(tmp_path):
+    # `python -m vllm.entrypoints.openai.api_server` from a checkout imports its ripplekv_ext (no compiled library)
+    # before the installed one: vLLM then logs that the plugin failed to load. The error says why and what to do.
+    import shutil
+    from pathlib import Path
+
+    import ripplekv_ext
+
+    installed = Path(ripplekv_ext.__file__).resolve().parent
+    checkout = tmp_path / "checkout"
+    shutil.copytree(installed, checkout / "ripplekv_ext", ignore=shutil.ignore_patterns("_C*.so", "__pycache__"))
+    (checkout / "setup.py").write_text("# a source checkout\n")
+    out = subprocess.run([sys.executable, "-c", "import ripplekv_ext"], cwd=checkout, capture_output=True, text=True)
+    assert out.returncode != 0
+    assert (f"this is the source checkout's ripplekv_ext ({checkout / 'ripplekv_ext'}), which has no compiled "
+            f"library, imported before the installed one ({installed})") in out.stderr, out.stderr
+    assert "start from another folder" in out.stderr
+
+
+def test_an_engine_says_the_plugin_is_active_and_warns_when_blocks_keep_far_more(model_dir):
+    import logging
+
+    records = []
+
+    def record(entry):  # a filter, not a handler: vLLM's logging set-up clears its loggers' handlers
+        records.append(entry)
+        return True
+
+    logger = logging.getLogger("vllm.ripplekv")
+    logger.addFilter(record)
+    try:
+        config(model_dir, {"method": "snapkv", "retention": 0.1})
+        assert [r.levelname for r in records] == ["INFO"]
+        config(model_dir, {"method": "snapkv", "retention": 0.1}, block_size=128)
+    finally:
+        logger.removeFilter(record)
+    messages = [r.getMessage() for r in records]
+    assert messages[0] == ("ripplekv plugin active: snapkv at retention 0.1, 1 tier(s), window 32, block size 32, "
+                           "prefill_chunk None, prefix caching off; a request keeps 12% of 512 tokens of its prompt "
+                           "(whole blocks only)")
+    # 128-token blocks: 512 - 128 x floor((512 - 51) / 128) = 128 tokens kept of 512.
+    assert "block size 128" in messages[1] and "keeps 25% of 512 tokens" in messages[1]
+    assert messages[2] == ("ripplekv plugin: with 128-token blocks a retention of 0.1 keeps 25% of a 512-token "
+                           "prompt (whole blocks only; 12% with --block-size 32)")
+
+
 def test_plugin_is_loaded_by_vllm_and_stock_engines_stay_stock(model_dir, stock_tokens):
     from vllm.v1.attention.backends.registry import AttentionBackendEnum
     from vllm.v1.core.single_type_kv_cache_manager import FullAttentionManager
@@ -220,7 +266,8 @@ def test_a_prompt_kept_whole_is_admitted_only_where_it_fits(model_dir, hf_model)
     assert bound >= 640
     needed = -(-bound // BLOCK) + 1  # and vLLM's null block
     with pytest.raises(ValueError, match=rf"num_gpu_blocks_override=11 cannot hold one sequence of max_model_len=2048 "
-                                         rf".*needs {needed}"):
+                                         rf".*needs {needed}.*prefill_chunk=64 a request holds at most its budget plus "
+                                         r"a chunk and one scheduler step \(max_num_batched_tokens=64\)"):
         with engine(model_dir, ripplekv, blocks=11, max_model_len=2048, max_num_batched_tokens=64):
             pass
     token_lists = prompts([400, 640], seed=6)
