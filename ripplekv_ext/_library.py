@@ -21,13 +21,11 @@ def _shadowed_install() -> str:
     here = Path(__file__).resolve().parent
     if not (here.parent / "setup.py").is_file():
         return ""
-    try:
-        installed = Path(importlib.metadata.distribution("ripplekv_ext").locate_file("ripplekv_ext")).resolve()
-    except importlib.metadata.PackageNotFoundError:
-        return ""
-    if installed == here or not any(installed.glob("_C*.so")):
-        return ""
-    return str(installed)
+    for dist in importlib.metadata.distributions(name="ripplekv_ext"):  # the checkout's own metadata may come first
+        installed = Path(dist.locate_file("ripplekv_ext")).resolve()
+        if installed != here and any(installed.glob("_C*.so")):
+            return str(installed)
+    return ""
 
 
 def _load():

@@ -125,8 +125,13 @@ def validate(vllm_config) -> None:
     backend = parallel.distributed_executor_backend
     if workers > 1 and backend != "mp":
         # vLLM loads the plugin in the processes its executor starts; only its own multiprocess executor is tested.
+        # (Ray is not offered: vLLM's CPU platform declares no Ray device.)
         _refuse(f"distributed_executor_backend={backend!r}", "use distributed_executor_backend='mp' (vLLM's "
-                "multiprocess executor, its default on one machine)")
+                "multiprocess executor, its default on one machine, and across machines with nnodes)")
+    if parallel.nnodes > 1 and (parallel.nnodes != 2 or workers != 2):
+        # What tests/engines/vllm/test_multinode.py runs: one worker on each of two nodes.
+        _refuse(f"nnodes={parallel.nnodes} with {workers} workers", "across machines the plugin is tested on two "
+                "nodes with one worker each (tensor_parallel_size=2 or pipeline_parallel_size=2, nnodes=2)")
     if parallel.pipeline_parallel_size > 1 and model is not None and model.enforce_eager:
         # Stock vLLM fails the same way: its CPU worker allocates the later stages' activation buffers in the
         # compile warm-up, which enforce_eager skips.

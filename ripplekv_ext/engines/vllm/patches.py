@@ -23,7 +23,9 @@ fails ``make test-vllm`` rather than a server.
   compactions); ``FullAttentionSpec.max_num_blocks_per_req`` (room for the private blocks in the workers' block
   table).
 - called: ``cpu_attn_reshape_and_cache`` (kept tokens written with vLLM's own op), ``_get_attn_isa`` (the kernel
-  variant, to refuse a layout the plugin does not read), ``extract_layer_index`` (a layer's index from its name).
+  variant, to refuse a layout the plugin does not read), ``extract_layer_index`` (a layer's index from its name),
+  ``run_headless`` and ``make_arg_parser`` (``headless``: ``vllm serve --headless``, which this CPU build's console
+  script cannot start).
 
 Each wrapper calls the original; ``wrap_once`` marks it (``ripplekv_original``) so installing twice is a no-op.
 """
@@ -90,6 +92,8 @@ TARGETS = (
     Target("vllm.v1.attention.backends.cpu_attn:_get_attn_isa", ("dtype", "block_size", "head_size",
                                                                   "kv_cache_dtype")),
     Target("vllm.model_executor.models.utils:extract_layer_index", ("layer_name", "num_attn_module")),
+    Target("vllm.entrypoints.cli.serve:run_headless", ("args",)),
+    Target("vllm.entrypoints.launchers.cli_args:make_arg_parser", ("parser",)),
 )
 
 

@@ -19,9 +19,9 @@ pytest.importorskip("vllm.entrypoints.llm", reason="vLLM is not installed here: 
 
 from vllm import SamplingParams  # noqa: E402
 
-from tiny_llama import LLAMA_CONFIG, save_tiny_llama  # noqa: E402
-from harness import BLOCK, prompts, running  # noqa: E402
-from ripplekv_ext.engines.vllm.settings import kv_cache_bytes  # noqa: E402
+from tiny_llama import LLAMA_CONFIG, load_reference_model, save_tiny_llama  # noqa: E402
+from harness import BLOCK, LAYERS, prompts, reference, running  # noqa: E402
+from ripplekv_ext.engines.vllm.settings import Settings, kv_cache_bytes, plan_for  # noqa: E402
 
 RIPPLEKV = {"method": "snapkv", "retention": 0.2}
 NEW_TOKENS = 16
@@ -146,3 +146,39 @@ def test_the_openai_server_answers_as_the_offline_engine(server, offline, model_
     stock_completions, _ = offline_answers(model_with_tokenizer, ripplekv=False)
     assert stock_completions != completions
     assert "Failed to load plugin" not in log.read_text()
+
+
+SPECIAL = {"<unk>": 0, "<s>": 1, "</s>": 2}
+
+
+def _ids(text):
+    """The word-level tokenizer's ids of a text (``w5 w6`` -> ``[5, 6]``, its special words too)."""
+    return [SPECIAL[word] if word in SPECIAL else int(word[1:]) for word in text.split()]
+
+
+def test_chats_sharing_a_system_prompt_answer_as_the_hook(server, model_with_tokenizer):
+    """Four chats of two turns at once over HTTP, prefix caching on (the server's default), every one after the same
+    system prompt: the second turns resend the first with its answer, so they read the system prompt and their first
+    turn's prompt from the cache. Each answer equals compress(model, policy) + generate on its whole prompt."""
+    server, _ = server
+    system, *users = (" ".join(f"w{t}" for t in tokens) for tokens in prompts([200, 40, 60, 50, 70, 30, 45, 55, 35],
+                                                                                 seed=9))
+    chats = [[{"role": "system", "content": system}, {"role": "user", "content": users[i]}] for i in range(4)]
+    body = dict(model=model_with_tokenizer, max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True,
+                skip_special_tokens=False)  # every generated token in the answer's words, special ones too
+
+    def ask(messages):
+        return post(server, "/v1/chat/completions", {**body, "messages": messages})["choices"][0]["message"]["content"]
+
+    turns = []
+    for turn in range(2):
+        with concurrent.futures.ThreadPoolExecutor(4) as pool:
+            answers = list(pool.map(ask, chats))
+        turns += [(chat, answer) for chat, answer in zip(chats, answers)]
+        chats = [chat + [{"role": "assistant", "content": answer}, {"role": "user", "content": users[4 + i]}]
+                 for i, (chat, answer) in enumerate(zip(chats, answers))]
+    # The chat template joins the messages' words: the prompt's ids are theirs in order.
+    prompts_ids = [[t for message in chat for t in _ids(message["content"])] for chat, _ in turns]
+    plan = plan_for(Settings.from_config(RIPPLEKV), LAYERS, BLOCK)
+    expected = reference(load_reference_model(model_with_tokenizer), plan.policy, prompts_ids, new_tokens=NEW_TOKENS)
+    assert [_ids(answer) for _, answer in turns] == expected

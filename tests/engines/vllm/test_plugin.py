@@ -360,7 +360,11 @@ except RuntimeError as e:
                                                          r"enforce_eager"),
     (dict(tensor_parallel_size=2, distributed_executor_backend="uni"), r"distributed_executor_backend='uni'.*use "
                                                                        r"distributed_executor_backend='mp'"),
-], ids=["speculative", "fp8-cache", "block-size-16", "replicated-kv-heads", "pipeline-eager", "executor"])
+    (dict(tensor_parallel_size=2, nnodes=2, node_rank=0, pipeline_parallel_size=2, enforce_eager=False),
+     r"nnodes=2 with 4 workers is not supported; across machines the plugin is tested on two nodes with one worker "
+     r"each"),
+], ids=["speculative", "fp8-cache", "block-size-16", "replicated-kv-heads", "pipeline-eager", "executor",
+        "nodes-untested"])
 def test_refusals_by_name(model_dir, overrides, message):
     with pytest.raises(ValueError, match=message):
         config(model_dir, **overrides)

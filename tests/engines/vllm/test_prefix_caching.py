@@ -125,11 +125,16 @@ def test_preempted_and_aborted_requests_keep_the_shared_blocks_whole(model_dir, 
     assert cached["3"] == 320 and shared_writes == [] and split_steps
 
 
-def test_a_chat_reads_its_earlier_turns_from_the_cache_but_never_an_answer(model_dir, hf_model):
+@pytest.mark.parametrize("ripplekv", [{"method": "snapkv", "retention": 0.2},
+                                      {"method": "ripplekv", "retention": 0.3, "tiers": 2, "prefill_chunk": 128}],
+                         ids=["snapkv", "ripplekv-2tiers-bounded"])
+def test_a_chat_reads_its_earlier_turns_from_the_cache_but_never_an_answer(model_dir, hf_model, profile_path,
+                                                                           ripplekv):
     """Each turn resends the conversation: the earlier prompt, the answer computed against a compacted cache (not
     what a full prefill of it gives), and a new message. The answer's blocks are never hashed; the next turn reads
-    the earlier prompt's blocks and computes the answer's tokens again, as part of its own prompt."""
-    ripplekv = {"method": "snapkv", "retention": 0.2}
+    the earlier prompt's shared blocks and computes the rest again, as part of its own prompt."""
+    if ripplekv["method"] == "ripplekv":
+        ripplekv = {**ripplekv, "profile": profile_path}
     plan = plan_for(Settings.from_config(ripplekv), LAYERS, BLOCK)
     messages = prompts([300, 40, 40], seed=11)
     params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
@@ -143,12 +148,16 @@ def test_a_chat_reads_its_earlier_turns_from_the_cache_but_never_an_answer(model
             out = llm.generate([{"prompt_token_ids": conversation}], params, use_tqdm=False)[0]
             answers.append(list(out.outputs[0].token_ids))
             cached.append(out.num_cached_tokens)
-            # Hashed: the whole blocks of every turn's prompt so far, never a block holding an answer's tokens.
-            hashed = sum(1 for block in pool.blocks if block.block_hash is not None)
-            assert hashed == plan.shared_tokens(len(conversation)) // BLOCK, (len(conversation), hashed)
+            # Hashed, in each tier's group: the shared blocks of every turn's prompt so far, never an answer's (a
+            # block computed again beside its cached twin has the same hash: counted once).
+            hashed = len({block.block_hash for block in pool.blocks if block.block_hash is not None})
+            assert hashed == plan.shared_tokens(len(conversation)) // BLOCK * plan.num_tiers, (len(conversation),
+                                                                                                hashed)
     assert answers == reference(hf_model, plan.policy, turns)
-    # Turn k + 1 reads turn k's prompt (its whole blocks), then computes the answer and the new message.
-    assert cached == [0] + [plan.shared_tokens(len(turn)) for turn in turns[:-1]]
+    # Turn k + 1 reads turn k's shared blocks up to its own first compaction's window, then computes the rest.
+    assert cached == [0] + [min(plan.shared_tokens(len(before)), plan.hit_limit(len(turn)))
+                            for before, turn in zip(turns, turns[1:])]
+    assert all(cached[1:])
 
 
 def test_stock_engines_keep_vllm_prefix_caching(model_dir):

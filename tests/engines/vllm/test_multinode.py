@@ -1,0 +1,91 @@
+"""The plugin across two vLLM "nodes" on this machine's loopback (vLLM's multiprocess executor, ``nnodes=2``): the head
+runs the engine, the other node runs headless (``python -m ripplekv_ext.engines.vllm.headless``, what ``vllm serve
+--headless`` runs), tensor parallel 2 and pipeline parallel 2 across them. Both run as processes of their own with a
+time limit, so a node that never connects fails the test instead of hanging it. Each request's tokens equal the
+single-process reference, ``compress(model, plan.policy)`` + ``generate`` on each prompt alone."""
+
+import contextlib
+import json
+import os
+import socket
+import subprocess
+import sys
+
+import pytest
+
+pytest.importorskip("vllm.entrypoints.llm", reason="vLLM is not installed here: `make test-vllm` runs these tests in "
+                    ".venv-vllm")
+
+from harness import BLOCK, LAYERS, NEW_TOKENS, engine_kwargs, prompts, reference  # noqa: E402
+from ripplekv_ext.engines.vllm.settings import Settings, plan_for  # noqa: E402
+
+HEAD = """
+import json, sys
+from ripplekv_ext.engines.vllm import offline_cpu_environment
+offline_cpu_environment()
+from vllm import LLM, SamplingParams
+kwargs, token_lists, new_tokens = json.loads(sys.argv[1]), json.loads(sys.argv[2]), int(sys.argv[3])
+llm = LLM(**kwargs)
+params = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True)
+outputs = llm.generate([{"prompt_token_ids": t} for t in token_lists], params, use_tqdm=False)
+print("TOKENS " + json.dumps([list(o.outputs[0].token_ids) for o in outputs]), flush=True)
+llm.llm_engine.engine_core.shutdown()
+"""
+SECONDS = 420  # each node's limit: start-up, the prompts, shut-down
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def cli_flags(kwargs: dict) -> list[str]:
+    """vLLM's command-line options for engine keyword arguments."""
+    flags = []
+    for key, value in kwargs.items():
+        name = key.replace("_", "-")
+        if isinstance(value, bool):
+            flags.append(f"--{name}" if value else f"--no-{name}")
+        else:
+            flags += [f"--{name}", json.dumps(value) if isinstance(value, dict) else str(value)]
+    return flags
+
+
+@contextlib.contextmanager
+def headless_node(kwargs: dict, log):
+    # From another folder than the checkout: `python -m` and `-c` put the working folder first on sys.path.
+    node = subprocess.Popen([sys.executable, "-m", "ripplekv_ext.engines.vllm.headless", *cli_flags(kwargs)],
+                            stdout=log, stderr=subprocess.STDOUT, env=dict(os.environ, OMP_NUM_THREADS="1"),
+                            cwd=os.path.dirname(log.name))
+    try:
+        yield node
+    finally:
+        node.terminate()
+        try:
+            node.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            node.kill()
+            node.wait()
+
+
+@pytest.mark.parametrize("ripplekv,parallel", [
+    ({"method": "snapkv", "retention": 0.2}, dict(tensor_parallel_size=2)),
+    ({"method": "ripplekv", "retention": 0.2, "tiers": 2, "prefill_chunk": 64},
+     dict(pipeline_parallel_size=2, enforce_eager=False, max_num_batched_tokens=64)),
+], ids=["tp2-one-shot", "pp2-tiers-bounded"])
+def test_two_nodes_give_the_single_process_tokens(model_dir, hf_model, profile_path, tmp_path, ripplekv, parallel):
+    if ripplekv["method"] == "ripplekv":
+        ripplekv = {**ripplekv, "profile": profile_path}
+    plan = plan_for(Settings.from_config(ripplekv), LAYERS, BLOCK)
+    token_lists = prompts()
+    port = _free_port()
+    across = dict(nnodes=2, master_addr="127.0.0.1", master_port=port, distributed_executor_backend="mp")
+    head = {**engine_kwargs(model_dir, ripplekv, **parallel), **across, "node_rank": 0}
+    with open(tmp_path / "node1.log", "w") as log, headless_node({**head, "node_rank": 1}, log):
+        out = subprocess.run([sys.executable, "-c", HEAD, json.dumps(head), json.dumps(token_lists), str(NEW_TOKENS)],
+                             capture_output=True, text=True, timeout=SECONDS, cwd=tmp_path,
+                             env=dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0", OMP_NUM_THREADS="1"))
+    lines = [line for line in out.stdout.splitlines() if line.startswith("TOKENS ")]
+    assert out.returncode == 0 and lines, (out.stderr[-3000:], (tmp_path / "node1.log").read_text()[-3000:])
+    assert json.loads(lines[0][len("TOKENS "):]) == reference(hf_model, plan.policy, token_lists)
