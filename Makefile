@@ -20,6 +20,9 @@ $(PY):
 # machine points pip at a local wheel folder (PIP_FIND_LINKS: this machine keeps torch's CPU build there, which
 # vLLM's CPU build pins), uv is pointed at it too.
 unexport PYTHONDONTWRITEBYTECODE
+# torch.compile's kernels (the ops' compile tests) are cached in the checkout, not in the machine's /tmp, where a
+# stale cache left by earlier, interrupted runs aborted a compile test (Fatal Python error) until it was cleared.
+export TORCHINDUCTOR_CACHE_DIR ?= $(CURDIR)/build/inductor-cache
 UV := $(VENV)/bin/uv
 UV_STAMP := $(VENV)/.ripplekv-uv
 UV_INSTALL = $(UV) pip install -q $(if $(PIP_FIND_LINKS),--find-links $(PIP_FIND_LINKS)) --python

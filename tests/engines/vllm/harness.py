@@ -3,6 +3,8 @@ known to be installed)."""
 
 import contextlib
 import gc
+import socket
+import subprocess
 import warnings
 
 import torch
@@ -134,3 +136,19 @@ def run_first_then_rest(llm, token_lists, first_alone=True):
                     cached[out.request_id] = out.num_cached_tokens
     order = [str(i) for i in range(len(token_lists))]
     return [tokens[k] for k in order], [cached[k] for k in order]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def stop(process: subprocess.Popen, seconds: float) -> None:
+    """Terminate a server or node process, killed if it is still running after ``seconds``."""
+    process.terminate()
+    try:
+        process.wait(timeout=seconds)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait()

@@ -7,7 +7,6 @@ single-process reference, ``compress(model, plan.policy)`` + ``generate`` on eac
 import contextlib
 import json
 import os
-import socket
 import subprocess
 import sys
 
@@ -16,7 +15,7 @@ import pytest
 pytest.importorskip("vllm.entrypoints.llm", reason="vLLM is not installed here: `make test-vllm` runs these tests in "
                     ".venv-vllm")
 
-from harness import BLOCK, LAYERS, NEW_TOKENS, engine_kwargs, prompts, reference  # noqa: E402
+from harness import BLOCK, LAYERS, NEW_TOKENS, engine_kwargs, free_port, prompts, reference, stop  # noqa: E402
 from ripplekv_ext.engines.vllm.settings import Settings, plan_for  # noqa: E402
 
 HEAD = """
@@ -32,12 +31,6 @@ print("TOKENS " + json.dumps([list(o.outputs[0].token_ids) for o in outputs]), f
 llm.llm_engine.engine_core.shutdown()
 """
 SECONDS = 420  # each node's limit: start-up, the prompts, shut-down
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def cli_flags(kwargs: dict) -> list[str]:
@@ -61,12 +54,7 @@ def headless_node(kwargs: dict, log):
     try:
         yield node
     finally:
-        node.terminate()
-        try:
-            node.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            node.kill()
-            node.wait()
+        stop(node, 30)
 
 
 @pytest.mark.parametrize("ripplekv,parallel", [
@@ -79,7 +67,7 @@ def test_two_nodes_give_the_single_process_tokens(model_dir, hf_model, profile_p
         ripplekv = {**ripplekv, "profile": profile_path}
     plan = plan_for(Settings.from_config(ripplekv), LAYERS, BLOCK)
     token_lists = prompts()
-    port = _free_port()
+    port = free_port()
     across = dict(nnodes=2, master_addr="127.0.0.1", master_port=port, distributed_executor_backend="mp")
     head = {**engine_kwargs(model_dir, ripplekv, **parallel), **across, "node_rank": 0}
     with open(tmp_path / "node1.log", "w") as log, headless_node({**head, "node_rank": 1}, log):

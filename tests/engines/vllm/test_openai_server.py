@@ -6,7 +6,6 @@ settings. The model is the tiny random Llama with a word-level tokenizer (``w3 w
 import concurrent.futures
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -20,7 +19,7 @@ pytest.importorskip("vllm.entrypoints.llm", reason="vLLM is not installed here: 
 from vllm import SamplingParams  # noqa: E402
 
 from tiny_llama import LLAMA_CONFIG, load_reference_model, save_tiny_llama  # noqa: E402
-from harness import BLOCK, LAYERS, prompts, reference, running  # noqa: E402
+from harness import BLOCK, LAYERS, free_port, prompts, reference, running, stop  # noqa: E402
 from ripplekv_ext.engines.vllm.settings import Settings, kv_cache_bytes, plan_for  # noqa: E402
 
 RIPPLEKV = {"method": "snapkv", "retention": 0.2}
@@ -71,12 +70,6 @@ def post(port, route, body):
         return json.loads(response.read())
 
 
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def server(model_with_tokenizer, tmp_path_factory):
     port = free_port()
@@ -103,12 +96,7 @@ def server(model_with_tokenizer, tmp_path_factory):
                 time.sleep(1)
         yield port, log
     finally:
-        process.terminate()
-        try:
-            process.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
+        stop(process, 60)
 
 
 def offline_answers(model, ripplekv=True):
