@@ -54,6 +54,7 @@ RESULTS_DIR = Path(__file__).resolve().parent / "results"
 DEFAULT_MODEL = Path(os.environ.get("RIPPLEKV_CACHE_DIR", "~/.cache/ripplekv")).expanduser() / "smollm2-135m-instruct"
 DEFAULT_PROFILE = shipped_profile_path("smollm2")  # the profile Policy.ripplekv is documented with
 METHODS = ("full", "snapkv", "ripplekv", "ripplekv-no-prefix-cache")
+WORKLOADS = ("random", "shared-prefix", "system-prompt", "chat")
 
 
 def parse_args(argv=None):
@@ -74,13 +75,20 @@ def parse_args(argv=None):
     p.add_argument("--tiers", type=int, default=5, help="RippleKV's tiers (must divide the layer count)")
     p.add_argument("--dtype", default="float32")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--workload", choices=("random", "shared-prefix"), default="random",
+    p.add_argument("--workload", choices=WORKLOADS, default="random",
                    help="random: --requests prompts of random tokens; shared-prefix: --documents documents of "
                         "--document-len tokens, each asked --questions questions (prompt-min..prompt-max tokens after "
-                        "it), all methods with prefix caching on")
+                        "it); system-prompt: one system prompt of --document-len tokens before --requests user turns "
+                        "(prompt-min..prompt-max tokens); chat: --conversations conversations of --turns-min.."
+                        "--turns-max turns, each turn resending the conversation so far (a first message of "
+                        "--document-len tokens, then prompt-min..prompt-max tokens a turn), the next turn sent when "
+                        "the answer arrives. Every workload but random runs with prefix caching on")
     p.add_argument("--documents", type=int, default=4)
     p.add_argument("--questions", type=int, default=8)
     p.add_argument("--document-len", type=int, default=1536)
+    p.add_argument("--conversations", type=int, default=8)
+    p.add_argument("--turns-min", type=int, default=4)
+    p.add_argument("--turns-max", type=int, default=8)
     p.add_argument("--prefix-caching", action="store_true",
                    help="vLLM's prefix caching on for every method (always on with --workload shared-prefix but for "
                         "ripplekv-no-prefix-cache)")
@@ -91,8 +99,9 @@ def parse_args(argv=None):
     bad = [m for m in args.methods if m not in METHODS]
     if bad or "full" not in args.methods:
         p.error(f"--methods must include full and name only {METHODS}, got {args.methods}")
-    if args.workload == "shared-prefix":
+    if args.workload != "random":
         args.prefix_caching = True
+    if args.workload == "shared-prefix":
         args.requests = args.documents * args.questions
     return args
 
@@ -114,21 +123,57 @@ def tiny_model(folder: Path, max_position_embeddings: int = 4096) -> tuple[str, 
     return str(folder / "model"), str(folder / "profile.json")
 
 
-def make_requests(vocab: int, args) -> list[tuple[list[int], int]]:
-    """(prompt token ids, new tokens) per request. shared-prefix: each document's questions in turn, the documents
-    interleaved (document 0 question 0, document 1 question 0, ...), as users of a shared service would send them."""
+class Workload:
+    """The requests of a run: ``first`` are sent at t = 0; ``after(request, answer)`` are those the answer of
+    ``request`` releases (a chat's next turn). A request is ``(id, prompt token ids, new tokens)``."""
+
+    def __init__(self, first, turns=None):
+        self.first = first
+        self._turns = turns or {}  # conversation id -> [(message, new tokens)] of its later turns
+
+    def after(self, request, answer):
+        rid, prompt, _ = request
+        conversation, _, turn = rid.partition("/")
+        later = self._turns.get(conversation, [])
+        if not turn or int(turn) >= len(later):
+            return []
+        message, new = later[int(turn)]
+        return [(f"{conversation}/{int(turn) + 1}", prompt + answer + message, new)]
+
+
+def make_workload(vocab: int, args) -> Workload:
+    """shared-prefix: each document's questions in turn, the documents interleaved (document 0 question 0, document 1
+    question 0, ...), as users of a shared service would send them; system-prompt: one prompt before every user
+    turn; chat: each conversation's first turn at t = 0, its next one when its answer arrives."""
     generator = torch.Generator().manual_seed(args.seed)
-    lengths = torch.randint(args.prompt_min, args.prompt_max + 1, (args.requests,), generator=generator).tolist()
-    news = torch.randint(args.new_min, args.new_max + 1, (args.requests,), generator=generator).tolist()
-    tails = [torch.randint(3, vocab, (n,), generator=generator).tolist() for n in lengths]
+
+    def tokens(n):
+        return torch.randint(3, vocab, (n,), generator=generator).tolist()
+
+    def lengths(count, low, high):
+        return torch.randint(low, high + 1, (count,), generator=generator).tolist()
+
+    if args.workload == "chat":
+        first, turns = [], {}
+        for c, count in enumerate(lengths(args.conversations, args.turns_min, args.turns_max)):
+            news = lengths(count, args.new_min, args.new_max)
+            first.append((f"{c}/0", tokens(args.document_len), news[0]))
+            turns[str(c)] = [(tokens(n), new) for n, new in zip(lengths(count - 1, args.prompt_min,
+                                                                        args.prompt_max), news[1:])]
+        return Workload(first, turns)
+    tails = [tokens(n) for n in lengths(args.requests, args.prompt_min, args.prompt_max)]
+    news = lengths(args.requests, args.new_min, args.new_max)
     if args.workload == "random":
-        return list(zip(tails, news))
-    documents = [torch.randint(3, vocab, (args.document_len,), generator=generator).tolist()
-                 for _ in range(args.documents)]
-    return [(documents[i % args.documents] + tail, new) for i, (tail, new) in enumerate(zip(tails, news))]
+        prefixes = [[]] * args.requests
+    elif args.workload == "system-prompt":
+        prefixes = [tokens(args.document_len)] * args.requests
+    else:
+        documents = [tokens(args.document_len) for _ in range(args.documents)]
+        prefixes = [documents[i % args.documents] for i in range(args.requests)]
+    return Workload([(str(i), prefix + tail, new) for i, (prefix, tail, new) in enumerate(zip(prefixes, tails, news))])
 
 
-def run(model: str, requests, args, ripplekv=None, prefix_caching=False) -> dict:
+def run(model: str, workload: Workload, args, ripplekv=None, prefix_caching=False) -> dict:
     from transformers import AutoConfig
     from vllm import LLM, SamplingParams
     from vllm.distributed import cleanup_dist_env_and_memory
@@ -141,12 +186,13 @@ def run(model: str, requests, args, ripplekv=None, prefix_caching=False) -> dict
     tiers = 1
     if ripplekv is not None:
         tiers = plan_for_model(Settings.from_config(ripplekv), config, args.block_size).num_tiers
-    longest = max(len(p) + m for p, m in requests)
+    longest = longest_sequence(workload, args)
     kv_bytes = kv_cache_bytes(config, args.blocks, args.block_size, getattr(torch, args.dtype).itemsize)
     kwargs = dict(model=model, skip_tokenizer_init=True, dtype=args.dtype, enforce_eager=True,
                   block_size=args.block_size, max_model_len=-(-longest // args.block_size) * args.block_size,
                   # In bytes: a memory fraction is taken of the NUMA node's memory minus this process's.
-                  kv_cache_memory_bytes=kv_bytes, enable_prefix_caching=prefix_caching, max_num_seqs=len(requests),
+                  kv_cache_memory_bytes=kv_bytes, enable_prefix_caching=prefix_caching,
+                  max_num_seqs=len(workload.first),  # every request sent at once, or every chat
                   max_num_batched_tokens=args.max_batched_tokens)
     if not hybrid:
         # Exactly the bytes of --blocks stock blocks (a hybrid model's blocks hold a page of one KV cache group,
@@ -167,19 +213,29 @@ def run(model: str, requests, args, ripplekv=None, prefix_caching=False) -> dict
             return preempt(request, *a, **k)
 
         scheduler._preempt_request = counting_preempt
-        tokens, latency, cached = {}, {}, {}
+        tokens, latency, cached, prompts = {}, {}, {}, {}
         peak = steps = 0
         min_free = pool.get_num_free_blocks()
         start = time.perf_counter()
-        for i, (prompt, new) in enumerate(requests):
-            engine.add_request(str(i), {"prompt_token_ids": prompt},
-                               SamplingParams(temperature=0, max_tokens=new, ignore_eos=True))
+        sent = {}
+
+        def send(requests):
+            for request in requests:
+                rid, prompt, new = request
+                sent[rid] = (request, time.perf_counter())
+                prompts[rid] = len(prompt)
+                engine.add_request(rid, {"prompt_token_ids": prompt},
+                                   SamplingParams(temperature=0, max_tokens=new, ignore_eos=True))
+
+        send(workload.first)
         while engine.has_unfinished_requests():
             for out in engine.step():
                 if out.finished:
+                    request, at = sent[out.request_id]
                     tokens[out.request_id] = list(out.outputs[0].token_ids)
-                    latency[out.request_id] = time.perf_counter() - start
+                    latency[out.request_id] = time.perf_counter() - at
                     cached[out.request_id] = out.num_cached_tokens or 0
+                    send(workload.after(request, tokens[out.request_id]))
             steps += 1
             peak = max(peak, len(scheduler.running))
             min_free = min(min_free, pool.get_num_free_blocks())
@@ -190,15 +246,26 @@ def run(model: str, requests, args, ripplekv=None, prefix_caching=False) -> dict
         gc.collect()
         cleanup_dist_env_and_memory()
     generated = sum(len(t) for t in tokens.values())
-    prompt_tokens = sum(len(p) for p, _ in requests)
-    return {"peak_requests": peak, "seconds": wall, "steps": steps, "generated_tokens": generated,
-            "prompt_tokens": prompt_tokens, "generated_tokens_per_s": generated / wall,
+    prompt_tokens = sum(prompts.values())
+    latencies = sorted(latency.values())
+    return {"requests": len(tokens), "peak_requests": peak, "seconds": wall, "steps": steps,
+            "generated_tokens": generated, "prompt_tokens": prompt_tokens, "generated_tokens_per_s": generated / wall,
             "total_tokens_per_s": (generated + prompt_tokens) / wall,
-            "mean_latency_s": sum(latency.values()) / len(latency), "max_latency_s": max(latency.values()),
+            "mean_latency_s": sum(latencies) / len(latencies), "p95_latency_s": latencies[
+                min(len(latencies) - 1, int(0.95 * len(latencies)))], "max_latency_s": latencies[-1],
             "preemptions": len(preemptions), "tiers": tiers, "kv_blocks": num_blocks, "kv_cache_bytes": kv_bytes,
             "min_free_blocks": min_free, "prefix_caching": prefix_caching,
+            "cached_prompt_tokens": sum(cached.values()),
             "prefill_tokens_computed": prompt_tokens - sum(cached.values()),
-            "tokens": [tokens[str(i)] for i in range(len(requests))]}
+            "tokens": dict(sorted(tokens.items())), "cached": dict(sorted(cached.items()))}
+
+
+def longest_sequence(workload: Workload, args) -> int:
+    """The longest prompt plus its new tokens a run can see (a chat's last turn holds every earlier answer)."""
+    if args.workload != "chat":
+        return max(len(p) + m for _, p, m in workload.first)
+    return max(len(p) + m + sum(len(msg) + args.new_max for msg, _ in workload._turns[rid.partition("/")[0]])
+               for rid, p, m in workload.first)
 
 
 def main(argv=None) -> int:
@@ -214,28 +281,31 @@ def main(argv=None) -> int:
             model, profile = tiny_model(Path(scratch))
             args.requests, args.prompt_min, args.prompt_max, args.new_min, args.new_max = 12, 256, 512, 16, 32
             args.blocks, args.tiers = 48, 2
-            if args.workload == "shared-prefix":
+            if args.workload != "random":
                 args.documents, args.questions, args.document_len, args.prompt_min, args.prompt_max = 3, 4, 256, 32, 64
+                args.conversations, args.turns_min, args.turns_max = 3, 2, 3
         elif not Path(model, "config.json").is_file():
             print(f"no model at {model}: run `.venv/bin/ripplekv demo` once (it converts SmolLM2 into "
                   "~/.cache/ripplekv), or pass --model FOLDER", file=sys.stderr)
             return 2
         vocab = json.loads(Path(model, "config.json").read_text())["vocab_size"]
-        requests = make_requests(vocab, args)
+        workload = make_workload(vocab, args)
         ripplekv = {"method": "ripplekv", "retention": args.retention, "tiers": args.tiers, "profile": profile}
         methods = {"full": None,
                    "snapkv": {"method": "snapkv", "retention": args.retention},
                    "ripplekv": ripplekv, "ripplekv-no-prefix-cache": ripplekv}
-        print(f"{len(requests)} requests, prompts {args.prompt_min}-{args.prompt_max} tokens, {args.new_min}-"
+        print(f"{args.workload}: {len(workload.first)} first requests, prompts {args.prompt_min}-{args.prompt_max} "
+              f"tokens, {args.new_min}-"
               f"{args.new_max} new; KV cache of {args.blocks} blocks x {args.block_size} tokens (all layers); "
               f"{os.environ['OMP_NUM_THREADS']} thread(s)", flush=True)
         rows = {}
         for name in args.methods:
             caching = args.prefix_caching and name != "ripplekv-no-prefix-cache"
-            rows[name] = row = run(model, requests, args, methods[name], caching)
+            rows[name] = row = run(model, workload, args, methods[name], caching)
             row["settings"] = methods[name]
             print(f"  {name:<9} peak {row['peak_requests']:>3} requests  {row['generated_tokens_per_s']:7.2f} gen "
                   f"tok/s  {row['total_tokens_per_s']:8.1f} total tok/s  mean latency {row['mean_latency_s']:6.1f} s"
+                  f"  p95 {row['p95_latency_s']:6.1f} s"
                   f"  preemptions {row['preemptions']}  prefill computed {row['prefill_tokens_computed']}"
                   f"  ({row['seconds']:.0f} s)", flush=True)
     full = rows["full"]
@@ -245,7 +315,9 @@ def main(argv=None) -> int:
         row["total_throughput_vs_full"] = row["total_tokens_per_s"] / full["total_tokens_per_s"]
         row["latency_vs_full"] = row["mean_latency_s"] / full["mean_latency_s"]
         row["prefill_computed_vs_full"] = row["prefill_tokens_computed"] / full["prefill_tokens_computed"]
-        row["requests_with_full_tokens"] = sum(a == b for a, b in zip(row["tokens"], full["tokens"]))
+        # A chat's later turns resend the method's own answers: compare its first turns only.
+        same = [rid for rid in row["tokens"] if "/" not in rid or rid.endswith("/0")]
+        row["requests_with_full_tokens"] = sum(row["tokens"][rid] == full["tokens"][rid] for rid in same)
     for row in rows.values():
         del row["tokens"]
         if row["settings"] and "profile" in row["settings"]:
@@ -255,6 +327,9 @@ def main(argv=None) -> int:
               "workload": args.workload, "prefix_caching": args.prefix_caching,
               "shared_prefix": ({"documents": args.documents, "questions": args.questions,
                                  "document_len": args.document_len} if args.workload == "shared-prefix" else None),
+              "system_prompt_len": args.document_len if args.workload == "system-prompt" else None,
+              "chat": ({"conversations": args.conversations, "turns": [args.turns_min, args.turns_max],
+                        "first_message_len": args.document_len} if args.workload == "chat" else None),
               "prompt_range": [args.prompt_min, args.prompt_max], "new_tokens_range": [args.new_min, args.new_max],
               "stock_kv_blocks": args.blocks, "block_size": args.block_size,
               "max_batched_tokens": args.max_batched_tokens, "retention": args.retention, "tiers": args.tiers,
