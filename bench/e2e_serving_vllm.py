@@ -129,12 +129,12 @@ class Workload:
 
     def __init__(self, first, turns=None):
         self.first = first
-        self._turns = turns or {}  # conversation id -> [(message, new tokens)] of its later turns
+        self.turns = turns or {}  # conversation id -> [(message, new tokens)] of its later turns
 
     def after(self, request, answer):
         rid, prompt, _ = request
         conversation, _, turn = rid.partition("/")
-        later = self._turns.get(conversation, [])
+        later = self.turns.get(conversation, [])
         if not turn or int(turn) >= len(later):
             return []
         message, new = later[int(turn)]
@@ -264,7 +264,7 @@ def longest_sequence(workload: Workload, args) -> int:
     """The longest prompt plus its new tokens a run can see (a chat's last turn holds every earlier answer)."""
     if args.workload != "chat":
         return max(len(p) + m for _, p, m in workload.first)
-    return max(len(p) + m + sum(len(msg) + args.new_max for msg, _ in workload._turns[rid.partition("/")[0]])
+    return max(len(p) + m + sum(len(msg) + args.new_max for msg, _ in workload.turns[rid.partition("/")[0]])
                for rid, p, m in workload.first)
 
 
