@@ -83,10 +83,10 @@ MIN_VENV := .venv-min
 MIN_PY := $(MIN_VENV)/bin/python
 MIN_DEPS_STAMP := $(MIN_VENV)/.ripplekv-deps
 MIN_SRC := $(MIN_VENV)/src
-MIN_TESTS := tests/integrations/test_integrations_transformers.py tests/integrations/test_hook.py tests/integrations/test_hook_threads.py \
-	tests/integrations/test_hook_batches.py tests/integrations/test_hook_decode.py tests/integrations/test_context.py tests/selection/test_policies.py tests/selection/test_selectors.py \
-	tests/selection/test_compressor.py tests/selection/test_masks.py tests/integrations/test_integrations_kvpress.py tests/integrations/test_integrations_kvpress_import.py \
-	tests/integrations/test_hook_cake.py tests/integrations/test_hook_headwise.py
+MIN_TESTS := tests/integrations/test_integrations_transformers.py tests/transformers_front/test_hook.py tests/transformers_front/test_hook_threads.py \
+	tests/transformers_front/test_hook_batches.py tests/transformers_front/test_hook_decode.py tests/transformers_front/test_context.py tests/selection/test_policies.py tests/selection/test_selectors.py \
+	tests/selection/test_compressor.py tests/transformers_front/test_masks.py tests/integrations/test_integrations_kvpress.py tests/integrations/test_integrations_kvpress_import.py \
+	tests/transformers_front/test_hook_cake.py tests/transformers_front/test_hook_headwise.py
 
 $(MIN_PY):
 	$(PYTHON) -m venv $(MIN_VENV)

@@ -14,7 +14,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from ripplekv_ext.integrations.transformers.paged_cache import block_diagonal_causal_mask
-from ripplekv_ext.masks import end_aligned_causal_mask
+from ripplekv_ext.transformers_front.masks import end_aligned_causal_mask
 
 # (queries, keys) per request: 31 requests decoding one token each over ~400 compressed tokens (what the GPU run
 # held), and a prefill chunk mixing two new prompts with decoding requests.

@@ -48,7 +48,7 @@ FIGURES = ("profile", "overhead", "memory", "decode", "peer", "batch")
 def find_profile(model, explicit: Optional[str] = None):
     """The RippleKV profile to use: ``explicit``, else the CLI's default location, else the SmolLM2 profile that
     ships with the package, else a measured SmolLM2 profile in bench/results; None when there is none."""
-    from ripplekv_ext.profile_file import load_profile
+    from ripplekv_ext.budgets.profile_file import load_profile
 
     if explicit:
         return load_profile(explicit, model=model), portable_path(explicit)

@@ -35,7 +35,7 @@ from ripplekv_ext import Policy, compress
 from ripplekv_ext.eval.models import load_model, shipped_profile_path
 from ripplekv_ext.eval.tiny_models import tiny_model
 from ripplekv_ext.integrations.transformers import output_cache
-from ripplekv_ext.profile_file import load_profile
+from ripplekv_ext.budgets.profile_file import load_profile
 model_name, n, method = sys.argv[1], int(sys.argv[2]), sys.argv[3]
 retention, chunk = float(sys.argv[4]), int(sys.argv[5])
 torch.set_num_threads(1)

@@ -156,7 +156,7 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     check_args(p, args)
     torch.set_num_threads(args.threads)
-    from ripplekv_ext.profile_file import load_profile
+    from ripplekv_ext.budgets.profile_file import load_profile
 
     model, tokenizer, model_name = load_model(DEFAULT_MODEL)
     profile_path = args.profile or shipped_profile_path(DEFAULT_MODEL)

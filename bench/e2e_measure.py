@@ -166,7 +166,7 @@ def measure_profile_cost(model, tokenizer, prefix_len: int = 1024, cont_len: int
     from ripplekv_ext.eval.corpus import load_texts, token_examples
     from ripplekv_ext.model_info import compressible_layers
     from ripplekv_ext.profiler import profile_example, tokens_processed
-    from ripplekv_ext.stats import split_half_spearman
+    from ripplekv_ext.profiler.stats import split_half_spearman
 
     num_layers = text_config(model).num_hidden_layers
     layers = compressible_layers(model) if layers is None else sorted(layers)

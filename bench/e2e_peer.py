@@ -160,9 +160,9 @@ def measure_peer(model, tokenizer, model_dir: str, n_tokens: int = 8192, cont_le
     taken minutes apart in two processes, so it carries the machine's drift.
     """
     from ripplekv_ext.eval.fidelity import continuation_logits_fn, evaluate_fidelity, fidelity_examples
-    from ripplekv_ext.allocation import PyramidKVAllocator, UniformAllocator
+    from ripplekv_ext.budgets.allocators import PyramidKVAllocator, UniformAllocator
     from ripplekv_ext.policies import Policy
-    from ripplekv_ext.selectors import SnapKVSelector
+    from ripplekv_ext.selection.selectors import SnapKVSelector
 
     examples = fidelity_examples(tokenizer, n_tokens, cont_len, num_examples)
     prefixes = examples[:, :n_tokens]

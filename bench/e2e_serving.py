@@ -364,7 +364,7 @@ def random_smollm2(folder, dtype: str):
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from ripplekv_ext.eval.models import DEFAULT_MODEL, shipped_profile_path
-    from ripplekv_ext.profile_file import load_profile
+    from ripplekv_ext.budgets.profile_file import load_profile
 
     config = AutoConfig.from_pretrained(folder)
     torch.manual_seed(0)

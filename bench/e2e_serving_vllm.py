@@ -110,7 +110,7 @@ def tiny_model(folder: Path, max_position_embeddings: int = 4096) -> tuple[str, 
     """A 4-layer random Llama (head size 64) and a made-up profile for it, for --quick."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from ripplekv_ext.profile_file import Profile, save_profile
+    from ripplekv_ext.budgets.profile_file import Profile, save_profile
 
     torch.manual_seed(0)
     config = LlamaConfig(vocab_size=2048, hidden_size=256, intermediate_size=512, num_hidden_layers=4,

@@ -11,12 +11,14 @@ import dataclasses
 import functools
 from typing import Optional
 
-from ripplekv_ext.cake import CakeAllocator, CakeSelector
-from ripplekv_ext.headwise import AdaKVSelector
-from ripplekv_ext.allocation import PyramidKVAllocator, RippleKVAllocator, RippleKVRatioAllocator, UniformAllocator
+from ripplekv_ext.budgets.cake import CakeAllocator
+from ripplekv_ext.selection.cake import CakeSelector
+from ripplekv_ext.selection.adakv import AdaKVSelector
+from ripplekv_ext.budgets.allocators import (PyramidKVAllocator, RippleKVAllocator, RippleKVRatioAllocator,
+                                             UniformAllocator)
 from ripplekv_ext.policies import DEFAULT_WINDOW, Policy
-from ripplekv_ext.selectors import (H2OSelector, KeyNormSelector, PeakSpanSelector, SnapKVSelector,
-                                    StreamingLLMSelector)
+from ripplekv_ext.selection.selectors import (H2OSelector, KeyNormSelector, PeakSpanSelector, SnapKVSelector,
+                                              StreamingLLMSelector)
 
 __all__ = ["PUBLISHED", "DEFAULT_METHODS", "ALLOCATORS", "SELECTORS", "check_method", "is_full", "needs_profile",
            "make_allocator", "make_policy"]

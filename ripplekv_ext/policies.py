@@ -18,13 +18,14 @@ import warnings
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
-from ripplekv_ext.allocation import (DEFAULT_EXPONENT, DEFAULT_NORMALIZE, DEFAULT_RATIO, Allocator,
-                                     PyramidKVAllocator, RippleKVAllocator, RippleKVRatioAllocator, UniformAllocator,
-                                     average_budget)
-from ripplekv_ext.cake import DEFAULT_GAMMA, DEFAULT_TAU1, DEFAULT_TAU2, CakeAllocator, CakeSelector
+from ripplekv_ext.budgets.allocators import (DEFAULT_EXPONENT, DEFAULT_NORMALIZE, DEFAULT_RATIO, Allocator,
+                                             PyramidKVAllocator, RippleKVAllocator, RippleKVRatioAllocator,
+                                             UniformAllocator, average_budget)
+from ripplekv_ext.budgets.cake import DEFAULT_TAU1, DEFAULT_TAU2, CakeAllocator
+from ripplekv_ext.selection.cake import DEFAULT_GAMMA, CakeSelector
 from ripplekv_ext.checks import check_int, is_integer, shown
-from ripplekv_ext.selectors import (H2OSelector, PeakSpanSelector, Selector, SnapKVSelector,
-                                    StreamingLLMSelector)
+from ripplekv_ext.selection.selectors import (H2OSelector, PeakSpanSelector, Selector, SnapKVSelector,
+                                              StreamingLLMSelector)
 
 __all__ = ["Policy", "DEFAULT_WINDOW", "DEFAULT_RIPPLEKV_SELECTOR", "PromptTooShortWarning"]
 
@@ -316,9 +317,10 @@ class Policy:
     @classmethod
     def cake(cls, retention: float, window: int = DEFAULT_WINDOW, tau1: float = DEFAULT_TAU1,
              tau2: float = DEFAULT_TAU2, gamma: float = DEFAULT_GAMMA) -> "Policy":
-        """CAKE (``ripplekv_ext.cake``): each layer's budget from its window attention's entropy and variance,
-        tokens by the window's mean attention + ``gamma`` x its variance. Its budgets are read from the prompt, so
-        it compresses at the end of a one-forward prefill only (no ``prefill_chunk``, no ``decode_every``)."""
+        """CAKE (``ripplekv_ext.budgets.cake``, ``ripplekv_ext.selection.cake``): each layer's budget from its window
+        attention's entropy and variance, tokens by the window's mean attention + ``gamma`` x its variance. Its budgets
+        are read from the prompt, so it compresses at the end of a one-forward prefill only (no ``prefill_chunk``, no
+        ``decode_every``)."""
         return cls(CakeAllocator(tau1, tau2), CakeSelector(gamma), retention, window)
 
     @classmethod

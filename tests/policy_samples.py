@@ -1,5 +1,7 @@
-"""Inputs and policies the selection tests and the hook's decode-time tests share (the same policy tested as a plan
-in selection/ and inside generate in integrations/)."""
+"""Inputs and policies the selection, budget and hook tests share (the same policy tested as a plan in selection/
+and inside generate in transformers_front/), and a stand-in for a profile file."""
+
+import types
 
 import torch
 
@@ -19,3 +21,8 @@ def qkv(b=2, h_kv=2, groups=2, n=80, d=16, seed=0, dtype=torch.float32):
 
 def decode_budget_policy(retention):
     return Policy.snapkv(retention, window=WINDOW, decode_every=K, decode_budget=D_BUDGET)
+
+
+def profile_like(layers, sensitivity):
+    """A stand-in for a profile file: what the RippleKV allocator reads of one."""
+    return types.SimpleNamespace(layers=layers, sensitivity=sensitivity)

@@ -207,7 +207,8 @@ def test_the_product_benchmarks_and_tests_never_import_the_lab():
 
 # tests/ holds one folder per subsystem; at its top only the checks of the repository as a whole and the helpers
 # that tests of several folders share.
-TEST_FOLDERS = {"ops", "selection", "integrations", "engines", "eval", "soak", "cpp"}
+TEST_FOLDERS = {"ops", "budgets", "selection", "profiler", "transformers_front", "integrations", "engines", "eval",
+                "soak", "cpp"}
 TOP_LEVEL_TESTS = {"conftest.py", "devices.py", "api_tables.py", "policy_samples.py", "test_layout.py", "test_docs.py",
                    "test_package.py", "test_build_config.py"}
 
@@ -215,6 +216,17 @@ TOP_LEVEL_TESTS = {"conftest.py", "devices.py", "api_tables.py", "policy_samples
 def test_tests_live_in_their_subsystem_folder():
     top = {path.name for path in (ROOT / "tests").iterdir() if path.name != "__pycache__"}
     assert top - TEST_FOLDERS - TOP_LEVEL_TESTS == set()
+
+
+# The package's top level is its public face; everything else lives in a wing (a folder by what a reader looks for:
+# budgets/, selection/, transformers_front/, profiler/, ops/, integrations/, engines/, eval/, cli/).
+TOP_LEVEL_MODULES = {"__init__.py", "__main__.py", "_library.py", "_old_names.py", "policies.py", "methods.py",
+                     "checks.py", "jsonio.py", "equality.py", "model_info.py"}
+
+
+def test_the_package_top_holds_its_public_face_only():
+    top = {path.name for path in PACKAGE.glob("*.py")}
+    assert top == TOP_LEVEL_MODULES
 
 
 def test_no_package_module_over_400_lines():

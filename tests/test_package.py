@@ -19,7 +19,7 @@ def test_import_loads_no_evaluation_plotting_table_or_reference_module(tmp_path)
 
 def test_core_exports():
     import ripplekv_ext
-    from ripplekv_ext.allocation import PyramidKVAllocator, RippleKVAllocator, UniformAllocator
+    from ripplekv_ext.budgets.allocators import PyramidKVAllocator, RippleKVAllocator, UniformAllocator
 
     assert ripplekv_ext.UniformAllocator is UniformAllocator
     assert ripplekv_ext.PyramidKVAllocator is PyramidKVAllocator
@@ -47,13 +47,36 @@ def test_renamed_modules_name_their_new_place():
 
     import pytest
 
-    for old, new in (("hook", "compress_block"), ("rolling", "bounded_prefill"), ("_jsonio", "jsonio")):
+    for old, new in (("hook", "transformers_front.compress_block"), ("rolling", "transformers_front.bounded_prefill"),
+                     ("_jsonio", "jsonio")):
         with pytest.raises(ModuleNotFoundError, match=f"'ripplekv_ext.{old}': it was renamed ripplekv_ext.{new}"):
             importlib.import_module(f"ripplekv_ext.{old}")
         importlib.import_module(f"ripplekv_ext.{new}")
     # A module that never existed keeps Python's own message.
     with pytest.raises(ModuleNotFoundError, match="^No module named 'ripplekv_ext.nothing_here'$"):
         importlib.import_module("ripplekv_ext.nothing_here")
+
+
+def test_moved_modules_still_import_from_their_old_names_with_a_warning():
+    import importlib
+    import sys
+
+    import pytest
+
+    import ripplekv_ext
+    from ripplekv_ext import MOVED_MODULES
+
+    for old, places in MOVED_MODULES.items():
+        sys.modules.pop(old, None)
+        with pytest.warns(FutureWarning, match=f"^{old} moved to {' and '.join(places)}; the old name goes"):
+            alias = importlib.import_module(old)
+        for place in places:
+            moved = importlib.import_module(place)
+            public = getattr(moved, "__all__", [name for name in vars(moved) if not name.startswith("_")])
+            assert public and all(getattr(alias, name) is getattr(moved, name) for name in public)
+    # The two halves of CAKE under its old name, as the release before the wings had them.
+    from ripplekv_ext.cake import CakeAllocator, CakeSelector, cake_budgets, eviction_scores  # noqa: F401
+    assert (CakeAllocator, CakeSelector) == (ripplekv_ext.CakeAllocator, ripplekv_ext.CakeSelector)
 
 
 def test_a_method_that_is_not_a_name_is_refused_by_type():

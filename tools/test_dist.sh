@@ -18,11 +18,11 @@ PYTHONS=${DIST_PYTHONS:-3.10 3.11 3.12 3.13}
 KINDS=${DIST_KINDS:-cpu-torch2.15 cuda-torch2.15 cpu-torch2.14 cuda-torch2.14 cpu-torch2.13 cuda-torch2.13}
 VENV_RELEASE=$("$ROOT/.venv/bin/python" -c "import torch; print('.'.join(torch.__version__.split('.')[:2]))")
 WORK=${DIST_TEST_DIR:-$(mktemp -d /tmp/ripplekv-test-dist.XXXXXX)}
-TESTS=(test_ops.py test_allocation.py test_library.py test_gather_kv.py test_gather_kv_packed.py test_select_topk.py
+TESTS=(test_ops.py test_allocators.py test_library.py test_gather_kv.py test_gather_kv_packed.py test_select_topk.py
        test_select_topk_packed.py test_select_topk_rows.py test_snapkv_scores.py test_snapkv_compress.py
        test_snapkv_compress_rows.py test_h2o_scores.py test_streaming_indices.py test_hook.py test_hook_batches.py
        test_hook_decode.py test_hook_threads.py test_masks.py test_policies.py test_selectors.py test_compressor.py
-       test_context.py test_context_checks.py test_rolling_prefill.py test_cli_options.py test_cake.py test_headwise.py
+       test_context.py test_context_checks.py test_bounded_prefill.py test_cli_options.py test_cake.py test_adakv.py
        test_hook_cake.py test_hook_headwise.py test_composite.py)
 # The benchmark harness (bench/e2e_bench.py) is the checkout's, not the wheel's: its rows of the CLI table stay out.
 DESELECT="not e2e_bench"
@@ -71,7 +71,10 @@ run_one() {  # kind python-version
     cp -r "$ROOT"/tests/. "$tests/"  # the selected tests import the shared helpers and each other's samples
     find "$tests" -name __pycache__ -prune -exec rm -rf {} +
     local paths=() name
-    for name in "${TESTS[@]}"; do paths+=("$(cd "$tests" && find . -name "$name" | head -1)"); done
+    for name in "${TESTS[@]}"; do
+        paths+=("$(cd "$tests" && find . -name "$name" | head -1)")
+        [ -n "${paths[-1]}" ] || { echo "no test file $name under tests/ (renamed? update TESTS)" >&2; return 1; }
+    done
     local bare_path="$env/bin:$NO_CC" status=0
     for cc in cc c++ gcc g++ clang nvcc; do
         if PATH=$bare_path command -v "$cc" >/dev/null; then echo "a compiler is on the PATH: $cc" >&2; return 1; fi

@@ -75,7 +75,7 @@ def main(argv=None) -> int:
     from ripplekv_ext.eval.needle import KEY_PHRASES
     from ripplekv_ext.eval.runner import greedy_options
     from ripplekv_ext.eval.synthetic import even_depths, make_synthetic
-    from ripplekv_ext.profile_file import load_profile
+    from ripplekv_ext.budgets.profile_file import load_profile
 
     model, tokenizer, name = load_model(args.model)
     policy = Policy.ripplekv(load_profile(shipped_profile_path(args.model), model=model), args.retention)

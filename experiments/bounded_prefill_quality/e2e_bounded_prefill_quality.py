@@ -138,7 +138,7 @@ def task_cells(model, tokenizer, profile, args, results, out) -> None:
     from ripplekv_ext.eval.needle import make_needle
     from ripplekv_ext.eval.runner import evaluate, greedy_generate_fn
     from ripplekv_ext.eval.synthetic import even_depths, make_synthetic
-    from ripplekv_ext.stats import wilson_interval
+    from ripplekv_ext.profiler.stats import wilson_interval
 
     tasks = {"passkey": make_synthetic("passkey", tokenizer, length=args.prompt_len, num_examples=args.task_examples,
                                        depths=even_depths(5)),
@@ -168,7 +168,7 @@ def main(argv=None) -> int:
     args.retentions = [float(r) for r in args.retentions.split(",") if r]
     args.chunks = [int(c) for c in args.chunks.split(",") if c]
     torch.set_num_threads(args.threads)
-    from ripplekv_ext.profile_file import load_profile
+    from ripplekv_ext.budgets.profile_file import load_profile
 
     model, tokenizer, model_name = load_model(args.model)
     profile = load_profile(shipped_profile_path(args.model), model=model)

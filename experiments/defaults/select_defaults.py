@@ -33,7 +33,8 @@ from pathlib import Path
 
 import torch
 
-from ripplekv_ext import allocation, compress
+from ripplekv_ext import compress
+from ripplekv_ext.budgets import allocators
 from ripplekv_ext.policies import DEFAULT_WINDOW, Policy
 
 RESULTS = Path(__file__).resolve().parent / "results" / "select_defaults.json"
@@ -143,7 +144,7 @@ def default_ratio_and_normalize() -> tuple[float, str]:
     """The library's current defaults (read from the allocator's signature, so this report follows them)."""
     import inspect
 
-    params = inspect.signature(allocation.ripplekv_weights).parameters
+    params = inspect.signature(allocators.ripplekv_weights).parameters
     return params["ratio"].default, params["normalize"].default
 
 
@@ -218,7 +219,7 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     torch.set_num_threads(1)
     from ripplekv_ext.eval.models import load_smollm2, shipped_profile_path
-    from ripplekv_ext.profile_file import load_profile
+    from ripplekv_ext.budgets.profile_file import load_profile
     from ripplekv_ext.jsonio import write_json_atomic
 
     settings = {k: v for k, v in vars(args).items() if k not in ("out", "stages")}

@@ -54,7 +54,7 @@ import torch
 
 from ripplekv_ext import (PeakSpanSelector, Policy, RippleKVAllocator, RippleKVRatioAllocator, SnapKVSelector,
                           UniformAllocator)
-from ripplekv_ext.allocation import DEFAULT_RATIO
+from ripplekv_ext.budgets.allocators import DEFAULT_RATIO
 from ripplekv_ext.policies import DEFAULT_WINDOW
 
 from variant_selectors import AdaptiveRecentSelector, RecentSnapKVSelector  # beside this file
@@ -277,7 +277,7 @@ def main(argv=None) -> int:
     torch.set_num_threads(args.threads)
     from ripplekv_ext.jsonio import write_json_atomic
     from ripplekv_ext.eval.models import load_model, shipped_profile_path
-    from ripplekv_ext.profile_file import load_profile
+    from ripplekv_ext.budgets.profile_file import load_profile
 
     # Options left at their defaults are not part of the settings, so a file written before they existed resumes.
     settings = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()

@@ -17,7 +17,7 @@ from torch import Tensor
 
 from ripplekv_ext import PeakSpanSelector, ScoredSelector, SnapKVSelector, select_topk, select_topk_rows
 from ripplekv_ext.checks import check_fraction, check_int
-from ripplekv_ext.selectors import DEFAULT_PEAK_SHARE, free_slots_and_starts
+from ripplekv_ext.selection.selectors import DEFAULT_PEAK_SHARE, free_slots_and_starts
 
 # The recent share RecentSnapKVSelector was measured with by default: chosen on calibration text of two domains at 10,
 # 20 and 30% retention (notebook.md, "The selector, first round").

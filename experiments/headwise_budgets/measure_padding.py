@@ -39,7 +39,7 @@ def main(argv=None):
     from ripplekv_ext.eval.fidelity import fidelity_examples
     from ripplekv_ext.eval.models import load_model, shipped_profile_path
     from ripplekv_ext.methods import make_policy
-    from ripplekv_ext.profile_file import load_profile
+    from ripplekv_ext.budgets.profile_file import load_profile
 
     torch.set_num_threads(args.threads)
     model, tokenizer, _ = load_model(args.model)

@@ -74,7 +74,7 @@ def timed_steps(press, seconds: list):
         finally:
             del press.compress
         return
-    import ripplekv_ext.compress_block as hook
+    import ripplekv_ext.transformers_front.compress_block as hook
 
     original = hook.compress
 

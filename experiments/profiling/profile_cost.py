@@ -31,7 +31,7 @@ import numpy as np
 import torch
 
 from ripplekv_ext.jsonio import write_json_atomic
-from ripplekv_ext.stats import spearman, split_half_spearman
+from ripplekv_ext.profiler.stats import spearman, split_half_spearman
 
 RESULTS = Path(__file__).resolve().parent / "results"
 SWEEP = RESULTS / "profile_sweep.json"

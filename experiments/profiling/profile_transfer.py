@@ -31,7 +31,7 @@ import numpy as np
 import torch
 
 from ripplekv_ext.jsonio import write_json_atomic
-from ripplekv_ext.stats import spearman
+from ripplekv_ext.profiler.stats import spearman
 
 RESULTS = Path(__file__).resolve().parent / "results"
 OUT = RESULTS / "profile_transfer.json"
@@ -126,7 +126,7 @@ def profile(args, model, tokenizer) -> None:
 
 def summarize() -> dict:
     """The domains' profiles (from their files) and the Spearman between every two, into OUT."""
-    from ripplekv_ext.profile_file import load_profile
+    from ripplekv_ext.budgets.profile_file import load_profile
 
     data = _load(OUT)
     profiles = {d: load_profile(profile_file(d)) for d in DOMAINS if profile_file(d).is_file()}
@@ -147,7 +147,7 @@ def evaluate(args, model, tokenizer) -> None:
     from ripplekv_ext.eval.corpus import token_examples
     from ripplekv_ext.eval.fidelity import continuation_logits_fn, evaluate_fidelity
     from ripplekv_ext.methods import make_policy
-    from ripplekv_ext.profile_file import load_profile
+    from ripplekv_ext.budgets.profile_file import load_profile
 
     profiles = {d: load_profile(profile_file(d)) for d in summarize()["profiles"]}
     settings = {"prefix_len": args.eval_prefix_len, "cont_len": args.eval_cont_len, "examples": args.eval_examples,

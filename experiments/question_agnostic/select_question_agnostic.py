@@ -80,8 +80,8 @@ def main(argv=None) -> int:
     from ripplekv_ext.eval.needle import make_needle
     from ripplekv_ext.eval.runner import evaluate, greedy_options
     from ripplekv_ext.eval.synthetic import even_depths, make_synthetic
-    from ripplekv_ext.profile_file import load_profile
-    from ripplekv_ext.stats import wilson_interval
+    from ripplekv_ext.budgets.profile_file import load_profile
+    from ripplekv_ext.profiler.stats import wilson_interval
 
     model, tokenizer, name = load_model(args.model)
     policy = Policy.ripplekv(load_profile(shipped_profile_path(args.model), model=model), args.retention)
@@ -134,7 +134,7 @@ def compressed(model, tokenizer, context, policy, scoring: str):
     """``context`` compressed alone by ``scoring``: ``full`` (nothing dropped), ``h2o`` (H2O's selector under the
     policy's budgets), ``probe:NAME`` (an instruction of ``PROBES`` as the probe) or a ``compress_context`` scoring."""
     from ripplekv_ext import Policy, compress_context
-    from ripplekv_ext.selectors import H2OSelector
+    from ripplekv_ext.selection.selectors import H2OSelector
 
     if scoring == "full":
         return compress_context(model, context, Policy.full())

@@ -21,7 +21,7 @@ def _one_line(err: BaseException) -> str:
 def main(argv=None) -> int:
     from ripplekv_ext.cli.common import CliError
     from ripplekv_ext.cli.parser import build_parser
-    from ripplekv_ext.profile_file import ProfileError
+    from ripplekv_ext.budgets.profile_file import ProfileError
 
     argv = sys.argv[1:] if argv is None else list(argv)
     try:

@@ -118,7 +118,7 @@ def check_profile(args):
     layer count and attention shape of --model, known from its config or ``GGUF_MODELS`` without loading weights.
     The weight fingerprint needs the weights: ``check_profile_model`` after the load."""
     from ripplekv_ext.eval.models import known_shape
-    from ripplekv_ext.profile_file import ProfileError, load_profile
+    from ripplekv_ext.budgets.profile_file import ProfileError, load_profile
 
     path = profile_path(args)
     if path.is_dir():
@@ -144,7 +144,7 @@ def check_profile(args):
 
 def check_profile_model(profile, model, args):
     """``profile`` (from ``check_profile``) checked against the loaded model's weights, unless --force."""
-    from ripplekv_ext.profile_file import ProfileError
+    from ripplekv_ext.budgets.profile_file import ProfileError
 
     try:
         profile.check_model(model, force=args.force, way_out=_other_model_way_out(args.model))

@@ -81,7 +81,7 @@ def budgets_table(model, prompt_len: int, retention: float, allocators: list[str
     from ripplekv_ext.model_info import compressible_layers
     from ripplekv_ext.methods import make_allocator
     from ripplekv_ext.policies import Policy
-    from ripplekv_ext.selectors import SnapKVSelector
+    from ripplekv_ext.selection.selectors import SnapKVSelector
 
     layers = compressible_layers(model)
     table = {}
@@ -96,7 +96,7 @@ def shortest_compressible_prompt(retention: float, window: int) -> int:
     """The shortest prompt whose average budget round(retention * N) exceeds the window."""
     import math
 
-    from ripplekv_ext.allocation import average_budget
+    from ripplekv_ext.budgets.allocators import average_budget
 
     n = math.ceil((window + 1) / retention)
     while n > 1 and average_budget(retention, n - 1) > window:  # rounding up can admit a slightly shorter one
@@ -106,7 +106,7 @@ def shortest_compressible_prompt(retention: float, window: int) -> int:
 
 def check_compressible(prompt_len: int, retention: float, window: int) -> None:
     """Budgets of a prompt whose average budget does not exceed the window are just "keep everything"."""
-    from ripplekv_ext.allocation import average_budget
+    from ripplekv_ext.budgets.allocators import average_budget
 
     if retention < 1.0 and average_budget(retention, prompt_len) <= window:
         shortest = shortest_compressible_prompt(retention, window)
@@ -118,7 +118,7 @@ def check_compressible(prompt_len: int, retention: float, window: int) -> None:
 def cmd_allocate(args) -> int:
     from rich.table import Table
 
-    from ripplekv_ext.allocation import average_budget, pyramidkv_schedule
+    from ripplekv_ext.budgets.allocators import average_budget, pyramidkv_schedule
     from ripplekv_ext.eval.plots import plot_budgets
 
     check_model_arg(args.model)

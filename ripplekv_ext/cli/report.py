@@ -13,7 +13,7 @@ from ripplekv_ext.eval.models import default_profile_path, shipped_profile_path
 def known_profile(model_arg: str, model, log=print, reprofile: bool = False):
     """The profile measured earlier on this very model (checked by fingerprint), or None: the user's cached one
     first, then the one that ships with the package (the bundled SmolLM2's)."""
-    from ripplekv_ext.profile_file import ProfileError, load_profile
+    from ripplekv_ext.budgets.profile_file import ProfileError, load_profile
 
     if reprofile:
         return None

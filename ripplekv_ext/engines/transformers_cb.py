@@ -44,9 +44,9 @@ import threading
 from contextlib import contextmanager
 from typing import Optional
 
-from ripplekv_ext.allocation import UniformAllocator
-from ripplekv_ext.compressor import CompressionObserver, KVCompressor
-from ripplekv_ext.tiers import TieredAllocator
+from ripplekv_ext.budgets.allocators import UniformAllocator
+from ripplekv_ext.selection.compressor import CompressionObserver, KVCompressor
+from ripplekv_ext.budgets.tiers import TieredAllocator
 from ripplekv_ext.model_info import compressible_layers, text_config
 from ripplekv_ext.policies import Policy
 
@@ -222,7 +222,7 @@ def serve(model, policy: Policy, tiers: Optional[int] = None, on_compress: Optio
                          "engine compresses each request once, after its prefill, so the request would hold its "
                          "whole prompt. Use a policy without prefill_chunk (dataclasses.replace(policy, "
                          "prefill_chunk=None)), or the vLLM plugin, which bounds prefill per request")
-    from ripplekv_ext.compress_block import compress_block_open
+    from ripplekv_ext.transformers_front.compress_block import compress_block_open
 
     if compress_block_open(model):
         raise RuntimeError("a ripplekv_ext.compress block is open on this model: close it before entering serve. "

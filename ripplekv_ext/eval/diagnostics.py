@@ -22,12 +22,12 @@ import numpy as np
 import torch
 
 from ripplekv_ext.jsonio import write_json_atomic
-from ripplekv_ext.allocation import average_budget
+from ripplekv_ext.budgets.allocators import average_budget
 from ripplekv_ext.policies import DEFAULT_WINDOW
-from ripplekv_ext.selectors import SnapKVSelector
-from ripplekv_ext.profile_file import Profile
+from ripplekv_ext.selection.selectors import SnapKVSelector
+from ripplekv_ext.budgets.profile_file import Profile
 from ripplekv_ext.profiler import ContinuationRunner
-from ripplekv_ext.stats import spearman
+from ripplekv_ext.profiler.stats import spearman
 
 
 class AttentionTap:

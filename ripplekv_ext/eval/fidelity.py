@@ -81,7 +81,7 @@ class SharedPrefill:
     def _prefill(self, prefix_ids: Tensor):
         """(logit of the prefix's last position, cache after the prefill, {layer: CompressionStep})."""
         from ripplekv_ext.integrations.transformers import output_cache
-        from ripplekv_ext.compress_block import compress
+        from ripplekv_ext.transformers_front.compress_block import compress
 
         key = prefix_ids.numpy().tobytes()
         if key not in self._prefills:
@@ -94,8 +94,8 @@ class SharedPrefill:
 
     def logits_fn(self, policy) -> LogitsFn:
         """``logits_fn`` of ``policy`` (``Policy.full()``: every layer keeps every captured token)."""
-        from ripplekv_ext.compressor import KVCompressor
-        from ripplekv_ext.compress_block import compress
+        from ripplekv_ext.selection.compressor import KVCompressor
+        from ripplekv_ext.transformers_front.compress_block import compress
 
         if not self.supports(policy):
             raise ValueError(f"{policy.name}: SharedPrefill needs window {self.window}, a selector that reads only "
@@ -151,7 +151,7 @@ class FidelityReport:
     def summary(self) -> dict[str, float]:
         """Means over examples (every example has the same number of positions), with standard errors, and a
         95% bootstrap interval of the mean KL (NaN with fewer than two examples)."""
-        from ripplekv_ext.stats import bootstrap_mean_ci
+        from ripplekv_ext.profiler.stats import bootstrap_mean_ci
 
         low, high = bootstrap_mean_ci(self.kl) if len(self.kl) >= 2 else (float("nan"), float("nan"))
         return {
@@ -167,7 +167,7 @@ def paired_kl_comparison(kl: Sequence[float], other_kl: Sequence[float], confide
     """Per-example comparison of two methods' KL on the same examples (lower is better): how many examples each
     wins, and the mean difference ``kl - other_kl`` with a paired bootstrap interval (negative: ``kl`` is
     better; an interval excluding 0 is a difference the examples support, not noise)."""
-    from ripplekv_ext.stats import paired_bootstrap_ci
+    from ripplekv_ext.profiler.stats import paired_bootstrap_ci
 
     if len(kl) != len(other_kl) or not kl:
         raise ValueError(f"kl and other_kl must hold one value per example of the same examples, got "

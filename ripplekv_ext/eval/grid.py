@@ -20,7 +20,7 @@ import torch
 from ripplekv_ext.jsonio import write_json_atomic
 from ripplekv_ext.eval.fidelity import SharedPrefill, continuation_logits_fn, evaluate_fidelity
 from ripplekv_ext.eval.runner import PROTOCOLS, evaluate, protocol_generate_fn, protocol_settings
-from ripplekv_ext.compress_block import compress
+from ripplekv_ext.transformers_front.compress_block import compress
 from ripplekv_ext.methods import is_full, make_policy, needs_profile
 from ripplekv_ext.policies import DEFAULT_WINDOW
 

@@ -294,7 +294,7 @@ def load_model(model_arg: str):
 def known_shape(model_arg: str):
     """``profile_file.model_shape`` of ``model_arg`` without loading its weights: from ``GGUF_MODELS`` for a known
     model, from its config.json for a folder; None when transformers cannot read that config (custom code)."""
-    from ripplekv_ext.profile_file import model_shape
+    from ripplekv_ext.budgets.profile_file import model_shape
 
     if model_arg in GGUF_MODELS:
         return dict(GGUF_MODELS[model_arg].shape)

@@ -114,7 +114,7 @@ def plot_accuracy_by_depth(by_depth: dict[str, dict], path, title: str = "") -> 
     """Accuracy against needle depth, one line per method, with 95% Wilson intervals as error bars.
 
     ``by_depth``: ``{label: {depth in [0, 1]: [0/1 scores]}}``."""
-    from ripplekv_ext.stats import wilson_interval
+    from ripplekv_ext.profiler.stats import wilson_interval
 
     plt = _pyplot()
     fig, ax = plt.subplots(figsize=(6, 4))

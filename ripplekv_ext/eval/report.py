@@ -186,7 +186,7 @@ def scores_by(results: dict, examples, key: Callable, protocol: str = "inside") 
 
 def accuracy_with_ci(scores: Sequence[float]) -> tuple[float, float, float]:
     """(accuracy, Wilson low, Wilson high) of 0/1 scores."""
-    from ripplekv_ext.stats import wilson_interval
+    from ripplekv_ext.profiler.stats import wilson_interval
 
     successes = int(round(sum(scores)))
     return (successes / len(scores), *wilson_interval(successes, len(scores), CONFIDENCE))
@@ -234,7 +234,7 @@ def _seconds(results: dict) -> float:
 def check_after_methods(sizes: ReportSizes, parts: Sequence[str], profile) -> None:
     """Before the first cell: the parts asked "after" compression name methods the report runs, each of which can
     compress a context before its question is known (a refusal after hours of cells would lose the report)."""
-    from ripplekv_ext.context import context_refusal
+    from ripplekv_ext.transformers_front.context import context_refusal
     from ripplekv_ext.methods import make_policy
 
     asked = [p for p in parts if "after" in (sizes.needle_protocols if p == "needle" else

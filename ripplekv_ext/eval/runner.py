@@ -152,7 +152,7 @@ def context_generate_fn(model, tokenizer, policy, probe_ids: Optional[torch.Tens
 
     One question per example, so the answer continues the compressed cache itself (no copy).
     """
-    from ripplekv_ext.context import compress_context, continue_context
+    from ripplekv_ext.transformers_front.context import compress_context, continue_context
 
     options = greedy_options(model, tokenizer)
     probe_tokenizer = tokenizer if default_probe else None
@@ -176,7 +176,7 @@ def protocol_settings(protocol: str, policy, tokenizer) -> dict:
     check_protocol(protocol)
     if protocol != "after":
         return {}
-    from ripplekv_ext.context import default_scoring
+    from ripplekv_ext.transformers_front.context import default_scoring
 
     return {"scoring": default_scoring(policy, tokenizer)}
 
@@ -186,6 +186,6 @@ def protocol_generate_fn(protocol: str, model, tokenizer, policy) -> GenerateFn:
     check_protocol(protocol)
     if protocol == "after":
         return context_generate_fn(model, tokenizer, policy)
-    from ripplekv_ext.compress_block import compress
+    from ripplekv_ext.transformers_front.compress_block import compress
 
     return greedy_generate_fn(model, tokenizer, None if policy.is_full else (lambda: compress(model, policy)))

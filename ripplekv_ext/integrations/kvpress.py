@@ -30,10 +30,10 @@ from typing import Optional
 
 from torch import Tensor
 
-from ripplekv_ext.allocation import Allocator, RippleKVAllocator
-from ripplekv_ext.headwise import AdaKVSelector
+from ripplekv_ext.budgets.allocators import Allocator, RippleKVAllocator
+from ripplekv_ext.selection.adakv import AdaKVSelector
 from ripplekv_ext.policies import DEFAULT_RIPPLEKV_SELECTOR, DEFAULT_WINDOW, Policy
-from ripplekv_ext.selectors import ScoredSelector
+from ripplekv_ext.selection.selectors import ScoredSelector
 
 SUPPORTED_KVPRESS = ("0.5.5",)
 
@@ -118,7 +118,7 @@ class ScorerPressSelector(ScoredSelector):
 
 
 def _sensitivity(profile):
-    from ripplekv_ext.profile_file import load_profile
+    from ripplekv_ext.budgets.profile_file import load_profile
 
     if isinstance(profile, (str, bytes)) or hasattr(profile, "__fspath__"):
         return load_profile(profile)
@@ -166,7 +166,7 @@ class _BlockPress(PrefillDecodingPress):
 
     @contextlib.contextmanager
     def __call__(self, model):
-        from ripplekv_ext.compress_block import compress
+        from ripplekv_ext.transformers_front.compress_block import compress
 
         if self.compression_ratio == 0:
             yield

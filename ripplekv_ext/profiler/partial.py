@@ -8,7 +8,7 @@ import math
 from pathlib import Path
 
 from ripplekv_ext.jsonio import write_json_atomic
-from ripplekv_ext.profile_file import ProfileError
+from ripplekv_ext.budgets.profile_file import ProfileError
 
 PARTIAL_SUFFIX = ".partial.json"
 # How to start over, in both spellings: the CLI's flag and profile_model's argument.

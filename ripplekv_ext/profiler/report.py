@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from ripplekv_ext.profile_file import Profile
+from ripplekv_ext.budgets.profile_file import Profile
 
 
 def format_profile(profile: Profile) -> str:

@@ -19,12 +19,12 @@ import torch
 from ripplekv_ext.checks import check_int
 from ripplekv_ext.model_info import compressible_layers as model_compressible_layers
 from ripplekv_ext.model_info import sliding_window, text_config
-from ripplekv_ext.profile_file import TARGETS, Profile, describe_model, save_profile
+from ripplekv_ext.budgets.profile_file import TARGETS, Profile, describe_model, save_profile
 from ripplekv_ext.profiler.cost import tokens_processed
 from ripplekv_ext.profiler.fisher import fisher_example
 from ripplekv_ext.profiler.partial import load_partial, partial_path, save_partial
 from ripplekv_ext.profiler.perturbation import perturbation_example
-from ripplekv_ext.stats import split_half_spearman, standard_errors
+from ripplekv_ext.profiler.stats import split_half_spearman, standard_errors
 
 METRIC = "kl(p_ref || p_perturbed), natural log, mean over continuation positions"
 ESTIMATORS = ("perturbation", "fisher")

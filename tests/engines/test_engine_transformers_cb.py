@@ -1,6 +1,6 @@
 """RippleKV inside transformers' continuous batching (ripplekv_ext.engines.transformers_cb): each request's greedy
 tokens equal ``generate`` under ``ripplekv_ext.compress(model, session.policy)`` for that prompt alone, whatever the
-batching; and the tier arithmetic of ripplekv_ext.tiers."""
+batching; and the tier arithmetic of ripplekv_ext.budgets.tiers."""
 
 import math
 import time
@@ -10,7 +10,7 @@ import torch
 
 import ripplekv_ext
 from ripplekv_ext import AdaKVSelector, Policy
-from ripplekv_ext.allocation import RippleKVAllocator, UniformAllocator, average_budget, power_budgets
+from ripplekv_ext.budgets.allocators import RippleKVAllocator, UniformAllocator, average_budget, power_budgets
 from ripplekv_ext import TieredAllocator, tier_counts
 from ripplekv_ext.eval.tiny_models import tiny_model
 
@@ -222,7 +222,7 @@ def test_memory_pressure_soft_resets_and_the_rest_stay_exact(model):
                          ids=["decode", "one-prefill", "mixed"])
 def test_block_diagonal_mask_is_each_requests_end_aligned_causal_mask(q_lengths, k_lengths):
     from ripplekv_ext.integrations.transformers.paged_cache import block_diagonal_causal_mask
-    from ripplekv_ext.masks import end_aligned_causal_mask
+    from ripplekv_ext.transformers_front.masks import end_aligned_causal_mask
 
     cu_q, cu_k = [0], [0]
     for q, k in zip(q_lengths, k_lengths):

@@ -12,7 +12,7 @@ from ripplekv_ext.engines.vllm.settings import (BlockAlignedAllocator, EnginePla
                                                 kv_cache_bytes, plan_for)
 from ripplekv_ext.eval.tiny_models import tiny_model
 from ripplekv_ext.policies import PromptTooShortWarning
-from ripplekv_ext.profile_file import Profile, save_profile
+from ripplekv_ext.budgets.profile_file import Profile, save_profile
 
 BLOCK = 32
 LAYERS = 4

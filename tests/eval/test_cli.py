@@ -165,7 +165,7 @@ def test_bench_is_no_subcommand(capsys):
 
 def test_shipped_smollm2_profile_is_package_data_for_the_bundled_model():
     from ripplekv_ext.eval.models import shipped_profile_path
-    from ripplekv_ext.profile_file import load_profile
+    from ripplekv_ext.budgets.profile_file import load_profile
 
     path = shipped_profile_path("smollm2")
     assert path is not None and path.parent.parent.name == "eval" and path.parents[2].name == "ripplekv_ext"

@@ -236,7 +236,7 @@ def test_bad_input_table(case, cli_env, capsys, monkeypatch):
 
 def _profile_of(shape: dict) -> dict:
     """A valid profile of a model of ``shape`` whose fingerprint matches no real model."""
-    from ripplekv_ext.profile_file import FORMAT_NAME, FORMAT_VERSION
+    from ripplekv_ext.budgets.profile_file import FORMAT_NAME, FORMAT_VERSION
 
     n = shape["num_layers"]
     return {"format": FORMAT_NAME, "version": FORMAT_VERSION,
@@ -279,7 +279,7 @@ def test_profile_of_another_checkpoint_names_the_cli_flag(cli_env, capsys, monke
     import ripplekv_ext.eval.models as models
     from ripplekv_ext import cli
     from ripplekv_ext.eval.tiny_models import tiny_config, tiny_model
-    from ripplekv_ext.profile_file import model_shape
+    from ripplekv_ext.budgets.profile_file import model_shape
 
     tiny_config("llama").save_pretrained(cli_env / "tiny")
     (cli_env / "tiny.json").write_text(json.dumps(_profile_of(model_shape(tiny_config("llama")))))

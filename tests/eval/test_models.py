@@ -109,7 +109,7 @@ def test_missing_gguf_wheel_is_reported_not_crashed(monkeypatch):
 def test_known_models_shapes_match_their_shipped_profiles():
     """GGUF_MODELS' shapes (what profiles and --layers are checked against before a load) are the checkpoints'."""
     from ripplekv_ext.eval.models import GGUF_MODELS, known_shape, shipped_profile_path
-    from ripplekv_ext.profile_file import load_profile
+    from ripplekv_ext.budgets.profile_file import load_profile
 
     for name in GGUF_MODELS:
         measured = load_profile(shipped_profile_path(name)).model

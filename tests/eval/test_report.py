@@ -139,7 +139,7 @@ def test_a_saved_run_without_a_protocol_runs_only_that_protocol(report_dir, tmp_
 def test_after_results_record_their_scoring_and_another_scoring_reruns_them(report_dir, tmp_path, capsys):
     import shutil
 
-    from ripplekv_ext.context import default_scoring
+    from ripplekv_ext.transformers_front.context import default_scoring
     from ripplekv_ext.policies import Policy
 
     out, argv = report_dir

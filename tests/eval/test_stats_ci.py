@@ -1,10 +1,10 @@
-"""The report's confidence intervals (ripplekv_ext.stats) against scipy and known cases."""
+"""The report's confidence intervals (ripplekv_ext.profiler.stats) against scipy and known cases."""
 
 import numpy as np
 import pytest
 from scipy import stats as scipy_stats
 
-from ripplekv_ext.stats import bootstrap_mean_ci, paired_bootstrap_ci, wilson_interval
+from ripplekv_ext.profiler.stats import bootstrap_mean_ci, paired_bootstrap_ci, wilson_interval
 
 
 @pytest.mark.parametrize("successes,trials", [(0, 20), (1, 20), (14, 20), (20, 20), (7, 9), (50, 100)])

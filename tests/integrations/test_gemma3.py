@@ -76,7 +76,7 @@ def test_gemma3_ripplekv_compresses_only_the_global_layers(gemma3):
     model, tokenizer = gemma3
     profile = models.shipped_profile_path("gemma3-270m")
     assert profile is not None, "the gemma-3-270m profile must ship in ripplekv_ext/eval/profiles/"
-    from ripplekv_ext.profile_file import load_profile
+    from ripplekv_ext.budgets.profile_file import load_profile
 
     profile = load_profile(profile, model=model)  # fingerprint: measured on these very weights
     assert profile.layers == GLOBAL_LAYERS

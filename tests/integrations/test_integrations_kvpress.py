@@ -19,7 +19,7 @@ from ripplekv_ext.eval.tiny_models import tiny_model  # noqa: E402
 from ripplekv_ext.integrations.kvpress import (KVPressTotal, RippleKVBudgetPress, RippleKVPress,  # noqa: E402
                                                ScorerPressSelector)
 from ripplekv_ext.integrations.transformers import output_cache  # noqa: E402
-from ripplekv_ext.profile_file import Profile  # noqa: E402
+from ripplekv_ext.budgets.profile_file import Profile  # noqa: E402
 
 torch.set_num_threads(1)
 SENSITIVITY = [0.5, 0.05, 0.2, 0.01]

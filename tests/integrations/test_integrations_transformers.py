@@ -17,7 +17,7 @@ import torch
 
 from ripplekv_ext import Policy, compress
 from ripplekv_ext.integrations.transformers import versions as _compat
-from ripplekv_ext.allocation import average_budget
+from ripplekv_ext.budgets.allocators import average_budget
 
 transformers = pytest.importorskip("transformers")
 from transformers.cache_utils import DynamicCache, DynamicLayer  # noqa: E402

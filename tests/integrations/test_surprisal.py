@@ -128,7 +128,7 @@ def test_surprisal_refusals_name_the_reason():
 
 
 def test_the_default_scoring_is_surprisal_where_the_context_is_read_whole():
-    from ripplekv_ext.context import default_scoring
+    from ripplekv_ext.transformers_front.context import default_scoring
 
     policy = Policy.snapkv(0.25, window=8)
     padded = torch.ones(2, 10, dtype=torch.long)

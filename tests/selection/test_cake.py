@@ -1,5 +1,5 @@
-"""CAKE (ripplekv_ext.cake): its budgets, preference and token score against hand computations on toy cases, its
-budgets under every selector, and its refusals."""
+"""CAKE (its budgets in ripplekv_ext.budgets.cake, its token score in ripplekv_ext.selection.cake): budgets, preference
+and token score against hand computations on toy cases, its budgets under every selector, and its refusals."""
 
 import math
 
@@ -9,9 +9,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ripplekv_ext import CakeAllocator, CakeSelector, KVCompressor, Policy, UniformAllocator
-from ripplekv_ext.cake import cake_budgets, eviction_scores, layer_preference, window_attention
+from ripplekv_ext.budgets.cake import cake_budgets, layer_preference
+from ripplekv_ext.selection.cake import eviction_scores, window_attention
 from ripplekv_ext.methods import make_policy
-from ripplekv_ext.selectors import SnapKVSelector
+from ripplekv_ext.selection.selectors import SnapKVSelector
 
 
 # --- budgets: the authors' adjust_budgets, by hand ----------------------------------------------------------

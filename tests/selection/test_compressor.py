@@ -1,6 +1,6 @@
-"""KVCompressor (ripplekv_ext.compressor): the per-layer plan and compression, usable from any inference loop; a
-profile of some layers, left-padded batches row by row, the budgets of compression during decoding, and the
-bad-input table."""
+"""KVCompressor (ripplekv_ext.selection.compressor): the per-layer plan and compression, usable from any inference loop;
+a profile of some layers, left-padded batches row by row, the budgets of compression during decoding, and the bad-input
+table."""
 
 from types import SimpleNamespace
 
@@ -10,9 +10,9 @@ import torch
 import ripplekv_ref
 from api_tables import Case, INF, NAN, table_tests
 from ripplekv_ext import KVCompressor, Policy
-from ripplekv_ext.allocation import average_budget
-from ripplekv_ext.selectors import H2OSelector, PeakSpanSelector, Selector
-from test_allocation import profile_like
+from ripplekv_ext.budgets.allocators import average_budget
+from ripplekv_ext.selection.selectors import H2OSelector, PeakSpanSelector, Selector
+from policy_samples import profile_like
 
 WINDOW = 8
 

@@ -12,10 +12,10 @@ import ripplekv_ref
 from api_tables import Case, INF, NAN, table_tests
 from policy_samples import D_BUDGET, decode_budget_policy, qkv
 from ripplekv_ext import KVCompressor
-from ripplekv_ext.allocation import (PyramidKVAllocator, RippleKVAllocator, UniformAllocator, average_budget,
-                                     power_budgets, ripplekv_budgets)
+from ripplekv_ext.budgets.allocators import (PyramidKVAllocator, RippleKVAllocator, UniformAllocator, average_budget,
+                                             power_budgets, ripplekv_budgets)
 from ripplekv_ext.policies import DEFAULT_WINDOW, Policy, PromptTooShortWarning
-from ripplekv_ext.selectors import H2OSelector, SnapKVSelector, StreamingLLMSelector
+from ripplekv_ext.selection.selectors import H2OSelector, SnapKVSelector, StreamingLLMSelector
 
 ALLOCATORS = [UniformAllocator(), PyramidKVAllocator(), RippleKVAllocator([0.1, 0.9, 0.3, 0.5, 0.2, 0.7])]
 SELECTORS = [SnapKVSelector(), H2OSelector(chunk_size=16), StreamingLLMSelector()]

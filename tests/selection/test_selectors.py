@@ -1,7 +1,7 @@
-"""The selectors (ripplekv_ext.selectors) on their own: hand-worked selections and what each needs of its queries;
-PeakSpanSelector and KeyNormSelector against their references (ripplekv_ref.selectors, written position by position)
-and against independent facts. Every selector under every allocator, against the reference ops: test_policies.py.
-The variants the default was chosen against are tested where they live, in experiments/defaults/."""
+"""The selectors (ripplekv_ext.selection.selectors) on their own: hand-worked selections and what each needs of its
+queries; PeakSpanSelector and KeyNormSelector against their references (ripplekv_ref.selectors, written position by
+position) and against independent facts. Every selector under every allocator, against the reference ops:
+test_policies.py. The variants the default was chosen against are tested where they live, in experiments/defaults/."""
 
 import math
 
@@ -10,7 +10,8 @@ import torch
 
 from ripplekv_ext import KVCompressor, Policy, UniformAllocator
 from ripplekv_ext.methods import make_policy
-from ripplekv_ext.selectors import H2OSelector, KeyNormSelector, PeakSpanSelector, SnapKVSelector, StreamingLLMSelector
+from ripplekv_ext.selection.selectors import (H2OSelector, KeyNormSelector, PeakSpanSelector, SnapKVSelector,
+                                              StreamingLLMSelector)
 from ripplekv_ref import select_topk, select_topk_rows
 from ripplekv_ref.selectors import (adaptive_recent_select, key_norm_scores, peak_span_select, peak_span_select_rows,
                                    window_scores)

@@ -81,7 +81,7 @@ def _check_stages(settings: Settings, text_config, block_size: int, stages: int)
 
     if balanced(plan.tiers):
         return
-    from ripplekv_ext.tiers import tier_counts
+    from ripplekv_ext.budgets.tiers import tier_counts
 
     choices = [t for t in tier_counts(len(plan.layers))
                if balanced(plan_for_model(dataclasses.replace(settings, tiers=t), text_config, block_size).tiers)]
@@ -180,7 +180,7 @@ def validate(vllm_config) -> None:
                 f"{model.get_head_size()})", "use a block_size that is a multiple of 32 and a head size that is a "
                 "multiple of 32")
     if settings.method == "ripplekv":
-        from ripplekv_ext.profile_file import load_profile, model_shape
+        from ripplekv_ext.budgets.profile_file import load_profile, model_shape
 
         # Weights are not loaded yet: the profile's fingerprint cannot be checked, its shape can.
         load_profile(settings.profile).check_shape(model_shape(text), way_out=f"measure a profile of {model.model}")

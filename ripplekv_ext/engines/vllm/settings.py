@@ -20,13 +20,13 @@ import warnings
 from pathlib import Path
 from typing import Optional, Sequence
 
-from ripplekv_ext.allocation import Allocator, PyramidKVAllocator, RippleKVAllocator, UniformAllocator
+from ripplekv_ext.budgets.allocators import Allocator, PyramidKVAllocator, RippleKVAllocator, UniformAllocator
 from ripplekv_ext.checks import check_int, is_integer
-from ripplekv_ext.compressor import KVCompressor
+from ripplekv_ext.selection.compressor import KVCompressor
 from ripplekv_ext.engines.vllm.block_layout import TierLayout
-from ripplekv_ext.tiers import TieredAllocator, tier_counts
+from ripplekv_ext.budgets.tiers import TieredAllocator, tier_counts
 from ripplekv_ext.policies import DEFAULT_RIPPLEKV_SELECTOR, DEFAULT_WINDOW, Policy, PromptTooShortWarning
-from ripplekv_ext.selectors import SnapKVSelector, StreamingLLMSelector
+from ripplekv_ext.selection.selectors import SnapKVSelector, StreamingLLMSelector
 
 __all__ = ["CONFIG_KEY", "METHODS", "Settings", "BlockAlignedAllocator", "EnginePlan", "plan_for", "plan_for_model",
            "kv_cache_bytes"]
@@ -161,7 +161,7 @@ class EnginePlan:
             raise ValueError("the model has no full-attention layer to compress")
         self.layers = layers
         if settings.method == "ripplekv":
-            from ripplekv_ext.profile_file import load_profile
+            from ripplekv_ext.budgets.profile_file import load_profile
 
             base = RippleKVAllocator(load_profile(settings.profile))
         elif settings.method == "pyramidkv":

@@ -16,7 +16,7 @@ import torch
 from torch import Tensor
 from transformers.cache_utils import DynamicCache, DynamicLayer, DynamicSlidingWindowLayer
 
-from ripplekv_ext.compressor import KVCompressor
+from ripplekv_ext.selection.compressor import KVCompressor
 from ripplekv_ext.integrations.transformers.compressed_layer import CompressedLayer
 from ripplekv_ext.model_info import text_config
 

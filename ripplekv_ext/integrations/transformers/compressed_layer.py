@@ -18,7 +18,7 @@ from torch import Tensor
 from transformers.cache_utils import DynamicLayer
 
 from ripplekv_ext.integrations.transformers.versions import query_length, tokens_to_remove
-from ripplekv_ext.masks import end_aligned_causal, end_aligned_causal_mask
+from ripplekv_ext.transformers_front.masks import end_aligned_causal, end_aligned_causal_mask
 
 __all__ = ["CompressedLayer", "open_block", "close_block", "block_on", "runs_in_open_block"]
 

@@ -22,7 +22,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from ripplekv_ext.compressor import KVCompressor
+from ripplekv_ext.selection.compressor import KVCompressor
 from ripplekv_ext.integrations.transformers.attention import registered_attention, unique_attention_name
 from ripplekv_ext.integrations.transformers.compressed_layer import CompressedLayer
 from ripplekv_ext.integrations.transformers.versions import output_cache

@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from ripplekv_ext.compressor import KVCompressor
+from ripplekv_ext.selection.compressor import KVCompressor
 from ripplekv_ext.integrations.transformers.attention import registered_attention, unique_attention_name
 from ripplekv_ext.integrations.transformers.compressed_layer import CompressedLayer
 from ripplekv_ext.integrations.transformers.reconstruction import SINK, Rewind

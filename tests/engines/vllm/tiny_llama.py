@@ -3,7 +3,7 @@ made-up profiles of it."""
 
 import torch
 
-from ripplekv_ext.profile_file import Profile, save_profile
+from ripplekv_ext.budgets.profile_file import Profile, save_profile
 
 # Random weights with initializer_range 0.1: attention peaked enough that dropping tokens changes greedy tokens.
 LLAMA_CONFIG = dict(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=4,

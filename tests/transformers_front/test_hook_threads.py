@@ -1,5 +1,6 @@
-"""Threads generating inside one ``compress()`` block (ripplekv_ext.compress_block): the per-thread call state, so each
-thread compresses its own cache and generates what it generates alone; blocks opened from two threads."""
+"""Threads generating inside one ``compress()`` block (ripplekv_ext.transformers_front.compress_block): the per-thread
+call state, so each thread compresses its own cache and generates what it generates alone; blocks opened from two
+threads."""
 
 import threading
 

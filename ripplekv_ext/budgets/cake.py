@@ -6,8 +6,9 @@ CAKE decides both things at once from the prompt's own attention, read at the en
   ``H`` the entropy of its observation window's attention over the prefix (summed over heads and window queries),
   ``V`` the variance of that attention across the window queries (summed over heads and prefix positions); the
   total prefix budget ``(avg - W) x L`` is split in proportion to ``P`` (``cake_budgets``);
-* **which tokens** (``CakeSelector``): each prefix position's window attention, mean plus ``gamma`` x variance over
-  the window queries, average-pooled over 5 positions and averaged over the query heads of each KV head.
+* **which tokens** (``CakeSelector``, in ``ripplekv_ext.selection.cake``): each prefix position's window
+  attention, mean plus ``gamma`` x variance over the window queries, average-pooled over 5 positions and averaged over
+  the query heads of each KV head.
 
 Every definition follows the authors' code (antgroup/cakekv at c4675ce: ``cake/model/modify_llama.py`` and
 ``cake/utils.py``), in fp32. Their tuned ``tau1, tau2`` (``model2tau.json``) cover five 7-13B models and neither of
@@ -28,20 +29,16 @@ import math
 from typing import Optional, Sequence
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
-from ripplekv_ext.allocation import Allocator, uniform_budgets
+from ripplekv_ext.budgets.allocators import Allocator, uniform_budgets
 from ripplekv_ext.checks import check_int
-from ripplekv_ext.selectors import ScoredSelector
+from ripplekv_ext.selection.cake import window_attention
 
-__all__ = ["CakeAllocator", "CakeSelector", "cake_budgets", "window_attention", "layer_preference",
-           "eviction_scores", "DEFAULT_TAU1", "DEFAULT_TAU2", "DEFAULT_GAMMA", "POOL_SIZE"]
+__all__ = ["CakeAllocator", "cake_budgets", "layer_preference", "DEFAULT_TAU1", "DEFAULT_TAU2"]
 
 DEFAULT_TAU1 = 1.0
 DEFAULT_TAU2 = 1.0
-DEFAULT_GAMMA = 200.0
-POOL_SIZE = 5  # the eviction score's average pooling (the authors' kernel_size=5, zero padding counted)
 _ENTROPY_EPS = 1e-10  # inside the entropy's log, as the authors write it
 
 
@@ -49,28 +46,6 @@ def _positive(name: str, value) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
         raise ValueError(f"{name} must be a finite number > 0, got {value!r}")
     return float(value)
-
-
-def window_attention(queries: Tensor, keys: Tensor, window: int, scale: Optional[float] = None) -> Tensor:
-    """float32 ``[B, H_q, W, N]``: the softmax attention of the last ``window`` queries over all ``N`` keys, causal
-    inside the window (query ``i`` of the window sees keys up to its own position). ``queries`` ``[B, H_q, W', D]``
-    post-RoPE, ``W' >= window``; ``keys`` ``[B, H_kv, N, D]``."""
-    if queries.dim() != 4 or keys.dim() != 4:
-        raise ValueError(f"queries and keys must be 4-D ([B, H_q, W, D] and [B, H_kv, N, D]), got "
-                         f"{queries.dim()}-D and {keys.dim()}-D")
-    b, h_q, _, d = queries.shape
-    h_kv, n = keys.shape[1], keys.shape[2]
-    if h_q % h_kv:
-        raise ValueError(f"query heads ({h_q}) must be a multiple of KV heads ({h_kv})")
-    if not 1 <= window < n or queries.shape[2] < window:
-        raise ValueError(f"window must be in [1, N = {n}) and at most the queries given ({queries.shape[2]}), "
-                         f"got {window}")
-    q = queries[:, :, -window:].float()
-    k = keys.float().repeat_interleave(h_q // h_kv, dim=1)
-    logits = (q @ k.transpose(-1, -2)) * (1.0 / math.sqrt(d) if scale is None else float(scale))
-    query_pos = torch.arange(n - window, n, device=keys.device)[:, None]
-    logits = logits.masked_fill(torch.arange(n, device=keys.device) > query_pos, float("-inf"))
-    return torch.softmax(logits, dim=-1)
 
 
 def layer_preference(attention: Tensor, tau1: float = DEFAULT_TAU1, tau2: float = DEFAULT_TAU2) -> float:
@@ -89,16 +64,6 @@ def layer_preference(attention: Tensor, tau1: float = DEFAULT_TAU1, tau2: float 
                          f"tau1={tau1:g}, tau2={tau2:g} (this layer's H = {entropy:.4g}, V = {variance:.4g}): use "
                          "larger tau1 and tau2 (1, the authors' default, or a few tenths)")
     return preference
-
-
-def eviction_scores(attention: Tensor, kv_heads: int, gamma: float = DEFAULT_GAMMA) -> Tensor:
-    """float32 ``[B, H_kv, N - W]``: CAKE's score of each prefix position, the window queries' mean attention plus
-    ``gamma`` x its variance across them (unbiased), average-pooled over ``POOL_SIZE`` positions (zero padding
-    counted) and averaged over the query heads of each KV head."""
-    b, h_q, w, n = attention.shape
-    scores = attention.mean(dim=-2) + gamma * attention.var(dim=-2)
-    scores = F.avg_pool1d(scores[..., : n - w], POOL_SIZE, stride=1, padding=POOL_SIZE // 2)
-    return scores.reshape(b, kv_heads, h_q // kv_heads, n - w).mean(dim=2)
 
 
 def cake_budgets(preferences: Sequence[float], n_tokens: int, avg_budget: int, window: int) -> list[int]:
@@ -173,30 +138,3 @@ class CakeAllocator(Allocator):
 
     def __repr__(self):
         return f"CakeAllocator(tau1={self.tau1:g}, tau2={self.tau2:g})"
-
-
-class CakeSelector(ScoredSelector):
-    """CAKE's token score (``eviction_scores``): window attention mean + ``gamma`` x variance, finite and >= 0."""
-
-    name = "cake"
-
-    def __init__(self, gamma: float = DEFAULT_GAMMA):
-        if isinstance(gamma, bool) or not isinstance(gamma, (int, float)) or not math.isfinite(gamma) or gamma < 0:
-            raise ValueError(f"gamma must be a finite number >= 0, got {gamma!r}")
-        self.gamma = float(gamma)
-
-    def score(self, queries: Tensor, keys: Tensor, window: int, scale: Optional[float] = None,
-              lengths: Optional[Tensor] = None, values: Optional[Tensor] = None) -> Tensor:
-        if lengths is None:
-            return eviction_scores(window_attention(queries, keys, window, scale), keys.shape[1], self.gamma)
-        # A left-padded batch: each row scored alone on its real tokens, its pad positions -inf.
-        b, h_kv, n, _ = keys.shape
-        scores = torch.full((b, h_kv, n - window), float("-inf"), device=keys.device)
-        for row, length in enumerate(lengths.tolist()):
-            if length > window:
-                row_keys = keys[row:row + 1, :, n - length:]
-                scores[row:row + 1, :, n - length:] = self.score(queries[row:row + 1], row_keys, window, scale)
-        return scores
-
-    def __repr__(self):
-        return f"CakeSelector(gamma={self.gamma:g})"

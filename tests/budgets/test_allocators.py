@@ -1,4 +1,4 @@
-"""The allocators (ripplekv_ext.allocation): the shared integer routine, the RippleKV weights and budgets,
+"""The allocators (ripplekv_ext.budgets.allocators): the shared integer routine, the RippleKV weights and budgets,
 PyramidKV's schedule, the allocator classes, and where a profile's sensitivities land."""
 
 import math
@@ -7,11 +7,13 @@ import types
 import pytest
 from hypothesis import assume, given, settings, strategies as st
 
+from policy_samples import profile_like
+
 from ripplekv_ext import Policy
-from ripplekv_ext.allocation import (DEFAULT_EXPONENT, DEFAULT_NORMALIZE, DEFAULT_RATIO, PyramidKVAllocator,
-                                     RippleKVAllocator, RippleKVRatioAllocator, UniformAllocator, average_budget,
-                                     integer_budgets, power_budgets, power_weights, pyramidkv_budgets,
-                                     pyramidkv_schedule, ripplekv_budgets, ripplekv_weights)
+from ripplekv_ext.budgets.allocators import (DEFAULT_EXPONENT, DEFAULT_NORMALIZE, DEFAULT_RATIO, PyramidKVAllocator,
+                                             RippleKVAllocator, RippleKVRatioAllocator, UniformAllocator,
+                                             average_budget, integer_budgets, power_budgets, power_weights,
+                                             pyramidkv_budgets, pyramidkv_schedule, ripplekv_budgets, ripplekv_weights)
 
 sensitivities = st.lists(st.floats(0.0, 10.0, allow_nan=False, allow_infinity=False), min_size=1, max_size=40)
 
@@ -293,10 +295,6 @@ def test_ripplekv_allocator_checks_layer_count():
 
 
 # ---- a profile's layers decide where its sensitivities land; sensitivities out of range ---------------------------
-
-def profile_like(layers, sensitivity):
-    return types.SimpleNamespace(layers=layers, sensitivity=sensitivity)
-
 
 def test_profile_layers_order_is_respected():
     sens = [0.1, 0.5, 2.0, 9.0]

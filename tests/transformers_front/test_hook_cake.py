@@ -1,6 +1,6 @@
-"""CAKE inside ``compress`` (ripplekv_ext.compress_block): every layer held whole through the prefill forward, then cut
-by the budgets all layers' attention gives; checked against a masked computation of CAKE written as its authors
-write it, and its refusals (batches, bounded prefill) before anything runs."""
+"""CAKE inside ``compress`` (ripplekv_ext.transformers_front.compress_block): every layer held whole through the prefill
+forward, then cut by the budgets all layers' attention gives; checked against a masked computation of CAKE written as
+its authors write it, and its refusals (batches, bounded prefill) before anything runs."""
 
 import math
 
@@ -9,8 +9,8 @@ import torch
 
 import ripplekv_ref
 from ripplekv_ext import Policy, compress
-from ripplekv_ext.allocation import average_budget
-from ripplekv_ext.cake import cake_budgets
+from ripplekv_ext.budgets.allocators import average_budget
+from ripplekv_ext.budgets.cake import cake_budgets
 from ripplekv_ext.eval.tiny_models import tiny_model
 from ripplekv_ext.model_info import compressible_layers
 from test_hook import WINDOW, MaskedReference, max_diff, prefill_then_continue, prompt_ids

@@ -39,10 +39,11 @@ from typing import Optional
 
 from torch import Tensor
 
-from ripplekv_ext.bounded_prefill import (ChunkedPrompt, check_chunk, chunk_row_budgets, chunked_generate,
-                                          prompt_in_chunks, prompt_inputs, row_read)
-from ripplekv_ext.compressor import CompressionObserver, KVCompressor
-from ripplekv_ext.masks import check_batch, row_lengths
+from ripplekv_ext.transformers_front.bounded_prefill import (ChunkedPrompt, check_chunk, chunk_row_budgets,
+                                                             chunked_generate, prompt_in_chunks, prompt_inputs,
+                                                             row_read)
+from ripplekv_ext.selection.compressor import CompressionObserver, KVCompressor
+from ripplekv_ext.transformers_front.masks import check_batch, row_lengths
 from ripplekv_ext.model_info import text_config
 from ripplekv_ext.policies import Policy
 

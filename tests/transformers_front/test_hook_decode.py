@@ -1,5 +1,5 @@
-"""Compression during decoding under ``compress()`` (ripplekv_ext.compress_block): ``Policy(..., decode_every=K)``
-keeps every layer within its budget.
+"""Compression during decoding under ``compress()`` (ripplekv_ext.transformers_front.compress_block): ``Policy(...,
+decode_every=K)`` keeps every layer within its budget.
 
 Oracles: Full (while nothing was cut, the logits must be Full's), a prefill compression of the same tokens (the
 first decode-time selection must pick what a prefill of that sequence picks), layer 0's keys (they depend only on

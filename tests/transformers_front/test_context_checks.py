@@ -1,18 +1,19 @@
-"""What a compressed context refuses or checks, case by case (compress once, ask many: ripplekv_ext.context): a
-decode-time policy after the probe, a changed model, a damaged or truncated file, options one cache cannot serve,
-one question at a time per model, and inputs of another model."""
+"""What a compressed context refuses or checks, case by case (compress once, ask many:
+ripplekv_ext.transformers_front.context): a decode-time policy after the probe, a changed model, a damaged or truncated
+file, options one cache cannot serve, one question at a time per model, and inputs of another model."""
 
 import threading
+import zipfile
 
 import pytest
 import torch
 
 from ripplekv_ext import AdaKVSelector, Policy, UniformAllocator, compress_context, continue_context
-from ripplekv_ext.allocation import RippleKVAllocator
-from ripplekv_ext.cake import CakeSelector
-from ripplekv_ext.tiers import TieredAllocator
-from ripplekv_ext.context import load_context, model_identity
-from ripplekv_ext.digests import weights_digest
+from ripplekv_ext.budgets.allocators import RippleKVAllocator
+from ripplekv_ext.selection.cake import CakeSelector
+from ripplekv_ext.budgets.tiers import TieredAllocator
+from ripplekv_ext.transformers_front.context import load_context, model_identity
+from ripplekv_ext.transformers_front.digests import weights_digest
 from ripplekv_ext.eval.tiny_models import tiny_model
 
 GREEDY = dict(do_sample=False, temperature=None, top_p=None, top_k=None, pad_token_id=0)
@@ -38,6 +39,13 @@ def test_decode_time_policy_after_the_probe_with_a_question_shorter_than_the_pro
     assert out.shape[1] == 200 + question_tokens + 12
 
 
+def _assert_continues_as(model, loaded, context):
+    """A loaded context carries the policy it was saved with and continues as the original."""
+    assert loaded.ripplekv_context.policy == context.ripplekv_context.policy
+    assert torch.equal(continue_context(model, loaded, _ids(4, seed=1), max_new_tokens=2, **GREEDY),
+                       continue_context(model, context, _ids(4, seed=1), max_new_tokens=2, **GREEDY))
+
+
 @pytest.mark.parametrize("allocator,selector", [
     (UniformAllocator(), CakeSelector()),
     (RippleKVAllocator([1.0, 3.0, 2.0, 0.5]), CakeSelector()),
@@ -49,10 +57,29 @@ def test_contexts_of_the_packages_own_policies_load(tmp_path, allocator, selecto
     policy = Policy(allocator, selector or Policy.snapkv(0.25).selector, 0.25, window=8)
     context = compress_context(model, _ids(120), policy)
     torch.save(context, tmp_path / "context.pt")
-    loaded = load_context(tmp_path / "context.pt")
-    assert loaded.ripplekv_context.policy == policy
-    assert torch.equal(continue_context(model, loaded, _ids(4, seed=1), max_new_tokens=2, **GREEDY),
-                       continue_context(model, context, _ids(4, seed=1), max_new_tokens=2, **GREEDY))
+    _assert_continues_as(model, load_context(tmp_path / "context.pt"), context)
+
+
+def test_a_context_saved_before_the_package_moved_its_modules_loads(tmp_path):
+    # A file saved by the release before the wings names its classes by their old modules (the pickle's GLOBALs):
+    # written here by renaming them in a file saved now, then loaded and continued as the original.
+    model = tiny_model("llama")
+    policy = Policy(TieredAllocator(RippleKVAllocator([1.0, 3.0, 2.0, 0.5]), 2), CakeSelector(), 0.25, window=8)
+    context = compress_context(model, _ids(120), policy)
+    torch.save(context, tmp_path / "new.pt")
+    moved = {b"ripplekv_ext.transformers_front.context_stamp\n": b"ripplekv_ext.context_stamp\n",
+             b"ripplekv_ext.budgets.tiers\n": b"ripplekv_ext.tiers\n",
+             b"ripplekv_ext.budgets.allocators\n": b"ripplekv_ext.allocation\n",
+             b"ripplekv_ext.selection.cake\n": b"ripplekv_ext.cake\n"}
+    with zipfile.ZipFile(tmp_path / "new.pt") as new, zipfile.ZipFile(tmp_path / "old.pt", "w") as old:
+        for entry in new.infolist():
+            data = new.read(entry)
+            if entry.filename.endswith("/data.pkl"):
+                for now, before in moved.items():
+                    assert now in data
+                    data = data.replace(now, before)
+            old.writestr(entry, data)
+    _assert_continues_as(model, load_context(tmp_path / "old.pt"), context)
 
 
 def test_a_changed_weight_of_the_same_shape_is_refused(tmp_path):

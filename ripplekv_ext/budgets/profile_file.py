@@ -273,7 +273,7 @@ def validate_profile_dict(data) -> None:
 def save_profile(profile: Profile, path) -> None:
     """Write ``profile`` atomically to ``path`` (``~`` is expanded, as ``load_profile`` does)."""
     if not isinstance(profile, Profile):
-        raise TypeError(f"profile must be a ripplekv_ext.profile_file.Profile, got {type(profile).__name__}")
+        raise TypeError(f"profile must be a ripplekv_ext.budgets.profile_file.Profile, got {type(profile).__name__}")
     path = Path(os.path.expanduser(os.fspath(path)))
     if path.is_dir():
         raise ProfileError(f"profile file {path} is a folder; give a file path (such as {path / 'profile.json'})")

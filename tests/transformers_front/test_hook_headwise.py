@@ -1,12 +1,12 @@
-"""AdaKV inside ``compress`` (ripplekv_ext.compress_block): each KV head keeps its own count, held padded with a
-per-head key mask; checked against the stock model with each head's dropped tokens masked."""
+"""AdaKV inside ``compress`` (ripplekv_ext.transformers_front.compress_block): each KV head keeps its own count, held
+padded with a per-head key mask; checked against the stock model with each head's dropped tokens masked."""
 
 import pytest
 import torch
 
 from ripplekv_ext import AdaKVSelector, Policy, UniformAllocator, compress
 from ripplekv_ext.eval.tiny_models import tiny_model
-from ripplekv_ext.headwise import headwise_selection
+from ripplekv_ext.selection.adakv import headwise_selection
 from ripplekv_ext.model_info import compressible_layers
 from ripplekv_ref.selectors import window_scores
 from test_hook import WINDOW, MaskedReference, max_diff, prefill_then_continue, prompt_ids, toy_sensitivity

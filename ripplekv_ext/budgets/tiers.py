@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from typing import Optional, Sequence
 
-from ripplekv_ext.allocation import Allocator, integer_budgets
+from ripplekv_ext.budgets.allocators import Allocator, integer_budgets
 from ripplekv_ext.checks import check_int
 from ripplekv_ext.policies import DEFAULT_WINDOW
 

@@ -1,7 +1,7 @@
-"""Compress once, ask many (ripplekv_ext.context): checked against compress() on the same prefill, the stock model,
-the independent masked computation of test_hook (answers after a compressed context), each row alone (batches) and
-the reference ops (probe windows); a used, a saved and a too-short context. The evaluation protocols built on it
-(the question inside or after the compressed context: ripplekv_ext.eval.runner and grid) are tested here too."""
+"""Compress once, ask many (ripplekv_ext.transformers_front.context): checked against compress() on the same prefill,
+the stock model, the independent masked computation of test_hook (answers after a compressed context), each row alone
+(batches) and the reference ops (probe windows); a used, a saved and a too-short context. The evaluation protocols built
+on it (the question inside or after the compressed context: ripplekv_ext.eval.runner and grid) are tested here too."""
 
 import dataclasses
 import json
@@ -19,7 +19,7 @@ from ripplekv_ext.model_info import compressible_layers
 pytest.importorskip("transformers")
 from transformers.cache_utils import DynamicCache  # noqa: E402
 
-from ripplekv_ext.context import DEFAULT_PROBE, load_context  # noqa: E402
+from ripplekv_ext.transformers_front.context import DEFAULT_PROBE, load_context  # noqa: E402
 from ripplekv_ext.integrations.transformers import cache_argument, output_cache  # noqa: E402
 from test_hook import MaskedReference  # noqa: E402  (the independent oracle of compressed attention)
 
@@ -244,7 +244,7 @@ def test_continuing_a_used_context_is_refused_before_it_changes(copy_again):
 _CHILD = """
 import json, sys, torch
 from ripplekv_ext import continue_context
-from ripplekv_ext.context import load_context
+from ripplekv_ext.transformers_front.context import load_context
 from ripplekv_ext.eval.tiny_models import tiny_model
 from ripplekv_ext.model_info import compressible_layers
 question = torch.tensor(json.loads(sys.argv[2]))

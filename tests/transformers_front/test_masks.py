@@ -1,9 +1,9 @@
-"""ripplekv_ext.masks: the per-row lengths of a left-padded batch's attention mask."""
+"""ripplekv_ext.transformers_front.masks: the per-row lengths of a left-padded batch's attention mask."""
 
 import pytest
 import torch
 
-from ripplekv_ext.masks import row_lengths
+from ripplekv_ext.transformers_front.masks import row_lengths
 
 
 def test_row_lengths():

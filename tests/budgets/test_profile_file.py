@@ -1,5 +1,5 @@
-"""Profile files (ripplekv_ext.profile_file): the format round trip, validation, the model fingerprint, paths, and
-the bad-input table of load_profile and save_profile."""
+"""Profile files (ripplekv_ext.budgets.profile_file): the format round trip, validation, the model fingerprint, paths,
+and the bad-input table of load_profile and save_profile."""
 
 import json
 import math
@@ -10,10 +10,10 @@ import pytest
 import torch
 
 from api_tables import Case, INF, table_tests
-from ripplekv_ext.allocation import RippleKVAllocator, power_budgets
+from ripplekv_ext.budgets.allocators import RippleKVAllocator, power_budgets
 from ripplekv_ext.eval.tiny_models import tiny_model
-from ripplekv_ext.profile_file import (FORMAT_NAME, FORMAT_VERSION, Profile, ProfileError, describe_model,
-                                       load_profile, save_profile)
+from ripplekv_ext.budgets.profile_file import (FORMAT_NAME, FORMAT_VERSION, Profile, ProfileError, describe_model,
+                                               load_profile, save_profile)
 from ripplekv_ext.profiler import profile_model
 
 
@@ -258,7 +258,7 @@ BAD_INPUTS = [
         type(c.profile)(**{**vars(c.profile), "sensitivity": [-1.0] * 4}), c.tmp / "never.json"), ProfileError,
          "never negative"),
     Case("save a dict", lambda c: save_profile(c.good, c.tmp / "dict.json"), TypeError,
-         "profile must be a ripplekv_ext.profile_file.Profile"),
+         "profile must be a ripplekv_ext.budgets.profile_file.Profile"),
 ]
 
 

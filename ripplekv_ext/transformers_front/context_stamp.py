@@ -12,7 +12,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from ripplekv_ext.digests import cache_digest, weights_digest
+from ripplekv_ext.transformers_front.digests import cache_digest, weights_digest
 from ripplekv_ext.policies import Policy
 
 __all__ = ["ContextStamp", "STAMP_ATTRIBUTE", "check_context", "check_model", "load_context", "model_identity"]
@@ -28,7 +28,7 @@ _IDENTITY_FIELDS = ("architecture", "num_layers", "num_kv_heads", "head_dim", "c
 def model_identity(model) -> dict:
     """The fields of ``profile_file.describe_model`` that tell one model from another (the name may differ), and the
     digest of all its weights (``weights_digest``)."""
-    from ripplekv_ext.profile_file import describe_model
+    from ripplekv_ext.budgets.profile_file import describe_model
 
     info = describe_model(model)
     fingerprint = info.pop("fingerprint")
@@ -87,14 +87,25 @@ def _saved_classes() -> list:
     """The classes a saved context is made of: transformers' cache and layers, this package's layer, stamp, policy
     and profile, and every allocator and selector the package defines (found as subclasses, so that a new one cannot
     be left out)."""
-    from ripplekv_ext import cake, headwise, tiers  # noqa: F401  (they define allocators and selectors too)
-    from ripplekv_ext.allocation import Allocator
+    from ripplekv_ext.budgets import cake, tiers  # noqa: F401  (they define allocators too)
+    from ripplekv_ext.selection import adakv, cake as cake_selector  # noqa: F401  (and selectors)
+    from ripplekv_ext.budgets.allocators import Allocator
     from ripplekv_ext.integrations.transformers import cache_classes
-    from ripplekv_ext.profile_file import Profile
-    from ripplekv_ext.selectors import Selector
+    from ripplekv_ext.budgets.profile_file import Profile
+    from ripplekv_ext.selection.selectors import Selector
 
-    return [*cache_classes(), ContextStamp, Policy, Profile, *_package_subclasses(Allocator),
-            *_package_subclasses(Selector)]
+    classes = [*cache_classes(), ContextStamp, Policy, Profile, *_package_subclasses(Allocator),
+               *_package_subclasses(Selector)]
+    return classes + _old_paths(classes)
+
+
+def _old_paths(classes: list) -> list[tuple]:
+    """``(class, "old.module.Name")`` for each class of a module the package moved: a context saved before the move
+    names its classes by their old modules."""
+    from ripplekv_ext._old_names import MOVED_MODULES
+
+    return [(cls, f"{old}.{cls.__qualname__}") for old, places in MOVED_MODULES.items() for cls in classes
+            if cls.__module__ in places]
 
 
 def _package_subclasses(base: type) -> list[type]:

@@ -15,9 +15,9 @@ from ripplekv_ext.eval.corpus import calibration_examples
 from ripplekv_ext.eval.models import load_smollm2
 from ripplekv_ext.eval.tiny_models import TINY_ARCHS, tiny_model
 from ripplekv_ext.model_info import compressible_layers
-from ripplekv_ext.profile_file import ProfileError, load_profile
+from ripplekv_ext.budgets.profile_file import ProfileError, load_profile
 from ripplekv_ext.profiler import ContinuationRunner, perturb, profile_model
-from ripplekv_ext.stats import spearman, split_half_spearman, standard_errors
+from ripplekv_ext.profiler.stats import spearman, split_half_spearman, standard_errors
 
 P, T = 24, 8
 

@@ -1,6 +1,6 @@
-"""The transformers attention hook (ripplekv_ext.compress_block: ``compress``), checked against the stock model and an
-independent masked computation; one block per model, the guard that keeps a compressed cache in its model's block,
-and the bad-input table. Batches, decoding and threads have their own files: test_hook_batches.py,
+"""The transformers attention hook (ripplekv_ext.transformers_front.compress_block: ``compress``), checked against the
+stock model and an independent masked computation; one block per model, the guard that keeps a compressed cache in its
+model's block, and the bad-input table. Batches, decoding and threads have their own files: test_hook_batches.py,
 test_hook_decode.py, test_hook_threads.py.
 
 The independent oracle (`MaskedReference`) keeps the stock, *uncompressed* cache and, after prefill, masks out
@@ -21,11 +21,11 @@ import torch
 import ripplekv_ref
 from api_tables import Case, table_tests
 from ripplekv_ext import Policy, compress, compress_context, continue_context
-from ripplekv_ext.allocation import average_budget
+from ripplekv_ext.budgets.allocators import average_budget
 from ripplekv_ext.eval.tiny_models import TINY_ARCHS, tiny_model
 from ripplekv_ext.model_info import compressible_layers
 from ripplekv_ext.policies import PromptTooShortWarning
-from ripplekv_ext.selectors import H2OSelector, PeakSpanSelector, SnapKVSelector
+from ripplekv_ext.selection.selectors import H2OSelector, PeakSpanSelector, SnapKVSelector
 from ripplekv_ref.selectors import peak_span_select, window_scores
 
 transformers = pytest.importorskip("transformers")
@@ -294,7 +294,8 @@ def test_on_compress_sees_every_compressed_layer_once_per_prefill(arch):
 # --- Batches, padding, short prompts --------------------------------------------------------------------------
 
 def test_right_padding_is_a_clear_error():
-    # Left-padded batches are compressed row by row (tests/integrations/test_hook_batches.py); right padding is refused.
+    # Left-padded batches are compressed row by row (tests/transformers_front/test_hook_batches.py); right padding is
+    # refused.
     model = tiny_model("llama")
     ids = prompt_ids()
     mask = torch.ones_like(ids)

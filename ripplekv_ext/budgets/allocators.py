@@ -305,7 +305,7 @@ class ProfileAllocator(Allocator):
     """Budgets from a sensitivity profile, by weights a subclass computes from it (``weights_of``).
 
     ``profile_or_sensitivity`` is a loaded profile (anything with ``sensitivity`` and ``layers`` lists, e.g.
-    ``ripplekv_ext.profile_file.Profile``: each sensitivity belongs to the layer listed at the same position, in
+    ``ripplekv_ext.budgets.profile_file.Profile``: each sensitivity belongs to the layer listed at the same position, in
     whatever order the file lists them) or a plain list of scores, one per compressible layer in ascending layer
     order.
 

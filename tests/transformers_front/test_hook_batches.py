@@ -1,4 +1,5 @@
-"""Left-padded batches under ``compress()`` (ripplekv_ext.compress_block): each row behaves exactly as its prompt alone.
+"""Left-padded batches under ``compress()`` (ripplekv_ext.transformers_front.compress_block): each row behaves exactly
+as its prompt alone.
 
 The oracle is the model itself: every row of a padded batch is also run alone (no padding) under the same policy,
 and the batch must give that row the same logits (prefill, a multi-token continuation, decode steps) and the same
@@ -17,7 +18,7 @@ from ripplekv_ext import Policy, compress
 from ripplekv_ext.eval.tiny_models import tiny_model
 from ripplekv_ext.model_info import compressible_layers
 from ripplekv_ext.policies import PromptTooShortWarning
-from ripplekv_ext.selectors import H2OSelector
+from ripplekv_ext.selection.selectors import H2OSelector
 
 transformers = pytest.importorskip("transformers")
 from transformers.cache_utils import DynamicSlidingWindowLayer  # noqa: E402

@@ -1,5 +1,5 @@
-"""AdaKV's head-wise budgets (ripplekv_ext.headwise): the per-head counts against a hand computation and against a
-plain re-statement of kvpress's AdaKVPress rule, both budget modes, and its refusals."""
+"""AdaKV's head-wise budgets (ripplekv_ext.selection.adakv): the per-head counts against a hand computation and against
+a plain re-statement of kvpress's AdaKVPress rule, both budget modes, and its refusals."""
 
 import pytest
 import torch
@@ -7,9 +7,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ripplekv_ext import AdaKVSelector, KVCompressor, Policy, UniformAllocator
-from ripplekv_ext.headwise import headwise_selection
+from ripplekv_ext.selection.adakv import headwise_selection
 from ripplekv_ext.methods import make_policy
-from ripplekv_ext.selectors import SnapKVSelector, StreamingLLMSelector
+from ripplekv_ext.selection.selectors import SnapKVSelector, StreamingLLMSelector
 
 # Two KV heads over 6 prefix positions: head 0's attention is peaked on its first four, head 1's spread thin.
 TOY = torch.tensor([[[0.9, 0.8, 0.7, 0.1, 0.05, 0.0],

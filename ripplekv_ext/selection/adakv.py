@@ -29,7 +29,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from ripplekv_ext.selectors import ScoredSelector, Selector, SnapKVSelector
+from ripplekv_ext.selection.selectors import ScoredSelector, Selector, SnapKVSelector
 
 __all__ = ["AdaKVSelector", "headwise_selection", "DEFAULT_ALPHA"]
 

@@ -43,14 +43,14 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from ripplekv_ext.allocation import average_budget
-from ripplekv_ext.context_stamp import (STAMP_ATTRIBUTE, ContextStamp, check_context, check_model, load_context,
-                                        model_identity)
-from ripplekv_ext.digests import cache_digest
-from ripplekv_ext.compress_block import compress, compress_block_open
-from ripplekv_ext.masks import row_lengths
+from ripplekv_ext.budgets.allocators import average_budget
+from ripplekv_ext.transformers_front.context_stamp import (STAMP_ATTRIBUTE, ContextStamp, check_context, check_model,
+                                                           load_context, model_identity)
+from ripplekv_ext.transformers_front.digests import cache_digest
+from ripplekv_ext.transformers_front.compress_block import compress, compress_block_open
+from ripplekv_ext.transformers_front.masks import row_lengths
 from ripplekv_ext.policies import Policy
-from ripplekv_ext.bounded_prefill import prefill_in_chunks
+from ripplekv_ext.transformers_front.bounded_prefill import prefill_in_chunks
 
 __all__ = ["ContextStamp", "DEFAULT_PROBE", "compress_context", "continue_context", "check_context",
            "default_probe_ids", "default_scoring", "load_context"]
