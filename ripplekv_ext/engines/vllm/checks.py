@@ -49,10 +49,9 @@ def _check_blocks(vllm_config, settings: Settings) -> None:
     block_size = vllm_config.cache_config.block_size
     plan = plan_for_model(settings, vllm_config.model_config.hf_text_config, block_size)
     max_len = vllm_config.model_config.max_model_len
-    per_tier = -(-max_len // block_size)
-    if settings.prefill_chunk is not None:
-        per_tier = max(-(-plan.held_tokens_bound(t, max_len, vllm_config.max_in_flight_tokens) // block_size)
-                       for t in range(plan.num_tiers))
+    caching = bool(vllm_config.cache_config.enable_prefix_caching)
+    per_tier = max(plan.request_peak_tokens(t, max_len, vllm_config.max_in_flight_tokens, caching) // block_size
+                   for t in range(plan.num_tiers))
     needed = per_tier * plan.num_tiers + 1  # and the null block vLLM's pool keeps back
     if blocks < needed:
         held = ""
@@ -61,6 +60,9 @@ def _check_blocks(vllm_config, settings: Settings) -> None:
             held = (f"; with prefill_chunk={settings.prefill_chunk} a request holds at most its budget plus a chunk "
                     f"and one scheduler step (max_num_batched_tokens={vllm_config.max_in_flight_tokens}): a smaller "
                     "max_num_batched_tokens or prefill_chunk needs fewer blocks")
+        if caching and per_tier > -(-max_len // block_size):
+            held += ("; with enable_prefix_caching a request's first compaction writes its kept tokens to private "
+                     "blocks while it still holds the shared ones it read them from")
         raise UnsupportedConfigError(
             f"ripplekv vLLM plugin: num_gpu_blocks_override={blocks} cannot hold one sequence of max_model_len="
             f"{max_len} in each of the engine's {plan.num_tiers} tiers (needs {needed} with vLLM's null block: a "

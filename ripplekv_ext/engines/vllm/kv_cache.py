@@ -42,10 +42,15 @@ class RippleKVSpec(FullAttentionSpec):
     held_tokens: Optional[int] = None
 
     def max_memory_usage_bytes(self, vllm_config) -> int:
-        # What vLLM checks one request of max_model_len against at start-up: a prompt longer than the pool runs.
-        if self.held_tokens is None:
+        # What vLLM checks one request of max_model_len against at start-up: with bounded prefill a prompt longer
+        # than the pool runs; with prefix caching the step of a request's first compaction holds more than its
+        # sequence (EnginePlan.request_peak_tokens).
+        caching = bool(vllm_config.cache_config.enable_prefix_caching)
+        if self.held_tokens is None and not caching:
             return super().max_memory_usage_bytes(vllm_config)
-        return cdiv(self.held_tokens, self.block_size) * self.page_size_bytes
+        peak = plan_of_spec(self).request_peak_tokens(self.tier, vllm_config.model_config.max_model_len,
+                                                      vllm_config.max_in_flight_tokens, caching)
+        return cdiv(peak, self.block_size) * self.page_size_bytes
 
     def max_num_blocks_per_req(self, vllm_config, max_len: int) -> int:
         # The workers' block table row: with prefix caching, a request's private blocks (block_layout) take columns

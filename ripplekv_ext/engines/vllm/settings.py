@@ -191,7 +191,7 @@ class EnginePlan:
         self.tiers = tiered.tiers(layers, settings.window)
         self.tier_of = {layer: t for t, tier in enumerate(self.tiers) for layer in tier}
         self.compressor = KVCompressor(self.policy, num_layers, layers)
-        self._held_bounds: dict[tuple[int, int], list[int]] = {}
+        self._held_bounds: dict[tuple, list[int]] = {}
         self._layouts: dict[tuple, object] = {}  # per prompt length, read by the scheduler at every step
         # Profile problems (a profile for another layer count) surface here, when the engine starts.
         self.compressor.budgets(max(4 * settings.window, 1024))
@@ -277,6 +277,26 @@ class EnginePlan:
         if first is None:
             return n_tokens
         return max(0, first - self.settings.window) // self.block_size * self.block_size
+
+    def request_peak_tokens(self, tier: int, max_model_len: int, max_in_flight_tokens: int, shared: bool) -> int:
+        """The most slots (whole blocks, in tokens) one request of at most ``max_model_len`` tokens holds in ``tier``:
+        ``held_tokens_bound``, and with prefix caching (``shared``) the step of its first compaction, which holds the
+        prompt's blocks up to there (shared until the step ends) and the private blocks its kept tokens go to."""
+        peak = -(-self.held_tokens_bound(tier, max_model_len, max_in_flight_tokens) // self.block_size)
+        if shared:
+            key = ("peak", max_model_len)
+            if key not in self._held_bounds:
+                peaks = [0] * self.num_tiers
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore", PromptTooShortWarning)
+                    for n in range(1, max_model_len + 1):
+                        for t in range(self.num_tiers):
+                            layout = self.tier_layout(t, n, True)
+                            if layout.private:
+                                peaks[t] = max(peaks[t], layout.columns_needed(layout.rewrite_at))
+                self._held_bounds[key] = peaks
+            peak = max(peak, self._held_bounds[key][tier])
+        return peak * self.block_size
 
     def tier_layout(self, tier: int, n_tokens: int, shared: bool) -> TierLayout:
         """Where ``tier``'s blocks of an ``n_tokens`` prompt sit (``block_layout``); ``shared``: prefix caching is on,

@@ -160,6 +160,53 @@ def test_a_chat_reads_its_earlier_turns_from_the_cache_but_never_an_answer(model
     assert all(cached[1:])
 
 
+def test_the_same_prompt_twice_at_once_and_an_edited_earlier_message_give_the_reference_tokens(
+        model_dir, hf_model, writes_to_shared_blocks):
+    """Two identical questions of a document sent together (the second reads the blocks the first computes in the
+    same step, the whole document), then a chat turn whose earlier message was edited at token 150: its hit stops at the block before the
+    edit (4 blocks, 128 tokens) and it computes the rest, the edited message included."""
+    ripplekv = {"method": "snapkv", "retention": 0.2}
+    plan = plan_for(Settings.from_config(ripplekv), LAYERS, BLOCK)
+    question = shared_prefix_prompts()[0]
+    edited = question[:150] + [(question[150] + 1) % 500 + 3] + question[151:] + prompts([40], seed=12)[0]
+    shared_writes, pools = writes_to_shared_blocks
+    with engine(model_dir, ripplekv, enable_prefix_caching=True, max_num_batched_tokens=1024) as llm:
+        pools.append(scheduler(llm).kv_cache_manager.block_pool)
+        twice, cached_twice = run_first_then_rest(llm, [question, question], first_alone=False)
+        (after_edit,), (cached_edit,) = run_first_then_rest(llm, [edited])
+    assert twice == reference(hf_model, plan.policy, [question]) * 2 and cached_twice == [0, 320]
+    assert [after_edit] == reference(hf_model, plan.policy, [edited]) and cached_edit == 128
+    assert shared_writes == []
+
+
+def test_a_pool_that_cannot_hold_a_compaction_s_private_blocks_beside_the_shared_ones_is_refused(model_dir, hf_model):
+    """A 440-token prompt fills 14 blocks; its compaction writes its kept tokens of the shared blocks to 2 private
+    ones while it still holds all 14 (a 448-token one: 3). Stock vLLM's 15 blocks (with the null block) would admit
+    it and never run it: the engine refuses to start, naming the prefix-cache transient, and runs it with the 18 the
+    check asks for."""
+    ripplekv = {"method": "snapkv", "retention": 0.2}
+    plan = plan_for(Settings.from_config(ripplekv), LAYERS, BLOCK)
+    layout = plan.tier_layout(0, 440, True)
+    assert (layout.rewrite_at, layout.private) == (440, 2)
+    assert plan.request_peak_tokens(0, 448, 512, True) == (14 + 3) * BLOCK
+    with pytest.raises(ValueError, match=r"num_gpu_blocks_override=15 cannot hold one sequence of max_model_len=448 "
+                                         r".*needs 18.*enable_prefix_caching a request's first compaction writes its "
+                                         r"kept tokens to private blocks"):
+        with engine(model_dir, ripplekv, blocks=15, max_model_len=448, enable_prefix_caching=True):
+            pass
+    token_lists = prompts([440], seed=3)
+    with engine(model_dir, ripplekv, blocks=18, max_model_len=448, enable_prefix_caching=True,
+                max_num_batched_tokens=512) as llm:
+        engine_ = llm.llm_engine
+        engine_.add_request("0", {"prompt_token_ids": token_lists[0]}, SamplingParams(temperature=0, max_tokens=8,
+                                                                                      ignore_eos=True))
+        outputs = {}
+        for _ in range(20):  # a bounded number of steps: a request that can never be scheduled fails, not hangs
+            outputs.update({o.request_id: list(o.outputs[0].token_ids) for o in engine_.step() if o.finished})
+        assert not engine_.has_unfinished_requests()
+    assert [outputs["0"]] == reference(hf_model, plan.policy, token_lists, new_tokens=8)
+
+
 def test_stock_engines_keep_vllm_prefix_caching(model_dir):
     token_lists = shared_prefix_prompts()
     with engine(model_dir, None, enable_prefix_caching=True, max_num_batched_tokens=128) as llm:
