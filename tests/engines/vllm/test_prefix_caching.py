@@ -163,8 +163,8 @@ def test_a_chat_reads_its_earlier_turns_from_the_cache_but_never_an_answer(model
 def test_the_same_prompt_twice_at_once_and_an_edited_earlier_message_give_the_reference_tokens(
         model_dir, hf_model, writes_to_shared_blocks):
     """Two identical questions of a document sent together (the second reads the blocks the first computes in the
-    same step, the whole document), then a chat turn whose earlier message was edited at token 150: its hit stops at the block before the
-    edit (4 blocks, 128 tokens) and it computes the rest, the edited message included."""
+    same step, the whole document), then a chat turn whose earlier message was edited at token 150: its hit stops at
+    the block before the edit (4 blocks, 128 tokens) and it computes the rest, the edited message included."""
     ripplekv = {"method": "snapkv", "retention": 0.2}
     plan = plan_for(Settings.from_config(ripplekv), LAYERS, BLOCK)
     question = shared_prefix_prompts()[0]
@@ -179,7 +179,8 @@ def test_the_same_prompt_twice_at_once_and_an_edited_earlier_message_give_the_re
     assert shared_writes == []
 
 
-def test_a_pool_that_cannot_hold_a_compaction_s_private_blocks_beside_the_shared_ones_is_refused(model_dir, hf_model):
+def test_a_pool_that_cannot_hold_a_compaction_s_private_blocks_beside_the_shared_ones_is_refused(model_dir,
+                                                                                                 hf_model):
     """A 440-token prompt fills 14 blocks; its compaction writes its kept tokens of the shared blocks to 2 private
     ones while it still holds all 14 (a 448-token one: 3). Stock vLLM's 15 blocks (with the null block) would admit
     it and never run it: the engine refuses to start, naming the prefix-cache transient, and runs it with the 18 the
