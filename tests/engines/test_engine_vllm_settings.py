@@ -8,8 +8,9 @@ import warnings
 import pytest
 
 import ripplekv_ext
-from ripplekv_ext.engines.vllm.settings import (BlockAlignedAllocator, EnginePlan, Settings, aligned_budget,
-                                                kv_cache_bytes, plan_for)
+from ripplekv_ext.budgets.block_aligned import BlockAlignedAllocator, aligned_budget
+from ripplekv_ext.engines.vllm.settings import EnginePlan, Settings, plan_for
+from ripplekv_ext.engines.vllm.sizing import kv_cache_bytes
 from ripplekv_ext.eval.tiny_models import tiny_model
 from ripplekv_ext.policies import PromptTooShortWarning
 from ripplekv_ext.budgets.profile_file import Profile, save_profile

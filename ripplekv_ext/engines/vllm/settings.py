@@ -20,7 +20,8 @@ import warnings
 from pathlib import Path
 from typing import Optional, Sequence
 
-from ripplekv_ext.budgets.allocators import Allocator, PyramidKVAllocator, RippleKVAllocator, UniformAllocator
+from ripplekv_ext.budgets.allocators import PyramidKVAllocator, RippleKVAllocator, UniformAllocator
+from ripplekv_ext.budgets.block_aligned import BlockAlignedAllocator
 from ripplekv_ext.checks import check_int, is_integer
 from ripplekv_ext.selection.compressor import KVCompressor
 from ripplekv_ext.engines.vllm.block_layout import TierLayout
@@ -28,8 +29,7 @@ from ripplekv_ext.budgets.tiers import TieredAllocator, tier_counts
 from ripplekv_ext.policies import DEFAULT_RIPPLEKV_SELECTOR, DEFAULT_WINDOW, Policy, PromptTooShortWarning
 from ripplekv_ext.selection.selectors import SnapKVSelector, StreamingLLMSelector
 
-__all__ = ["CONFIG_KEY", "METHODS", "Settings", "BlockAlignedAllocator", "EnginePlan", "plan_for", "plan_for_model",
-           "kv_cache_bytes"]
+__all__ = ["CONFIG_KEY", "METHODS", "Settings", "EnginePlan", "plan_for", "plan_for_model"]
 
 # additional_config[CONFIG_KEY] holds the settings (``--additional-config '{"ripplekv": {...}}'``).
 CONFIG_KEY = "ripplekv"
@@ -103,43 +103,6 @@ class Settings:
     @classmethod
     def from_json(cls, text: str) -> "Settings":
         return cls(**json.loads(text))
-
-
-class BlockAlignedAllocator(Allocator):
-    """``base``'s budgets raised so that every layer drops whole blocks of ``block_size`` tokens.
-
-    A layer with budget ``C < N`` keeps ``N - block_size * floor((N - C) / block_size)`` tokens (at least ``C``, fewer
-    than ``C + block_size``): the ``N - C`` tokens it would drop, rounded down to whole blocks. The engine keeps a
-    layer's tokens in the last blocks of its prompt and frees the first ones, so new tokens keep their slots and
-    every freed block is whole; a layer dropping less than one block keeps its whole prompt. The raised budgets sum
-    to more than ``L * avg_budget``: by less than a block per layer, the memory a paged engine cannot free anyway.
-    """
-
-    def __init__(self, base: Allocator, block_size: int):
-        if not isinstance(base, Allocator):
-            raise TypeError(f"base must be a ripplekv_ext.Allocator, got {type(base).__name__}")
-        self.base = base
-        self.block_size = check_int("block_size", block_size, 1)
-        self.name = f"{base.name}-b{self.block_size}"
-
-    def budgets(self, num_layers: int, n_tokens: int, avg_budget: int, window: int,
-                layers: Optional[Sequence[int]] = None) -> list[int]:
-        base = self.base.budgets(num_layers, n_tokens, avg_budget, window, layers=layers)
-        return [aligned_budget(int(b), n_tokens, self.block_size) for b in base]
-
-    def chunk_budget(self, final_budget: int, n_read: int) -> int:
-        # The same rule part-way through a prompt: the tokens read so far less whole blocks, at least the budget.
-        return aligned_budget(int(final_budget), int(n_read), self.block_size)
-
-    def __repr__(self):
-        return f"BlockAlignedAllocator({self.base!r}, block_size={self.block_size})"
-
-
-def aligned_budget(budget: int, n_tokens: int, block_size: int) -> int:
-    """Tokens kept of ``n_tokens`` for ``budget`` when only whole blocks are dropped."""
-    if budget >= n_tokens:
-        return n_tokens
-    return n_tokens - block_size * ((n_tokens - budget) // block_size)
 
 
 class EnginePlan:
@@ -350,38 +313,3 @@ def plan_for_model(settings: Settings, text_config, block_size: int) -> EnginePl
     from ripplekv_ext.model_info import compressible_layers
 
     return plan_for(settings, text_config.num_hidden_layers, block_size, compressible_layers(text_config))
-
-
-def kv_cache_bytes(model_config, blocks: int, block_size: int, dtype_bytes: int, tensor_parallel_size: int = 1,
-                   pipeline_parallel_size: int = 1) -> int:
-    """The bytes of ``blocks`` stock vLLM KV blocks of ``block_size`` tokens (keys and values of every layer) for a
-    model whose Hugging Face config (a dict or a config object) is ``model_config``, held by each worker of an engine
-    with ``tensor_parallel_size`` x ``pipeline_parallel_size`` workers: what to pass as ``kv_cache_memory_bytes`` (a
-    per-worker figure) so that vLLM's CPU workers size nothing from the machine's memory.
-
-    A worker holds ``H_kv / TP`` KV heads (one, replicated, when ``TP > H_kv``) of the layers of its pipeline stage
-    (``ceil(L / PP)`` at most: vLLM's stages differ by a layer at most, and the engine runs the blocks of its
-    smallest worker). A ``T``-tier engine given these bytes holds ``T * blocks`` of its blocks (each ``1 / T`` of a
-    stock block); a memory fraction (``gpu_memory_utilization``) instead becomes that fraction of the NUMA node's
-    memory minus the process's resident memory, which is negative on a small node."""
-
-    def read(name, default=None):
-        value = model_config.get(name) if isinstance(model_config, dict) else getattr(model_config, name, None)
-        if value is None:
-            value = default
-        if value is None:
-            raise ValueError(f"kv_cache_bytes: the model config has no {name!r}")
-        return check_int(f"model_config[{name!r}]", value, 1)
-
-    layers = read("num_hidden_layers")
-    heads = read("num_attention_heads")
-    kv_heads = read("num_key_value_heads", heads)
-    head_dim = read("head_dim", read("hidden_size") // heads)
-    blocks = check_int("blocks", blocks, 1)
-    block_size = check_int("block_size", block_size, 1)
-    dtype_bytes = check_int("dtype_bytes", dtype_bytes, 1)
-    tp = check_int("tensor_parallel_size", tensor_parallel_size, 1)
-    pp = check_int("pipeline_parallel_size", pipeline_parallel_size, 1)
-    heads_per_rank = max(1, kv_heads // tp)
-    layers_per_stage = -(-layers // pp)
-    return blocks * block_size * layers_per_stage * 2 * heads_per_rank * head_dim * dtype_bytes

@@ -110,7 +110,8 @@ def test_gemma3_270m_tokens_equal_the_hook_tokens():
     # prompt tokens; its prompts are longer than the window.
     from transformers import AutoConfig
 
-    from ripplekv_ext.engines.vllm.settings import kv_cache_bytes, plan_for_model
+    from ripplekv_ext.engines.vllm.settings import plan_for_model
+    from ripplekv_ext.engines.vllm.sizing import kv_cache_bytes
 
     ripplekv = {"method": "ripplekv", "retention": 0.2, "tiers": 3, "prefill_chunk": 256,
                 "profile": str(shipped_profile_path("gemma3-270m"))}

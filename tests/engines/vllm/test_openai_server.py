@@ -20,7 +20,8 @@ from vllm import SamplingParams  # noqa: E402
 
 from tiny_llama import LLAMA_CONFIG, load_reference_model, save_tiny_llama  # noqa: E402
 from harness import BLOCK, LAYERS, free_port, prompts, reference, running, stop  # noqa: E402
-from ripplekv_ext.engines.vllm.settings import Settings, kv_cache_bytes, plan_for  # noqa: E402
+from ripplekv_ext.engines.vllm.settings import Settings, plan_for  # noqa: E402
+from ripplekv_ext.engines.vllm.sizing import kv_cache_bytes  # noqa: E402
 
 RIPPLEKV = {"method": "snapkv", "retention": 0.2}
 NEW_TOKENS = 16
