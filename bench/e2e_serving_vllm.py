@@ -8,14 +8,18 @@ without EOS (every request generates exactly its ``max_tokens``):
 * ``snapkv``: the plugin, uniform budgets at ``--retention`` (one tier);
 * ``ripplekv``: the plugin, RippleKV budgets from ``--profile`` rounded to ``--tiers`` tiers;
 * ``ripplekv-no-prefix-cache``: the same with vLLM's prefix caching off (for ``--workload shared-prefix``, where
-  every other method runs with it on).
+  every other method runs with it on);
+* ``snapkv-decode`` / ``ripplekv-decode``: ``snapkv`` / ``ripplekv`` compressing while decoding too, every
+  ``--decode-every`` generated tokens down to ``--decode-budget`` tokens a layer on average (for ``--workload
+  long-output``).
 
 A tier's block holds ``1 / T`` of the layers of a stock block, so a ``T``-tier engine gets ``T x --blocks`` blocks:
 the same bytes. Measured per method: peak concurrent requests (most requests in vLLM's running queue after a
-step), generated and total tokens/s over the whole run, mean request latency, preemptions, and how many requests'
-greedy tokens equal Full's. The engines run in this process, one after the other (``VLLM_ENABLE_V1_MULTIPROCESSING=0``
-so the scheduler can be read), on ``OMP_NUM_THREADS`` threads (default 1) without binding to cores; absolute
-tokens/s on a CPU mean little, the ratios to Full in the same run are the result.
+step), generated and total tokens/s over the whole run, mean and p95 request latency, preemptions, the most blocks
+one request held at once (every tier), and how many requests' greedy tokens equal Full's. The engines run in this
+process, one after the other (``VLLM_ENABLE_V1_MULTIPROCESSING=0`` so the scheduler can be read), on
+``OMP_NUM_THREADS`` threads (default 1) without binding to cores; absolute tokens/s on a CPU mean little, the ratios
+to Full in the same run are the result.
 
 Run it with the vLLM environment's Python (``make test-vllm`` builds ``.venv-vllm``)::
 
@@ -53,8 +57,8 @@ from ripplekv_ext.eval.models import shipped_profile_path  # noqa: E402
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 DEFAULT_MODEL = Path(os.environ.get("RIPPLEKV_CACHE_DIR", "~/.cache/ripplekv")).expanduser() / "smollm2-135m-instruct"
 DEFAULT_PROFILE = shipped_profile_path("smollm2")  # the profile Policy.ripplekv is documented with
-METHODS = ("full", "snapkv", "ripplekv", "ripplekv-no-prefix-cache")
-WORKLOADS = ("random", "shared-prefix", "system-prompt", "chat")
+METHODS = ("full", "snapkv", "ripplekv", "ripplekv-no-prefix-cache", "snapkv-decode", "ripplekv-decode")
+WORKLOADS = ("random", "long-output", "shared-prefix", "system-prompt", "chat")
 
 
 def parse_args(argv=None):
@@ -82,13 +86,18 @@ def parse_args(argv=None):
                         "(prompt-min..prompt-max tokens); chat: --conversations conversations of --turns-min.."
                         "--turns-max turns, each turn resending the conversation so far (a first message of "
                         "--document-len tokens, then prompt-min..prompt-max tokens a turn), the next turn sent when "
-                        "the answer arrives. Every workload but random runs with prefix caching on")
+                        "the answer arrives; long-output: random prompts, as random, with long generations "
+                        "(--new-min..--new-max, e.g. 1024-4096). Every workload but random and long-output runs with "
+                        "prefix caching on")
     p.add_argument("--documents", type=int, default=4)
     p.add_argument("--questions", type=int, default=8)
     p.add_argument("--document-len", type=int, default=1536)
     p.add_argument("--conversations", type=int, default=8)
     p.add_argument("--turns-min", type=int, default=4)
     p.add_argument("--turns-max", type=int, default=8)
+    p.add_argument("--decode-every", type=int, default=64, help="K of the *-decode methods")
+    p.add_argument("--decode-budget", type=int, default=None,
+                   help="decode_budget of the *-decode methods (default: the prompt's own budget)")
     p.add_argument("--prefix-caching", action="store_true",
                    help="vLLM's prefix caching on for every method (always on with --workload shared-prefix but for "
                         "ripplekv-no-prefix-cache)")
@@ -99,7 +108,7 @@ def parse_args(argv=None):
     bad = [m for m in args.methods if m not in METHODS]
     if bad or "full" not in args.methods:
         p.error(f"--methods must include full and name only {METHODS}, got {args.methods}")
-    if args.workload != "random":
+    if args.workload not in ("random", "long-output"):
         args.prefix_caching = True
     if args.workload == "shared-prefix":
         args.requests = args.documents * args.questions
@@ -163,7 +172,7 @@ def make_workload(vocab: int, args) -> Workload:
         return Workload(first, turns)
     tails = [tokens(n) for n in lengths(args.requests, args.prompt_min, args.prompt_max)]
     news = lengths(args.requests, args.new_min, args.new_max)
-    if args.workload == "random":
+    if args.workload in ("random", "long-output"):
         prefixes = [[]] * args.requests
     elif args.workload == "system-prompt":
         prefixes = [tokens(args.document_len)] * args.requests
@@ -215,7 +224,8 @@ def run(model: str, workload: Workload, args, ripplekv=None, prefix_caching=Fals
 
         scheduler._preempt_request = counting_preempt
         tokens, latency, cached, prompts = {}, {}, {}, {}
-        peak = steps = 0
+        peak = steps = peak_blocks = 0
+        managers = scheduler.kv_cache_manager.coordinator.single_type_managers
         min_free = pool.get_num_free_blocks()
         start = time.perf_counter()
         sent = {}
@@ -240,6 +250,9 @@ def run(model: str, workload: Workload, args, ripplekv=None, prefix_caching=Fals
             steps += 1
             peak = max(peak, len(scheduler.running))
             min_free = min(min_free, pool.get_num_free_blocks())
+            for request in scheduler.running:  # blocks held, every group (a freed column is the null block)
+                peak_blocks = max(peak_blocks, sum(sum(1 for b in m.req_to_blocks.get(request.request_id, ())
+                                                       if not b.is_null) for m in managers))
         wall = time.perf_counter() - start
         num_blocks = pool.num_gpu_blocks
     finally:
@@ -255,7 +268,7 @@ def run(model: str, workload: Workload, args, ripplekv=None, prefix_caching=Fals
             "mean_latency_s": sum(latencies) / len(latencies), "p95_latency_s": latencies[
                 min(len(latencies) - 1, int(0.95 * len(latencies)))], "max_latency_s": latencies[-1],
             "preemptions": len(preemptions), "tiers": tiers, "kv_blocks": num_blocks, "kv_cache_bytes": kv_bytes,
-            "min_free_blocks": min_free, "prefix_caching": prefix_caching,
+            "min_free_blocks": min_free, "peak_blocks_per_request": peak_blocks, "prefix_caching": prefix_caching,
             "cached_prompt_tokens": sum(cached.values()),
             "prefill_tokens_computed": prompt_tokens - sum(cached.values()),
             "tokens": dict(sorted(tokens.items())), "cached": dict(sorted(cached.items()))}
@@ -292,9 +305,12 @@ def main(argv=None) -> int:
         vocab = json.loads(Path(model, "config.json").read_text())["vocab_size"]
         workload = make_workload(vocab, args)
         ripplekv = {"method": "ripplekv", "retention": args.retention, "tiers": args.tiers, "profile": profile}
-        methods = {"full": None,
-                   "snapkv": {"method": "snapkv", "retention": args.retention},
-                   "ripplekv": ripplekv, "ripplekv-no-prefix-cache": ripplekv}
+        snapkv = {"method": "snapkv", "retention": args.retention}
+        decode = {"decode_every": args.decode_every}
+        if args.decode_budget is not None:
+            decode["decode_budget"] = args.decode_budget
+        methods = {"full": None, "snapkv": snapkv, "ripplekv": ripplekv, "ripplekv-no-prefix-cache": ripplekv,
+                   "snapkv-decode": {**snapkv, **decode}, "ripplekv-decode": {**ripplekv, **decode}}
         print(f"{args.workload}: {len(workload.first)} first requests, prompts {args.prompt_min}-{args.prompt_max} "
               f"tokens, {args.new_min}-"
               f"{args.new_max} new; KV cache of {args.blocks} blocks x {args.block_size} tokens (all layers); "
@@ -304,8 +320,9 @@ def main(argv=None) -> int:
             caching = args.prefix_caching and name != "ripplekv-no-prefix-cache"
             rows[name] = row = run(model, workload, args, methods[name], caching)
             row["settings"] = methods[name]
-            print(f"  {name:<9} peak {row['peak_requests']:>3} requests  {row['generated_tokens_per_s']:7.2f} gen "
-                  f"tok/s  {row['total_tokens_per_s']:8.1f} total tok/s  mean latency {row['mean_latency_s']:6.1f} s"
+            print(f"  {name:<15} peak {row['peak_requests']:>3} requests  {row['peak_blocks_per_request']:>4} "
+                  f"blocks/request  {row['generated_tokens_per_s']:7.2f} gen tok/s  {row['total_tokens_per_s']:8.1f} "
+                  f"total tok/s  mean latency {row['mean_latency_s']:6.1f} s"
                   f"  p95 {row['p95_latency_s']:6.1f} s"
                   f"  preemptions {row['preemptions']}  prefill computed {row['prefill_tokens_computed']}"
                   f"  ({row['seconds']:.0f} s)", flush=True)

@@ -188,3 +188,34 @@ def test_held_tokens_bound_holds_for_every_prompt_length(ripplekv, max_model_len
         # plus a block, a chunk, a step and a block.
         for t in range(plan.num_tiers):
             assert min(n, plan.tier_budget(t, n) + chunk + step + 2 * BLOCK) <= bounds[t]
+
+
+@pytest.mark.parametrize("ripplekv", [{"method": "snapkv", "retention": 0.2, "decode_every": 16, "decode_budget": 96},
+                                      {"method": "ripplekv", "retention": 0.3, "tiers": 2, "prefill_chunk": 64,
+                                       "decode_every": 24}], ids=["snapkv", "ripplekv-2tiers-bounded"])
+def test_compactions_while_decoding_keep_what_the_hook_s_reselection_keeps(profile_path, ripplekv):
+    """At every ``K`` generated tokens a layer holds what it kept at the boundary before plus ``K`` tokens and keeps
+    ``min(its decode budget, that)`` (the hook's re-selection): the plan's freed blocks say the same, whole blocks,
+    never fewer than before; the scheduler's last boundary and the workers' boundaries in a step agree with it."""
+    if ripplekv["method"] == "ripplekv":
+        ripplekv = {**ripplekv, "profile": profile_path}
+    plan = plan_for(Settings.from_config(ripplekv), LAYERS, BLOCK)
+    every = ripplekv["decode_every"]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", PromptTooShortWarning)
+        for n in (20, 100, 270, 333):
+            for tier, layers in enumerate(plan.tiers):
+                kept = n - plan.dropped_blocks(tier, n) * BLOCK
+                for b in range(n + every, n + 700, every):
+                    kept = min(plan.compressor.decode_budgets(b, n)[layers[0]], kept + every)
+                    assert plan.dropped_blocks(tier, n, b) * BLOCK == b - kept, (n, tier, b)
+            assert plan.boundaries_between(n, n, n + 3 * every) == [n + every, n + 2 * every, n + 3 * every]
+            assert plan.boundaries_between(n, n + 1, n + every - 1) == []
+            assert plan.last_boundary(n, n + every + 5) == n + every and plan.last_boundary(n, n) == n
+    # A prompt kept whole at its end is first compacted while decoding once it passes a decode_budget; without one,
+    # its own budget is not above the window and it is never compacted.
+    first = plan.first_compaction(20)
+    if "decode_budget" in ripplekv:
+        assert 20 + ripplekv["decode_budget"] < first < 20 + ripplekv["decode_budget"] + BLOCK + 2 * every
+    else:
+        assert first is None

@@ -140,30 +140,31 @@ class RippleKVCPUBuilder(CPUAttentionMetadataBuilder):
     def _dropped_tokens(self, n: int, read: Optional[int]) -> int:
         """Slots freed at the start of a row of an ``n``-token prompt compacted after ``read`` tokens (None: not
         yet compacted)."""
-        if read is None or n <= self.plan.settings.window:
+        if read is None:
             return 0
         dropped = self._dropped.get((n, read))
         if dropped is None:
+            if len(self._dropped) > 65536:  # lengths only grow: old entries are not asked for again
+                self._dropped.clear()
             dropped = self._dropped[(n, read)] = self.plan.dropped_blocks(self.tier, n, read) * self.block_size
         return dropped
 
     def _parts(self, r: int, n: int, s0: int, s1: int, token0: int, before: Tensor, after: Tensor):
-        """Row ``r``'s parts in this step: ``[(begin, end, offset, compaction or None, table)]`` in prompt
-        positions; ``table``: its logical blocks as the part reads them (``before``, or ``after`` once the tier's
-        first compaction has written the row's private blocks)."""
+        """Row ``r``'s parts in this step: ``[(begin, end, offset, compaction or None, table)]`` in positions;
+        ``table``: its logical blocks as the part reads them (``before``, or ``after`` once the tier's first
+        compaction has written the row's private blocks). A part ends at each boundary where the tier drops
+        blocks (of the prompt, or, with ``decode_every``, while decoding)."""
         rewrite_at = self.plan.tier_layout(self.tier, n, self.shared).rewrite_at
 
         def table(end):
             return before if rewrite_at is None or end <= rewrite_at else after
 
-        if s0 >= n:  # decoding
-            return [(s0, s1, self._dropped_tokens(n, n), None, after)]
-        if not self._dropped_tokens(n, n):  # a prompt the plan keeps whole
-            return [(s0, s1, 0, None, before)]
         parts, begin = [], s0
         offset = self._dropped_tokens(n, self.plan.last_boundary(n, s0))
-        for end in (b for b in self.plan.boundaries(n) if s0 < b <= s1):
+        for end in self.plan.boundaries_between(n, s0, s1):
             kept_from = self._dropped_tokens(n, end)
+            if kept_from == offset:  # nothing dropped here (whole blocks only): no compaction
+                continue
             blocks = -(-end // self.block_size)
             compaction = _Compaction(self._req_ids[r], n, end, offset, kept_from, table(end)[:blocks],
                                      after[:blocks], torch.arange(token0 + s0, token0 + end), s0)
@@ -215,7 +216,10 @@ class RippleKVCPUBuilder(CPUAttentionMetadataBuilder):
             after = self._after_compaction(n, s1, before, cm, begin, s0)
             rows.append([(token0 + b, token0 + e, e, offset, compaction, table)
                          for b, e, offset, compaction, table in self._parts(r, n, s0, s1, token0, before, after)])
-            if s0 < n <= s1:
+            if self.plan.settings.decode_every is not None:
+                # Every compaction while decoding reads the newest W positions' queries, the prompt's last ones too.
+                save.append(_Save(batch.req_ids[r], torch.arange(begin, end), s0))
+            elif s0 < n <= s1:
                 done.append(batch.req_ids[r])
             elif s1 < n and self._dropped_tokens(n, n):
                 save.append(_Save(batch.req_ids[r], torch.arange(begin, end), s0))

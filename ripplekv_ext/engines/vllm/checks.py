@@ -142,6 +142,10 @@ def validate(vllm_config) -> None:
                 "warm-up only; stock vLLM fails too)", "drop enforce_eager (the model is compiled once at start-up)")
     if model is None:
         return
+    if settings.decode_every is not None and settings.decode_every >= model.max_model_len:
+        raise ValueError(f'additional_config["{CONFIG_KEY}"]["decode_every"]={settings.decode_every} is not below '
+                         f"max_model_len={model.max_model_len}: no request would ever be compressed while decoding; "
+                         "use e.g. 128")
     if getattr(model, "runner_type", "generate") != "generate":
         _refuse(f"runner {model.runner_type!r}", "the plugin compresses generation models")
     if model.is_encoder_decoder:

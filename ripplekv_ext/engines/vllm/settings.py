@@ -35,7 +35,7 @@ __all__ = ["CONFIG_KEY", "METHODS", "Settings", "EnginePlan", "plan_for", "plan_
 CONFIG_KEY = "ripplekv"
 # Every method selects with the last ``window`` prompt queries at most: all a chunked prefill keeps (not H2O).
 METHODS = ("snapkv", "pyramidkv", "ripplekv", "streamingllm")
-_KEYS = ("method", "retention", "window", "profile", "tiers", "prefill_chunk")
+_KEYS = ("method", "retention", "window", "profile", "tiers", "prefill_chunk", "decode_every", "decode_budget")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,7 +45,11 @@ class Settings:
     ``T`` groups of layers, one vLLM KV cache group each; default one tier for uniform methods, one tier per layer
     otherwise) and ``prefill_chunk`` (``R``: bounded prefill, each request compacted every ``R`` prompt tokens and
     its emptied blocks freed, so a prompt holds at most its budget plus about one chunk; a multiple of the block
-    size, more than the window; default None: compacted once, after its last prompt chunk)."""
+    size, more than the window; default None: compacted once, after its last prompt chunk), ``decode_every`` (``K``:
+    compression while decoding, as the hook's ``Policy.decode_every``: every ``K`` generated tokens each layer selects
+    down to its budget again, so a request holds at most its budget plus about ``K`` tokens and a block however long
+    it generates; default None: off) and ``decode_budget`` (the average tokens per layer held while generating, as
+    ``Policy.decode_budget``; default: the prompt's own budget)."""
 
     method: str
     retention: float
@@ -53,6 +57,8 @@ class Settings:
     profile: Optional[str] = None
     tiers: Optional[int] = None
     prefill_chunk: Optional[int] = None
+    decode_every: Optional[int] = None
+    decode_budget: Optional[int] = None
 
     @classmethod
     def from_config(cls, config) -> "Settings":
@@ -93,8 +99,14 @@ class Settings:
         if chunk is not None and (not is_integer(chunk) or chunk <= window):
             raise ValueError(f"{where}[\"prefill_chunk\"] must be an integer > window = {window} (prompt tokens "
                              f"between compactions, a multiple of the block size, e.g. 512), got {chunk!r}")
+        decode = {}
+        for key in ("decode_every", "decode_budget"):
+            value = config.get(key)
+            if value is not None and (not is_integer(value) or value < 1):
+                raise ValueError(f"{where}[\"{key}\"] must be an integer >= 1 (tokens; e.g. 128), got {value!r}")
+            decode[key] = None if value is None else int(value)
         return cls(method, float(retention), window, profile, None if tiers is None else int(tiers),
-                   None if chunk is None else int(chunk))
+                   None if chunk is None else int(chunk), **decode)
 
     def to_json(self) -> str:
         """Canonical JSON: it travels inside vLLM's KV cache specs to the scheduler process."""
@@ -149,12 +161,16 @@ class EnginePlan:
         # Each method's own selector, as its Policy constructor pairs them.
         selector = {"streamingllm": StreamingLLMSelector(), "ripplekv": DEFAULT_RIPPLEKV_SELECTOR()}.get(
             settings.method, SnapKVSelector())
+        # The policy refuses, by name, what the hook refuses (a decode_budget not above the window, decode_every
+        # without a compressing method).
         self.policy = Policy(BlockAlignedAllocator(tiered, block_size), selector, settings.retention,
-                             settings.window, prefill_chunk=chunk)
+                             settings.window, decode_every=settings.decode_every,
+                             decode_budget=settings.decode_budget, prefill_chunk=chunk)
         self.tiers = tiered.tiers(layers, settings.window)
         self.tier_of = {layer: t for t, tier in enumerate(self.tiers) for layer in tier}
         self.compressor = KVCompressor(self.policy, num_layers, layers)
         self._held_bounds: dict[tuple, list[int]] = {}
+        self._decode_drops: dict[tuple[int, int], dict[int, int]] = {}  # (tier, prompt) -> boundary -> dropped
         self._layouts: dict[tuple, object] = {}  # per prompt length, read by the scheduler at every step
         # Profile problems (a profile for another layer count) surface here, when the engine starts.
         self.compressor.budgets(max(4 * settings.window, 1024))
@@ -169,11 +185,37 @@ class EnginePlan:
 
     def dropped_blocks(self, tier: int, n_tokens: int, read: Optional[int] = None) -> int:
         """Whole blocks ``tier`` frees once an ``n_tokens`` prompt is compressed (its first ones), or, with
-        ``read``, once it is compacted after its first ``read`` tokens (a boundary of ``boundaries``)."""
+        ``read``, once it is compacted after its first ``read`` tokens (a boundary of ``boundaries_between``: part
+        of the prompt, or, with ``decode_every``, prompt and generated tokens)."""
+        if read is not None and read > n_tokens:
+            return self._decode_dropped(tier, n_tokens, read)
         if read is None or read >= n_tokens:
             return (n_tokens - self.tier_budget(tier, n_tokens)) // self.block_size
         kept = self.compressor.chunk_budgets(read, n_tokens)[self.tiers[tier][0]]
         return (read - kept) // self.block_size
+
+    def _decode_dropped(self, tier: int, n_tokens: int, read: int) -> int:
+        """``dropped_blocks`` after a compaction while decoding, at ``read = n + j K``: the layer holds what it kept
+        at the previous boundary plus ``K`` tokens and keeps ``min(its decode budget, what it holds)``, as the
+        hook's re-selection does (``KVCompressor.decode_budgets``: block-aligned, so what it drops is whole blocks).
+        Each boundary's answer builds on the one before: computed forwards from the last one known."""
+        every = self.settings.decode_every
+        if len(self._decode_drops) > 4096:  # prompt lengths come and go; a request asks in increasing order
+            self._decode_drops.clear()
+        known = self._decode_drops.setdefault((tier, n_tokens), {})
+        if read in known:
+            return known[read]
+        start = read
+        while start - every > n_tokens and start - every not in known:
+            start -= every
+        dropped = known[start - every] if start - every > n_tokens else self.dropped_blocks(tier, n_tokens)
+        layer = self.tiers[tier][0]
+        for boundary in range(start, read + 1, every):
+            budget = self.compressor.decode_budgets(boundary, n_tokens)[layer]
+            if budget < boundary - dropped * self.block_size:
+                dropped = (boundary - budget) // self.block_size
+            known[boundary] = dropped
+        return dropped
 
     def boundaries(self, n_tokens: int) -> list[int]:
         """The prompt positions after which a request of ``n_tokens`` prompt tokens is compacted: every
@@ -183,11 +225,22 @@ class EnginePlan:
             return [n_tokens]
         return list(range(chunk, n_tokens, chunk)) + [n_tokens]
 
+    def boundaries_between(self, n_tokens: int, start: int, end: int) -> list[int]:
+        """The compaction boundaries of a request of ``n_tokens`` prompt tokens in ``(start, end]`` (tokens computed):
+        ``boundaries``, then, with ``decode_every = K``, every ``K`` tokens after the prompt."""
+        found = [b for b in self.boundaries(n_tokens) if start < b <= end]
+        every = self.settings.decode_every
+        if every is not None and end > n_tokens:
+            first = n_tokens + every * max(1, -(-(start + 1 - n_tokens) // every))
+            found += list(range(first, end + 1, every))
+        return found
+
     def last_boundary(self, n_tokens: int, computed: int) -> Optional[int]:
         """The last compaction a request with ``computed`` of its ``n_tokens`` prompt tokens computed has passed
         (None: none yet)."""
         if computed >= n_tokens:
-            return n_tokens
+            every = self.settings.decode_every
+            return n_tokens if every is None else n_tokens + (computed - n_tokens) // every * every
         chunk = self.settings.prefill_chunk
         if chunk is None or computed < chunk:
             return None
@@ -216,21 +269,36 @@ class EnginePlan:
             self._held_bounds[key] = bounds
         return self._held_bounds[key][tier]
 
-    def first_compaction(self, n_tokens: int) -> Optional[int]:
-        """The first boundary of an ``n_tokens`` prompt at which some tier drops blocks (None: none does). Every
-        token before it is computed on the whole prompt in every layer; tokens after it attend to compacted layers."""
-        key = ("first", n_tokens)
+    def first_drop(self, tier: int, n_tokens: int) -> Optional[int]:
+        """The first boundary at which ``tier`` drops blocks of a request of ``n_tokens`` prompt tokens (None: it
+        never does): one of the prompt's, or, with ``decode_every``, one while decoding."""
+        key = ("drop", tier, n_tokens)
         if key not in self._layouts:
-            self._layouts[key] = next((b for b in self.boundaries(n_tokens)
-                                       if any(self.dropped_blocks(t, n_tokens, b) for t in range(self.num_tiers))),
-                                      None)
+            found = next((b for b in self.boundaries(n_tokens) if self.dropped_blocks(tier, n_tokens, b)), None)
+            every = self.settings.decode_every
+            average = None if every is None else self.policy.decode_average_budget(n_tokens)
+            if found is None and average is not None and average > self.settings.window:
+                # The layers' decode budgets share a fixed total, so some tier drops before the sequence passes
+                # that total plus a block and a step; this one may never.
+                last = n_tokens + len(self.layers) * average + self.block_size
+                found = next((b for b in range(n_tokens + every, last + 2 * every, every)
+                              if self.dropped_blocks(tier, n_tokens, b)), None)
+            self._layouts[key] = found
         return self._layouts[key]
+
+    def first_compaction(self, n_tokens: int) -> Optional[int]:
+        """The first boundary of a request of ``n_tokens`` prompt tokens at which some tier drops blocks (None: none
+        does). Every token before it is computed on the whole sequence in every layer; tokens after it attend to
+        compacted layers."""
+        drops = [b for b in (self.first_drop(t, n_tokens) for t in range(self.num_tiers)) if b is not None]
+        return min(drops, default=None)
 
     def shared_tokens(self, n_tokens: int) -> int:
         """The first tokens of an ``n_tokens`` prompt whose blocks hold exactly what a full prefill writes, in whole
-        blocks: what prefix caching may hash and share. The whole prompt when nothing is dropped."""
+        blocks: what prefix caching may hash and share. The whole prompt when nothing is dropped before its end
+        (generated tokens are never hashed)."""
         first = self.first_compaction(n_tokens)
-        return n_tokens if first is None else first // self.block_size * self.block_size
+        return n_tokens if first is None else min(first, n_tokens) // self.block_size * self.block_size
 
     def hit_limit(self, n_tokens: int) -> int:
         """The most tokens of an ``n_tokens`` prompt a prefix-cache hit may cover: shared blocks only, and never the
@@ -255,7 +323,7 @@ class EnginePlan:
                     for n in range(1, max_model_len + 1):
                         for t in range(self.num_tiers):
                             layout = self.tier_layout(t, n, True)
-                            if layout.private:
+                            if layout.private and layout.rewrite_at <= max_model_len:
                                 peaks[t] = max(peaks[t], layout.columns_needed(layout.rewrite_at))
                 self._held_bounds[key] = peaks
             peak = max(peak, self._held_bounds[key][tier])
@@ -266,7 +334,7 @@ class EnginePlan:
         so the compaction writes no block of the first ``shared_tokens``."""
         key = (tier, n_tokens, shared)
         if key not in self._layouts:
-            rewrite_at = next((b for b in self.boundaries(n_tokens) if self.dropped_blocks(tier, n_tokens, b)), None)
+            rewrite_at = self.first_drop(tier, n_tokens)
             first_kept = private = 0
             if rewrite_at is not None:
                 first_kept = self.dropped_blocks(tier, n_tokens, rewrite_at)

@@ -105,9 +105,12 @@ def reference(hf_model, policy, token_lists, new_tokens=NEW_TOKENS):
 
 def held_blocks(llm, request_id):
     """Blocks (every tier) a request holds in the scheduler's pool: its block tables' entries that are not the null
-    block."""
+    block. vLLM's engine adds a suffix to the id a request was given (``"0"`` runs as ``"0-a5ae4e72"``)."""
     managers = scheduler(llm).kv_cache_manager.coordinator.single_type_managers
-    return sum(sum(1 for block in m.req_to_blocks.get(request_id, ()) if not block.is_null) for m in managers)
+    ids = {key for m in managers for key in m.req_to_blocks if key == request_id or key.startswith(f"{request_id}-")}
+    if len(ids) > 1:
+        raise ValueError(f"request id {request_id!r} matches {sorted(ids)}")
+    return sum(sum(1 for block in m.req_to_blocks.get(key, ()) if not block.is_null) for m in managers for key in ids)
 
 
 def shared_prefix_prompts(vocab=VOCAB):
@@ -118,11 +121,11 @@ def shared_prefix_prompts(vocab=VOCAB):
     return [document + q for q in questions] + [document[:200]]
 
 
-def run_first_then_rest(llm, token_lists, first_alone=True):
+def run_first_then_rest(llm, token_lists, first_alone=True, new_tokens=NEW_TOKENS):
     """Tokens and cached prompt tokens per request: the first request runs alone (its blocks enter the cache), then
     the others together."""
     engine_ = llm.llm_engine
-    params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
+    params = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True)
     tokens, cached = {}, {}
     batches = [token_lists[:1], token_lists[1:]] if first_alone else [token_lists]
     offset = 0

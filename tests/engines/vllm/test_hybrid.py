@@ -7,8 +7,6 @@ moves); the plugin compresses the two full-attention layers only, in their own g
 layers alone), and the plan's tiers name full-attention layers only.
 """
 
-import os
-from pathlib import Path
 
 import pytest
 
@@ -19,11 +17,9 @@ import torch  # noqa: E402
 from vllm.v1.kv_cache_interface import SlidingWindowSpec  # noqa: E402
 
 from tiny_llama import load_reference_model, save_given_profile  # noqa: E402
-from harness import (BLOCK, engine, greedy, prompts, reference, run_first_then_rest, running,  # noqa: E402
-                     scheduler, shared_prefix_prompts)
+from harness import (BLOCK, engine, greedy, prompts, reference, run_first_then_rest, scheduler, shared_prefix_prompts)
 from ripplekv_ext.engines.vllm.kv_cache import RippleKVManager, RippleKVSpec  # noqa: E402
 from ripplekv_ext.engines.vllm.settings import Settings, plan_for  # noqa: E402
-from ripplekv_ext.eval.models import shipped_profile_path  # noqa: E402
 
 GEMMA3_CONFIG = dict(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=6,
                      num_attention_heads=4, num_key_value_heads=2, head_dim=32, query_pre_attn_scalar=32,
@@ -95,33 +91,3 @@ def test_hybrid_model_reads_shared_prefixes_from_the_cache(gemma3_dir, gemma3_mo
     # vLLM's hybrid rule (a hit must also cover the sliding window before its end in the sliding groups) decides
     # which requests hit; the plugin's groups take nothing away from it here.
     assert cached == stock_cached and max(cached) == 320, (cached, stock_cached)
-
-
-GEMMA3_270M = Path(os.environ.get("RIPPLEKV_CACHE_DIR", Path.home() / ".cache" / "ripplekv")) / "gemma-3-270m"
-
-
-@pytest.mark.skipif(not (GEMMA3_270M / "config.json").is_file(),
-                    reason=f"gemma-3-270m not converted at {GEMMA3_270M}: `make test` converts it "
-                           "(tests/integrations/test_gemma3.py) "
-                           "before `make test-vllm` runs")
-def test_gemma3_270m_tokens_equal_the_hook_tokens():
-    # The real model: 18 layers, every sixth one full attention (3), a 512-token window, one KV head of 256. Its
-    # three full-attention layers are compressed in one tier each by the shipped profile's budgets, every 256
-    # prompt tokens; its prompts are longer than the window.
-    from transformers import AutoConfig
-
-    from ripplekv_ext.engines.vllm.settings import plan_for_model
-    from ripplekv_ext.engines.vllm.sizing import kv_cache_bytes
-
-    ripplekv = {"method": "ripplekv", "retention": 0.2, "tiers": 3, "prefill_chunk": 256,
-                "profile": str(shipped_profile_path("gemma3-270m"))}
-    config = AutoConfig.from_pretrained(GEMMA3_270M)
-    plan = plan_for_model(Settings.from_config(ripplekv), config, BLOCK)
-    assert plan.tiers == [[5], [11], [17]]
-    token_lists = prompts([700, 1100, 1500], seed=0, vocab=20000)
-    params = dict(model=str(GEMMA3_270M), skip_tokenizer_init=True, dtype="float32", enforce_eager=True,
-                  block_size=BLOCK, max_model_len=2048, kv_cache_memory_bytes=kv_cache_bytes(config, 200, BLOCK, 4),
-                  max_num_batched_tokens=512, additional_config={"ripplekv": ripplekv})
-    with running(**params) as llm:
-        tokens = greedy(llm, token_lists)
-    assert tokens == reference(load_reference_model(GEMMA3_270M), plan.policy, token_lists)

@@ -2,7 +2,8 @@
 runs the engine, the other node runs headless (``python -m ripplekv_ext.engines.vllm.headless``, what ``vllm serve
 --headless`` runs), tensor parallel 2 and pipeline parallel 2 across them. Both run as processes of their own with a
 time limit, so a node that never connects fails the test instead of hanging it. Each request's tokens equal the
-single-process reference, ``compress(model, plan.policy)`` + ``generate`` on each prompt alone."""
+single-process reference, ``compress(model, plan.policy)`` + ``generate`` on each prompt alone, with compression
+while decoding in both."""
 
 import contextlib
 import json
@@ -57,11 +58,12 @@ def headless_node(kwargs: dict, log):
         stop(node, 30)
 
 
+# Both compress while decoding too: every 8 generated tokens down to 48 tokens a layer on average.
 @pytest.mark.parametrize("ripplekv,parallel", [
-    ({"method": "snapkv", "retention": 0.2}, dict(tensor_parallel_size=2)),
-    ({"method": "ripplekv", "retention": 0.2, "tiers": 2, "prefill_chunk": 64},
+    ({"method": "snapkv", "retention": 0.2, "decode_every": 8, "decode_budget": 48}, dict(tensor_parallel_size=2)),
+    ({"method": "ripplekv", "retention": 0.2, "tiers": 2, "prefill_chunk": 64, "decode_every": 8, "decode_budget": 48},
      dict(pipeline_parallel_size=2, enforce_eager=False, max_num_batched_tokens=64)),
-], ids=["tp2-one-shot", "pp2-tiers-bounded"])
+], ids=["tp2-one-shot-decode", "pp2-tiers-bounded-decode"])
 def test_two_nodes_give_the_single_process_tokens(model_dir, hf_model, profile_path, tmp_path, ripplekv, parallel):
     if ripplekv["method"] == "ripplekv":
         ripplekv = {**ripplekv, "profile": profile_path}

@@ -231,7 +231,7 @@ def test_a_prompt_longer_than_the_pool_runs_within_its_budget_plus_a_chunk(model
                     tokens = list(out.outputs[0].token_ids)
             peak = max(peak, held_blocks(llm, "long"))
     budget = plan.tier_budget(0, n)
-    assert budget < n and peak <= -(-(budget + chunk + BLOCK) // BLOCK) + 1, (peak, budget)
+    assert peak > 0 and budget < n and peak <= -(-(budget + chunk + BLOCK) // BLOCK) + 1, (peak, budget)
     assert peak * BLOCK < n  # less than the prompt's own KV: what stock vLLM would hold
     assert tokens == reference(hf_model, plan.policy, token_list, new_tokens=8)[0]
 
