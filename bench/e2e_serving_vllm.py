@@ -16,7 +16,8 @@ without EOS (every request generates exactly its ``max_tokens``):
 A tier's block holds ``1 / T`` of the layers of a stock block, so a ``T``-tier engine gets ``T x --blocks`` blocks:
 the same bytes. Measured per method: peak concurrent requests (most requests in vLLM's running queue after a
 step), generated and total tokens/s over the whole run, mean and p95 request latency, preemptions, the most blocks
-one request held at once (every tier), and how many requests' greedy tokens equal Full's. The engines run in this
+one request held at once (``peak_blocks_per_request``: blocks of every KV cache group, a ``T``-tier engine's block
+being ``1 / T`` of a stock block), and how many requests' greedy tokens equal Full's. The engines run in this
 process, one after the other (``VLLM_ENABLE_V1_MULTIPROCESSING=0`` so the scheduler can be read), on
 ``OMP_NUM_THREADS`` threads (default 1) without binding to cores; absolute tokens/s on a CPU mean little, the ratios
 to Full in the same run are the result.

@@ -44,10 +44,14 @@ def _check_blocks(vllm_config, settings: Settings) -> None:
     tier: a ``T``-tier engine's block holds ``1 / T`` of a stock block's layers, so it needs ``T`` times the blocks.
     (A hybrid model's sliding-window groups need fewer; vLLM's own start-up check counts them.)"""
     blocks = getattr(vllm_config.cache_config, "num_gpu_blocks_override", None)
-    if blocks is None:
-        return
     block_size = vllm_config.cache_config.block_size
     plan = plan_for_model(settings, vllm_config.model_config.hf_text_config, block_size)
+    given = f"num_gpu_blocks_override={blocks}"
+    if blocks is None:
+        blocks = _blocks_of_bytes(vllm_config, plan)
+        if blocks is None:
+            return  # a memory fraction, a hybrid model or pipeline stages: vLLM's own start-up check counts them
+        given = f"kv_cache_memory_bytes={vllm_config.cache_config.kv_cache_memory_bytes} ({blocks} blocks)"
     max_len = vllm_config.model_config.max_model_len
     caching = bool(vllm_config.cache_config.enable_prefix_caching)
     per_tier = max(plan.request_peak_tokens(t, max_len, vllm_config.max_in_flight_tokens, caching) // block_size
@@ -63,11 +67,39 @@ def _check_blocks(vllm_config, settings: Settings) -> None:
         if caching and per_tier > -(-max_len // block_size):
             held += ("; with enable_prefix_caching a request's first compaction writes its kept tokens to private "
                      "blocks while it still holds the shared ones it read them from")
+        way_out = (f"multiply the blocks of a stock engine by the tiers ({plan.num_tiers}), or size the cache in "
+                   "bytes (kv_cache_memory_bytes)")
+        if given.startswith("kv_cache_memory_bytes"):
+            stock_block = _stock_block_bytes(vllm_config)
+            way_out = (f"give at least {-(-needed // plan.num_tiers) * stock_block} bytes "
+                       "(ripplekv_ext.engines.vllm.sizing.kv_cache_bytes of that many stock blocks), or a shorter "
+                       "max_model_len")
         raise UnsupportedConfigError(
-            f"ripplekv vLLM plugin: num_gpu_blocks_override={blocks} cannot hold one sequence of max_model_len="
-            f"{max_len} in each of the engine's {plan.num_tiers} tiers (needs {needed} with vLLM's null block: a "
-            f"tier's block holds 1/{plan.num_tiers} of a stock block's layers){held}; multiply the blocks of a stock "
-            f"engine by the tiers ({plan.num_tiers}), or size the cache in bytes (kv_cache_memory_bytes)")
+            f"ripplekv vLLM plugin: {given} cannot hold one sequence of max_model_len={max_len} in each of the "
+            f"engine's {plan.num_tiers} tiers (needs {needed} with vLLM's null block: a tier's block holds "
+            f"1/{plan.num_tiers} of a stock block's layers){held}; {way_out}")
+
+
+def _stock_block_bytes(vllm_config) -> int:
+    """Bytes of one stock vLLM block (every layer) on each worker, for the engine's model, dtype and parallelism."""
+    from ripplekv_ext.engines.vllm.sizing import kv_cache_bytes
+
+    parallel = vllm_config.parallel_config
+    return kv_cache_bytes(vllm_config.model_config.hf_text_config, 1, vllm_config.cache_config.block_size,
+                          vllm_config.model_config.dtype.itemsize, parallel.tensor_parallel_size,
+                          parallel.pipeline_parallel_size)
+
+
+def _blocks_of_bytes(vllm_config, plan) -> Optional[int]:
+    """The plugin's blocks (every tier) a cache given in bytes holds, as vLLM counts them: a tier's block is ``1 / T``
+    of a stock block's bytes (``T`` divides the layers). None where the plugin does not count them (a memory
+    fraction; a hybrid model, whose sliding-window groups share the bytes; pipeline stages of unequal layers)."""
+    kv_bytes = vllm_config.cache_config.kv_cache_memory_bytes
+    text = vllm_config.model_config.hf_text_config
+    if (kv_bytes is None or vllm_config.parallel_config.pipeline_parallel_size > 1
+            or len(plan.layers) != text.num_hidden_layers):
+        return None
+    return kv_bytes * plan.num_tiers // _stock_block_bytes(vllm_config)
 
 
 def _check_stages(settings: Settings, text_config, block_size: int, stages: int) -> None:

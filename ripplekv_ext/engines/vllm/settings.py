@@ -20,27 +20,38 @@ import warnings
 from pathlib import Path
 from typing import Optional, Sequence
 
-from ripplekv_ext.budgets.allocators import PyramidKVAllocator, RippleKVAllocator, UniformAllocator
+from ripplekv_ext.budgets.allocators import UniformAllocator
 from ripplekv_ext.budgets.block_aligned import BlockAlignedAllocator
 from ripplekv_ext.checks import check_int, is_integer
 from ripplekv_ext.selection.compressor import KVCompressor
 from ripplekv_ext.engines.vllm.block_layout import TierLayout
 from ripplekv_ext.budgets.tiers import TieredAllocator, tier_counts
-from ripplekv_ext.policies import DEFAULT_RIPPLEKV_SELECTOR, DEFAULT_WINDOW, Policy, PromptTooShortWarning
-from ripplekv_ext.selection.selectors import SnapKVSelector, StreamingLLMSelector
+from ripplekv_ext.methods import check_method, make_policy, needs_profile
+from ripplekv_ext.policies import DEFAULT_WINDOW, PromptTooShortWarning
+from ripplekv_ext.selection.adakv import AdaKVSelector
 
-__all__ = ["CONFIG_KEY", "METHODS", "Settings", "EnginePlan", "plan_for", "plan_for_model"]
+__all__ = ["CONFIG_KEY", "Settings", "EnginePlan", "plan_for", "plan_for_model"]
 
 # additional_config[CONFIG_KEY] holds the settings (``--additional-config '{"ripplekv": {...}}'``).
 CONFIG_KEY = "ripplekv"
-# Every method selects with the last ``window`` prompt queries at most: all a chunked prefill keeps (not H2O).
-METHODS = ("snapkv", "pyramidkv", "ripplekv", "streamingllm")
+# Why a method the package defines cannot run in the engine (methods.make_policy names them all; these are the
+# engine's reasons, read from what the policy needs).
+_ENGINE_REFUSALS = (
+    (lambda policy: policy.selector.needs_all_queries,
+     "its selector scores with every prompt query, which a chunked prefill does not keep (h2o)"),
+    (lambda policy: policy.reads_attention,
+     "its budgets need every layer's attention over the whole prompt before any layer is cut (cake)"),
+    (lambda policy: isinstance(policy.selector, AdaKVSelector),
+     "its head-wise counts (AdaKV) do not fit one block table per layer"),
+)
 _KEYS = ("method", "retention", "window", "profile", "tiers", "prefill_chunk", "decode_every", "decode_budget")
 
 
 @dataclasses.dataclass(frozen=True)
 class Settings:
-    """What a user asks for: ``method`` (one of ``METHODS``), ``retention`` in (0, 1], ``window`` (``W``, default
+    """What a user asks for: ``method`` (a method name of ``ripplekv_ext.methods``: ``snapkv``, ``pyramidkv``,
+    ``ripplekv``, ``streamingllm``, or ``ALLOCATOR+SELECTOR``; the engine refuses those whose selection it cannot
+    run), ``retention`` in (0, 1], ``window`` (``W``, default
     32), ``profile`` (the RippleKV profile JSON, for ``ripplekv`` only) and ``tiers`` (``T``: budgets rounded to
     ``T`` groups of layers, one vLLM KV cache group each; default one tier for uniform methods, one tier per layer
     otherwise) and ``prefill_chunk`` (``R``: bounded prefill, each request compacted every ``R`` prompt tokens and
@@ -72,25 +83,27 @@ class Settings:
         if unknown:
             raise ValueError(f"{where} has unknown keys {unknown}; the keys are {list(_KEYS)}")
         if "method" not in config or "retention" not in config:
-            raise ValueError(f"{where} must give \"method\" (one of {list(METHODS)}) and \"retention\" (in (0, 1])")
-        method = config["method"]
-        if method not in METHODS:
-            raise ValueError(f"{where}[\"method\"] must be one of {list(METHODS)}, got {method!r} (h2o needs every "
-                             "prompt query, which a chunked prefill does not keep; cake's budgets need every layer's "
-                             "attention over the whole prompt before any layer is cut; AdaKV's head-wise counts do not "
-                             "fit one block table per layer)")
+            raise ValueError(f"{where} must give \"method\" (e.g. \"snapkv\" or \"ripplekv\") and \"retention\" "
+                             "(in (0, 1])")
+        try:
+            method = check_method(config["method"])
+        except (TypeError, ValueError) as err:
+            raise ValueError(f"{where}[\"method\"]: {err}") from None
+        if method == "full":
+            raise ValueError(f"{where}[\"method\"] full compresses nothing: drop additional_config[\"{CONFIG_KEY}\"] "
+                             "to run stock vLLM")
         retention = config["retention"]
         if isinstance(retention, bool) or not isinstance(retention, (int, float)) or not 0 < retention <= 1:
             raise ValueError(f"{where}[\"retention\"] must be a number in (0, 1], got {retention!r}")
         window = check_int(f'{where}["window"]', config.get("window", DEFAULT_WINDOW), 1)
         profile = config.get("profile")
-        if method == "ripplekv":
+        if needs_profile(method):
             if not isinstance(profile, str) or not profile:
                 raise ValueError(f"{where}[\"profile\"] must be the path of a RippleKV profile JSON file for method "
-                                 f"ripplekv (`ripplekv profile` writes one), got {profile!r}")
+                                 f"{method} (`ripplekv profile` writes one), got {profile!r}")
             profile = os.path.abspath(os.path.expanduser(profile))  # every vLLM process reads the same file
         elif profile is not None:
-            raise ValueError(f"{where}[\"profile\"] is only read by method ripplekv, not {method}: drop it")
+            raise ValueError(f"{where}[\"profile\"] is only read by RippleKV's budgets, not {method}: drop it")
         tiers = config.get("tiers")
         if tiers is not None and (not is_integer(tiers) or tiers < 1):
             raise ValueError(f"{where}[\"tiers\"] must be an integer >= 1 (it must divide the number of layers), "
@@ -135,14 +148,20 @@ class EnginePlan:
         if not layers:
             raise ValueError("the model has no full-attention layer to compress")
         self.layers = layers
-        if settings.method == "ripplekv":
+        profile = None
+        if needs_profile(settings.method):
             from ripplekv_ext.budgets.profile_file import load_profile
 
-            base = RippleKVAllocator(load_profile(settings.profile))
-        elif settings.method == "pyramidkv":
-            base = PyramidKVAllocator()
-        else:
-            base = UniformAllocator()
+            profile = load_profile(settings.profile)
+        # The method as the hook, the CLI and the benchmarks run it (methods.make_policy); the engine then tiers and
+        # block-aligns its budgets, and refuses what it cannot run by what the policy needs.
+        named = make_policy(settings.method, settings.retention, profile, settings.window)
+        for needs, why in _ENGINE_REFUSALS:
+            if needs(named):
+                raise ValueError(f'additional_config["{CONFIG_KEY}"]["method"] {settings.method} cannot run in the '
+                                 f"engine: {why}; use snapkv, pyramidkv, ripplekv or streamingllm (or another "
+                                 "ALLOCATOR+SELECTOR pair)")
+        base = named.allocator
         uniform = isinstance(base, UniformAllocator)
         num_tiers = settings.tiers if settings.tiers is not None else (1 if uniform else len(layers))
         if len(layers) % num_tiers:
@@ -158,14 +177,11 @@ class EnginePlan:
             raise ValueError(f'additional_config["{CONFIG_KEY}"]["prefill_chunk"] must be a multiple of the block size '
                              f"({block_size}), got {chunk}; e.g. {-(-chunk // block_size) * block_size}")
         tiered = TieredAllocator(base, num_tiers)
-        # Each method's own selector, as its Policy constructor pairs them.
-        selector = {"streamingllm": StreamingLLMSelector(), "ripplekv": DEFAULT_RIPPLEKV_SELECTOR()}.get(
-            settings.method, SnapKVSelector())
         # The policy refuses, by name, what the hook refuses (a decode_budget not above the window, decode_every
-        # without a compressing method).
-        self.policy = Policy(BlockAlignedAllocator(tiered, block_size), selector, settings.retention,
-                             settings.window, decode_every=settings.decode_every,
-                             decode_budget=settings.decode_budget, prefill_chunk=chunk)
+        # with a selector that cannot re-select).
+        self.policy = dataclasses.replace(named, allocator=BlockAlignedAllocator(tiered, block_size),
+                                          decode_every=settings.decode_every, decode_budget=settings.decode_budget,
+                                          prefill_chunk=chunk)
         self.tiers = tiered.tiers(layers, settings.window)
         self.tier_of = {layer: t for t, tier in enumerate(self.tiers) for layer in tier}
         self.compressor = KVCompressor(self.policy, num_layers, layers)

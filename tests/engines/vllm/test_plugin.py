@@ -29,6 +29,8 @@ from ripplekv_ext.engines import vllm as plugin  # noqa: E402
 from ripplekv_ext.engines.vllm import checks  # noqa: E402
 from ripplekv_ext.engines.vllm.attention import RippleKVCPUImpl  # noqa: E402
 from ripplekv_ext.engines.vllm.settings import Settings, plan_for  # noqa: E402
+from ripplekv_ext.engines.vllm.sizing import kv_cache_bytes  # noqa: E402
+from tiny_llama import LLAMA_CONFIG  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -270,6 +272,14 @@ def test_a_prompt_kept_whole_is_admitted_only_where_it_fits(model_dir, hf_model)
                                          r"a chunk and one scheduler step \(max_num_batched_tokens=64\)"):
         with engine(model_dir, ripplekv, blocks=11, max_model_len=2048, max_num_batched_tokens=64):
             pass
+    # The same pool given in bytes is refused in the plugin's words (vLLM's own check said "0.0 GiB needed > 0.0 GiB
+    # available" for this tiny model), naming the bytes that do hold it; those pass.
+    in_bytes = dict(num_gpu_blocks_override=None, max_model_len=2048, max_num_batched_tokens=64)
+    small, enough = kv_cache_bytes(LLAMA_CONFIG, 11, BLOCK, 4), kv_cache_bytes(LLAMA_CONFIG, needed, BLOCK, 4)
+    with pytest.raises(ValueError, match=rf"kv_cache_memory_bytes={small} \(11 blocks\) cannot hold one sequence of "
+                                         rf"max_model_len=2048 .*needs {needed}.*give at least {enough} bytes"):
+        config(model_dir, ripplekv, kv_cache_memory_bytes=small, **in_bytes)
+    config(model_dir, ripplekv, kv_cache_memory_bytes=enough, **in_bytes)
     token_lists = prompts([400, 640], seed=6)
     with engine(model_dir, ripplekv, blocks=needed, max_model_len=2048, max_num_batched_tokens=64) as llm:
         tokens = greedy(llm, token_lists, new_tokens=8)
@@ -389,17 +399,21 @@ def test_the_v2_model_runner_is_refused_by_name(model_dir, monkeypatch):
 
 
 @pytest.mark.parametrize("ripplekv,message", [
-    ({"method": "h2o", "retention": 0.2}, r"method.*must be one of .*got 'h2o'"),
-    ({"method": "cake", "retention": 0.2}, r"method.*must be one of .*got 'cake'.*cake's budgets need every layer"),
+    ({"method": "h2o", "retention": 0.2}, r"method\"\] h2o cannot run in the engine: its selector scores with every "
+                                          r"prompt query"),
+    ({"method": "cake", "retention": 0.2}, r"method\"\] cake cannot run in the engine: its budgets need every layer"),
+    ({"method": "uniform+adakv", "retention": 0.2}, r"uniform\+adakv cannot run in the engine: its head-wise counts"),
+    ({"method": "full", "retention": 0.2}, r"full compresses nothing: drop additional_config"),
+    ({"method": "snapkv2", "retention": 0.2}, r"method\"\]: unknown method 'snapkv2': expected one of full, "),
     ({"method": "snapkv", "retention": 0.2, "budget": 64}, r"unknown keys \['budget'\]"),
     ({"method": "snapkv"}, "must give \"method\" .* and \"retention\""),
     ({"method": "snapkv", "retention": 1.5}, r"retention.*must be a number in \(0, 1\]"),
     ({"method": "pyramidkv", "retention": 0.2, "tiers": 3}, r"tiers.*must divide the model's 4 layers"),
     ({"method": "ripplekv", "retention": 0.2}, r"profile.*must be the path of a RippleKV profile"),
     ({"method": "ripplekv", "retention": 0.2, "profile": "/nonexistent/profile.json"}, "not found"),
-    ({"method": "snapkv", "retention": 0.2, "profile": "x.json"}, "only read by method ripplekv"),
-], ids=["h2o", "cake", "unknown-key", "no-retention", "retention", "tiers", "no-profile", "missing-profile",
-        "stray-profile"])
+    ({"method": "snapkv", "retention": 0.2, "profile": "x.json"}, "only read by RippleKV's budgets, not snapkv"),
+], ids=["h2o", "cake", "adakv", "full", "unknown-method", "unknown-key", "no-retention", "retention", "tiers",
+        "no-profile", "missing-profile", "stray-profile"])
 def test_bad_settings_are_refused(model_dir, ripplekv, message):
     with pytest.raises(ValueError, match=message):
         config(model_dir, ripplekv)
