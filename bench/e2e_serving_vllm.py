@@ -15,12 +15,12 @@ without EOS (every request generates exactly its ``max_tokens``):
 
 A tier's block holds ``1 / T`` of the layers of a stock block, so a ``T``-tier engine gets ``T x --blocks`` blocks:
 the same bytes. Measured per method: peak concurrent requests (most requests in vLLM's running queue after a
-step), generated and total tokens/s over the whole run, mean and p95 request latency, preemptions, the most blocks
-one request held at once (``peak_blocks_per_request``: blocks of every KV cache group, a ``T``-tier engine's block
-being ``1 / T`` of a stock block), and how many requests' greedy tokens equal Full's. The engines run in this
-process, one after the other (``VLLM_ENABLE_V1_MULTIPROCESSING=0`` so the scheduler can be read), on
-``OMP_NUM_THREADS`` threads (default 1) without binding to cores; absolute tokens/s on a CPU mean little, the ratios
-to Full in the same run are the result.
+step) and their mean over the steps, generated and total tokens/s over the whole run, mean and p95 request latency,
+preemptions, the most blocks one request held at once (``peak_blocks_per_request``: blocks of every KV cache group,
+a ``T``-tier engine's block being ``1 / T`` of a stock block), and how many requests' greedy tokens equal Full's.
+The engines run in this process, one after the other (``VLLM_ENABLE_V1_MULTIPROCESSING=0`` so the scheduler can
+be read), on ``OMP_NUM_THREADS`` threads (default 1) without binding to cores; absolute tokens/s on a CPU mean
+little, the ratios to Full in the same run are the result.
 
 Run it with the vLLM environment's Python (``make test-vllm`` builds ``.venv-vllm``)::
 
@@ -225,7 +225,7 @@ def run(model: str, workload: Workload, args, ripplekv=None, prefix_caching=Fals
 
         scheduler._preempt_request = counting_preempt
         tokens, latency, cached, prompts = {}, {}, {}, {}
-        peak = steps = peak_blocks = 0
+        peak = steps = peak_blocks = running_steps = 0
         managers = scheduler.kv_cache_manager.coordinator.single_type_managers
         min_free = pool.get_num_free_blocks()
         start = time.perf_counter()
@@ -250,6 +250,7 @@ def run(model: str, workload: Workload, args, ripplekv=None, prefix_caching=Fals
                     send(workload.after(request, tokens[out.request_id]))
             steps += 1
             peak = max(peak, len(scheduler.running))
+            running_steps += len(scheduler.running)
             min_free = min(min_free, pool.get_num_free_blocks())
             for request in scheduler.running:  # blocks held, every group (a freed column is the null block)
                 peak_blocks = max(peak_blocks, sum(sum(1 for b in m.req_to_blocks.get(request.request_id, ())
@@ -263,7 +264,8 @@ def run(model: str, workload: Workload, args, ripplekv=None, prefix_caching=Fals
     generated = sum(len(t) for t in tokens.values())
     prompt_tokens = sum(prompts.values())
     latencies = sorted(latency.values())
-    return {"requests": len(tokens), "peak_requests": peak, "seconds": wall, "steps": steps,
+    return {"requests": len(tokens), "peak_requests": peak, "mean_running_requests": running_steps / max(steps, 1),
+            "seconds": wall, "steps": steps,
             "generated_tokens": generated, "prompt_tokens": prompt_tokens, "generated_tokens_per_s": generated / wall,
             "total_tokens_per_s": (generated + prompt_tokens) / wall,
             "mean_latency_s": sum(latencies) / len(latencies), "p95_latency_s": latencies[
@@ -321,7 +323,8 @@ def main(argv=None) -> int:
             caching = args.prefix_caching and name != "ripplekv-no-prefix-cache"
             rows[name] = row = run(model, workload, args, methods[name], caching)
             row["settings"] = methods[name]
-            print(f"  {name:<15} peak {row['peak_requests']:>3} requests  {row['peak_blocks_per_request']:>4} "
+            print(f"  {name:<15} peak {row['peak_requests']:>3} requests (mean {row['mean_running_requests']:5.1f})  "
+                  f"{row['peak_blocks_per_request']:>4} "
                   f"blocks/request  {row['generated_tokens_per_s']:7.2f} gen tok/s  {row['total_tokens_per_s']:8.1f} "
                   f"total tok/s  mean latency {row['mean_latency_s']:6.1f} s"
                   f"  p95 {row['p95_latency_s']:6.1f} s"
@@ -330,6 +333,7 @@ def main(argv=None) -> int:
     full = rows["full"]
     for row in rows.values():
         row["concurrency_vs_full"] = row["peak_requests"] / full["peak_requests"]
+        row["mean_concurrency_vs_full"] = row["mean_running_requests"] / full["mean_running_requests"]
         row["throughput_vs_full"] = row["generated_tokens_per_s"] / full["generated_tokens_per_s"]
         row["total_throughput_vs_full"] = row["total_tokens_per_s"] / full["total_tokens_per_s"]
         row["latency_vs_full"] = row["mean_latency_s"] / full["mean_latency_s"]

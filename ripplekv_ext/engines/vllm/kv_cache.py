@@ -22,7 +22,7 @@ from vllm.v1.core.single_type_kv_cache_manager import FullAttentionManager
 from vllm.v1.kv_cache_interface import FullAttentionSpec
 from vllm.v1.kv_cache_spec_registry import KVCacheSpecRegistry
 
-from ripplekv_ext.engines.vllm.settings import EnginePlan, Settings, plan_for
+from ripplekv_ext.engines.vllm.settings import EnginePlan, Settings, plan_for, profile_digest
 
 __all__ = ["RippleKVSpec", "RippleKVManager", "register_spec", "plan_of_spec"]
 
@@ -40,6 +40,8 @@ class RippleKVSpec(FullAttentionSpec):
     # Bounded prefill (settings.prefill_chunk): the most tokens a request of the engine's max_model_len holds in this
     # tier at once (EnginePlan.held_tokens_bound); None: as stock vLLM, its whole sequence.
     held_tokens: Optional[int] = None
+    # What else the workers' plans rest on (plugin_identity): every worker's must be the head's.
+    identity: str = ""
 
     def max_memory_usage_bytes(self, vllm_config) -> int:
         # What vLLM checks one request of max_model_len against at start-up: with bounded prefill a prompt longer
@@ -67,10 +69,10 @@ class RippleKVSpec(FullAttentionSpec):
         base = FullAttentionSpec.merge([FullAttentionSpec(**_attention_fields(s)) for s in specs])
         first = specs[0]
         return cls(**_attention_fields(base), tier=first.tier, settings=first.settings, num_layers=first.num_layers,
-                   layers=first.layers, held_tokens=first.held_tokens)
+                   layers=first.layers, held_tokens=first.held_tokens, identity=first.identity)
 
     def _plan_key(self) -> tuple:
-        return self.tier, self.settings, self.num_layers, self.layers, self.held_tokens
+        return self.tier, self.settings, self.num_layers, self.layers, self.held_tokens, self.identity
 
     def is_uniform_with_collection(self, kv_cache_specs) -> bool:
         # vLLM puts layers whose specs share a base type into one group; tiers must stay apart.
@@ -91,7 +93,45 @@ def tier_spec(spec: FullAttentionSpec, plan: EnginePlan, layer: int, max_model_l
     if plan.settings.prefill_chunk is not None:
         held = plan.held_tokens_bound(tier, max_model_len, max_in_flight_tokens)
     return RippleKVSpec(**_attention_fields(spec), tier=tier, settings=plan.settings.to_json(),
-                        num_layers=plan.num_layers, layers=tuple(plan.layers), held_tokens=held)
+                        num_layers=plan.num_layers, layers=tuple(plan.layers), held_tokens=held,
+                        identity=plugin_identity(plan.settings))
+
+
+def plugin_identity(settings: Settings) -> str:
+    """What a worker's plan rests on besides its settings: the plugin's and vLLM's versions and the profile file's
+    content (the same path may hold another file on another node)."""
+    import vllm
+
+    import ripplekv_ext
+
+    digest = profile_digest(settings.profile) if settings.profile else None
+    return f"ripplekv_ext {ripplekv_ext.__version__}, vllm {vllm.__version__}, profile sha256 {digest}"
+
+
+def check_workers_agree(specs_per_worker: list) -> None:
+    """Every worker of an engine (across nodes too) compresses with the same plan: the scheduler frees the blocks
+    of its own. A headless node started with other settings, another profile file or other versions than the head
+    would compact other tokens than the scheduler frees: refused, naming what differs."""
+    seen = {}  # (settings, identity, layers) -> the first worker reporting it
+    stock = []
+    for rank, specs in enumerate(specs_per_worker):
+        kinds = {type(spec) for spec in specs.values()}
+        if RippleKVSpec in kinds:
+            for spec in specs.values():
+                if isinstance(spec, RippleKVSpec):
+                    seen.setdefault((spec.settings, spec.identity, spec.num_layers, spec.layers), rank)
+        elif FullAttentionSpec in kinds:
+            stock.append(rank)
+    if len(seen) > 1:
+        (a, rank_a), (b, rank_b) = list(seen.items())[:2]
+        raise RuntimeError(f"ripplekv: the engine's workers would compress with different plans: worker {rank_a} "
+                           f"has settings {a[0]} ({a[1]}), worker {rank_b} has settings {b[0]} ({b[1]}); start every "
+                           "node (a headless one too) with the head's --additional-config, the same profile file "
+                           "and the same ripplekv_ext and vLLM")
+    if seen and stock:
+        raise RuntimeError(f"ripplekv: workers {stock} keep stock vLLM caches while others compress: the plugin is not "
+                           "active there (not installed, another vLLM release, or a checkout shadowing it); install "
+                           "the same ripplekv_ext wheel on every node")
 
 
 def plan_of_spec(spec: RippleKVSpec) -> EnginePlan:

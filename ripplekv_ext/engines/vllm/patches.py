@@ -2,12 +2,13 @@
 it runs in, why it is touched, the upstream change that would let it go, and what vLLM 0.33.0 and 0.34.0 changed
 there), and the code that wraps them.
 
-The plugin extends vLLM 0.32.0 (``release.SUPPORTED_VLLM``, the release every entry was read from): it wraps four
-functions (the config check, the per-layer spec, the runner's metadata step, the prefix-cache hit), registers its
-attention backend and KV-cache spec, subclasses the full-attention manager, spec and CPU attention classes, and calls
-a few functions. ``tests/engines/vllm/test_patches.py`` checks that each target still exists with the parameters
-listed, so a vLLM change fails ``make test-vllm`` rather than a server; ``tools/vllm_targets.py`` reads the same
-table against another release's files without installing it (how ``later`` was written).
+The plugin extends vLLM 0.32.0 (``release.SUPPORTED_VLLM``, the release every entry was read from): it wraps five
+functions (the config check, the per-layer spec, the runner's metadata step, the prefix-cache hit, the engine
+core's KV cache configs), registers its attention backend and KV-cache spec, subclasses the full-attention manager,
+spec and CPU attention classes, and calls a few functions. ``tests/engines/vllm/test_patches.py`` checks that each
+target still exists with the parameters listed, so a vLLM change fails ``make test-vllm`` rather than a server;
+``tools/vllm_targets.py`` reads the same table against another release's files without installing it (how
+``later`` was written).
 
 Each wrapper calls the original; ``wrap_once`` marks it (``ripplekv_original``) so installing twice is a no-op.
 """
@@ -64,6 +65,12 @@ TARGETS = (
            "request ids and prompt lengths in CommonAttentionMetadata",
            "0.33.0: unchanged; 0.34.0: vllm.v1.worker.gpu_model_runner is gone (Model Runner V2 only, which needs "
            "Triton's CPU backend here): the hook must move to the V2 runner"),
+    Target("vllm.v1.engine.core:get_kv_cache_configs", ("vllm_config", "kv_cache_specs", "available_memory"),
+           "scheduler", "every worker's plan must be the head's (kv_cache.check_workers_agree): a headless node with "
+           "other settings, profile or versions would compact other tokens than the scheduler frees",
+           "a check in vLLM that every worker reports the same spec for a layer, with the spec's own words "
+           "(vLLM asserts it for tensor-parallel ranks only, with a generic message)",
+           "0.33.0 and 0.34.0: a global_kv_cache_groups parameter"),
     Target("vllm.v1.core.kv_cache_manager:KVCacheManager.get_computed_blocks", ("self", "request"), "scheduler",
            "caps a prefix-cache hit before the window of the request's first compaction (EnginePlan.hit_limit)",
            "get_computed_blocks(request, max_cache_hit_length), added in 0.33.0: pass the cap instead of wrapping",
@@ -184,6 +191,7 @@ def install() -> None:
     _wrap_spec()
     _wrap_runner()
     _wrap_prefix_cache_hit()
+    _wrap_worker_check()
 
 
 def _wrap_config_check() -> None:
@@ -289,3 +297,18 @@ def _wrap_prefix_cache_hit() -> None:
         return get_computed_blocks
 
     wrap_once(KVCacheManager, "get_computed_blocks", capped)
+
+
+def _wrap_worker_check() -> None:
+    import vllm.v1.engine.core as engine_core
+
+    from ripplekv_ext.engines.vllm.kv_cache import check_workers_agree
+
+    def checked(original):
+        def get_kv_cache_configs(vllm_config, kv_cache_specs, *args, **kwargs):
+            check_workers_agree(kv_cache_specs)
+            return original(vllm_config, kv_cache_specs, *args, **kwargs)
+
+        return get_kv_cache_configs
+
+    wrap_once(engine_core, "get_kv_cache_configs", checked)

@@ -30,7 +30,7 @@ from ripplekv_ext.methods import check_method, make_policy, needs_profile
 from ripplekv_ext.policies import DEFAULT_WINDOW, PromptTooShortWarning
 from ripplekv_ext.selection.adakv import AdaKVSelector
 
-__all__ = ["CONFIG_KEY", "Settings", "EnginePlan", "plan_for", "plan_for_model"]
+__all__ = ["CONFIG_KEY", "Settings", "EnginePlan", "plan_for", "plan_for_model", "profile_digest"]
 
 # additional_config[CONFIG_KEY] holds the settings (``--additional-config '{"ripplekv": {...}}'``).
 CONFIG_KEY = "ripplekv"
@@ -371,7 +371,7 @@ def _plan(settings_json: str, profile_digest: Optional[str], num_layers: int, bl
     return EnginePlan(Settings.from_json(settings_json), num_layers, block_size, layers)
 
 
-def _file_digest(path: Optional[str]) -> Optional[str]:
+def profile_digest(path: Optional[str]) -> Optional[str]:
     """The profile file's content digest: a profile rewritten in place is another plan (the path alone is not)."""
     if path is None:
         return None
@@ -388,7 +388,7 @@ def plan_for(settings: Settings, num_layers: int, block_size: int,
     layers = None if layers is None else tuple(sorted(layers))
     if layers == tuple(range(num_layers)):
         layers = None  # every layer: one cached plan, however the caller names them
-    return _plan(settings.to_json(), _file_digest(settings.profile), num_layers, block_size, layers)
+    return _plan(settings.to_json(), profile_digest(settings.profile), num_layers, block_size, layers)
 
 
 def plan_for_model(settings: Settings, text_config, block_size: int) -> EnginePlan:

@@ -17,6 +17,7 @@ pytest.importorskip("vllm.entrypoints.llm", reason="vLLM is not installed here: 
                     ".venv-vllm")
 
 from harness import BLOCK, LAYERS, NEW_TOKENS, engine_kwargs, free_port, prompts, reference, stop  # noqa: E402
+from ripplekv_ext.engines import vllm as plugin  # noqa: E402
 from ripplekv_ext.engines.vllm.settings import Settings, plan_for  # noqa: E402
 
 HEAD = """
@@ -79,3 +80,39 @@ def test_two_nodes_give_the_single_process_tokens(model_dir, hf_model, profile_p
     lines = [line for line in out.stdout.splitlines() if line.startswith("TOKENS ")]
     assert out.returncode == 0 and lines, (out.stderr[-3000:], (tmp_path / "node1.log").read_text()[-3000:])
     assert json.loads(lines[0][len("TOKENS "):]) == reference(hf_model, plan.policy, token_lists)
+
+
+def test_a_node_whose_plan_differs_from_the_head_s_is_refused(profile_path, tmp_path):
+    """What the engine core receives from the workers of two nodes (their KV cache specs, as vLLM passes them to
+    get_kv_cache_configs, which the plugin wraps): another retention, another profile file at the same path, or a
+    node where the plugin is not active, each refused naming what differs; the same plan on both passes."""
+    import shutil
+
+    import torch
+    from vllm.v1.engine import core as engine_core
+    from vllm.v1.kv_cache_interface import FullAttentionSpec
+
+    from ripplekv_ext.engines.vllm.kv_cache import check_workers_agree, tier_spec
+
+    plugin.register()
+    stock = FullAttentionSpec(block_size=BLOCK, num_kv_heads=2, head_size=32, dtype=torch.float32)
+
+    def specs(ripplekv):
+        plan = plan_for(Settings.from_config(ripplekv), LAYERS, BLOCK)
+        return {f"model.layers.{i}.self_attn.attn": tier_spec(stock, plan, i, 1024, 512) for i in range(LAYERS)}
+
+    head = specs({"method": "snapkv", "retention": 0.2})
+    check_workers_agree([head, specs({"method": "snapkv", "retention": 0.2})])
+    with pytest.raises(RuntimeError, match=r"worker 0 has settings .*\"retention\": 0.2.*worker 1 has settings "
+                                           r".*\"retention\": 0.3.*start every node .*with the head's "
+                                           r"--additional-config"):
+        engine_core.get_kv_cache_configs(None, [head, specs({"method": "snapkv", "retention": 0.3})], [0, 0])
+    copy = tmp_path / "profile.json"
+    shutil.copy(profile_path, copy)
+    ripplekv = {"method": "ripplekv", "retention": 0.2, "profile": str(copy)}
+    first = specs(ripplekv)
+    copy.write_text(copy.read_text() + "\n")  # the same path, another file (here: the same JSON, other bytes)
+    with pytest.raises(RuntimeError, match=r"profile sha256 \w+\).*profile sha256 \w+\)"):
+        check_workers_agree([first, specs(ripplekv)])
+    with pytest.raises(RuntimeError, match=r"workers \[1\] keep stock vLLM caches .*install the same ripplekv_ext"):
+        check_workers_agree([head, {name: stock for name in head}])

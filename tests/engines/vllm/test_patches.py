@@ -14,7 +14,8 @@ from ripplekv_ext.engines.vllm import patches  # noqa: E402
 WRAPPED = ["vllm.platforms.cpu:CpuPlatform.check_and_update_config",
            "vllm.model_executor.layers.attention.attention:Attention.get_kv_cache_spec",
            "vllm.v1.worker.gpu_model_runner:GPUModelRunner._build_attention_metadata",
-           "vllm.v1.core.kv_cache_manager:KVCacheManager.get_computed_blocks"]
+           "vllm.v1.core.kv_cache_manager:KVCacheManager.get_computed_blocks",
+           "vllm.v1.engine.core:get_kv_cache_configs"]
 
 
 @pytest.mark.parametrize("target", patches.TARGETS, ids=[t.path.split(":")[1] for t in patches.TARGETS])
