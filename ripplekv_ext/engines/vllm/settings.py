@@ -290,17 +290,20 @@ class EnginePlan:
         never does): one of the prompt's, or, with ``decode_every``, one while decoding."""
         key = ("drop", tier, n_tokens)
         if key not in self._layouts:
-            found = next((b for b in self.boundaries(n_tokens) if self.dropped_blocks(tier, n_tokens, b)), None)
-            every = self.settings.decode_every
-            average = None if every is None else self.policy.decode_average_budget(n_tokens)
-            if found is None and average is not None and average > self.settings.window:
-                # The layers' decode budgets share a fixed total, so some tier drops before the sequence passes
-                # that total plus a block and a step; this one may never.
-                last = n_tokens + len(self.layers) * average + self.block_size
-                found = next((b for b in range(n_tokens + every, last + 2 * every, every)
-                              if self.dropped_blocks(tier, n_tokens, b)), None)
-            self._layouts[key] = found
+            self._layouts[key] = self._first_drop(tier, n_tokens)
         return self._layouts[key]
+
+    def _first_drop(self, tier: int, n_tokens: int) -> Optional[int]:
+        found = next((b for b in self.boundaries(n_tokens) if self.dropped_blocks(tier, n_tokens, b)), None)
+        every = self.settings.decode_every
+        average = None if every is None else self.policy.decode_average_budget(n_tokens)
+        if found is None and average is not None and average > self.settings.window:
+            # The layers' decode budgets share a fixed total, so some tier drops before the sequence passes that
+            # total plus a block and a step; this one may never.
+            last = n_tokens + len(self.layers) * average + self.block_size
+            found = next((b for b in range(n_tokens + every, last + 2 * every, every)
+                          if self.dropped_blocks(tier, n_tokens, b)), None)
+        return found
 
     def first_compaction(self, n_tokens: int) -> Optional[int]:
         """The first boundary of a request of ``n_tokens`` prompt tokens at which some tier drops blocks (None: none
@@ -336,11 +339,18 @@ class EnginePlan:
                 peaks = [0] * self.num_tiers
                 with warnings.catch_warnings():
                     warnings.simplefilter("ignore", PromptTooShortWarning)
+                    # Every prompt length, computed without the per-length caches the scheduler fills as requests
+                    # come: a scan of a long context would hold them all.
                     for n in range(1, max_model_len + 1):
-                        for t in range(self.num_tiers):
-                            layout = self.tier_layout(t, n, True)
-                            if layout.private and layout.rewrite_at <= max_model_len:
-                                peaks[t] = max(peaks[t], layout.columns_needed(layout.rewrite_at))
+                        drops = [self._first_drop(t, n) for t in range(self.num_tiers)]
+                        first = min((b for b in drops if b is not None), default=None)
+                        shared_blocks = (n if first is None else min(first, n)) // self.block_size
+                        for t, rewrite_at in enumerate(drops):
+                            if rewrite_at is None or rewrite_at > max_model_len:
+                                continue
+                            private = shared_blocks - self.dropped_blocks(t, n, rewrite_at)
+                            if private > 0:
+                                peaks[t] = max(peaks[t], -(-rewrite_at // self.block_size) + private)
                 self._held_bounds[key] = peaks
             peak = max(peak, self._held_bounds[key][tier])
         return peak * self.block_size
