@@ -1,6 +1,8 @@
 """Bounded prefill inside vLLM: at a fixed KV pool, the longest prompt that completes and the peak concurrency on
-long prompts, for stock vLLM, the plugin compressing once after the prompt, and the plugin compressing every
-``--prefill-chunk`` prompt tokens.
+long prompts, for stock vLLM, the plugin compressing once after the prompt, the plugin compressing every
+``--prefill-chunk`` prompt tokens, and the same with compression while decoding (``--decode-every``,
+``--decode-budget``), which bounds what a request can generate too: only then may the pool hold less than
+``max_model_len`` (vLLM admits any request up to it, and a short prompt may generate that far).
 
 The pool holds ``--blocks`` blocks of ``--block-size`` tokens of every layer (64 x 32: 2,048 tokens); the model is
 the tiny random Llama of ``e2e_serving_vllm.py --quick`` (4 layers, head size 64). **Longest prompt:** one request
@@ -22,7 +24,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from e2e_serving_vllm import run, tiny_model  # (sets vLLM's offline environment first)
+from e2e_serving_vllm import Workload, run, tiny_model  # (sets vLLM's offline environment first)
 
 import torch  # noqa: E402
 
@@ -36,6 +38,8 @@ def build_parser():
     p.add_argument("--retention", type=float, default=0.2)
     p.add_argument("--prefill-chunk", type=int, default=256)
     p.add_argument("--max-batched-tokens", type=int, default=256)
+    p.add_argument("--decode-every", type=int, default=64)
+    p.add_argument("--decode-budget", type=int, default=1024)
     p.add_argument("--lengths", default="1024,1536,2016,2048,3072,4096,6144,8192,10240,12288")
     p.add_argument("--new", type=int, default=16)
     p.add_argument("--requests", type=int, default=16)
@@ -49,16 +53,20 @@ def build_parser():
 
 def settings_of(args) -> dict:
     one_shot = {"method": "snapkv", "retention": args.retention}
-    return {"stock": None, "one-shot": one_shot, "rolling": {**one_shot, "prefill_chunk": args.prefill_chunk}}
+    rolling = {**one_shot, "prefill_chunk": args.prefill_chunk}
+    return {"stock": None, "one-shot": one_shot, "rolling": rolling,
+            "rolling-decode": {**rolling, "decode_every": args.decode_every, "decode_budget": args.decode_budget}}
 
 
 def completes(model, n, args, ripplekv) -> dict:
     generator = torch.Generator().manual_seed(args.seed)
-    request = [(torch.randint(3, 2048, (n,), generator=generator).tolist(), args.new)]
+    request = Workload([("0", torch.randint(3, 2048, (n,), generator=generator).tolist(), args.new)])
     try:
         row = run(model, request, args, ripplekv)
     except (ValueError, RuntimeError) as err:  # the engine refuses a max_model_len its pool cannot hold
-        return {"completes": False, "error": str(err).splitlines()[0][:300]}
+        # pydantic wraps the plugin's refusal in "1 validation error for VllmConfig": keep the reason.
+        reason = next((line for line in str(err).splitlines() if "ripplekv" in line), str(err).splitlines()[0])
+        return {"completes": False, "error": " ".join(reason.split())[:400]}
     return {"completes": row["generated_tokens"] == args.new, "min_free_blocks": row["min_free_blocks"],
             "seconds": row["seconds"]}
 
@@ -81,7 +89,8 @@ def main(argv=None) -> int:
             result["longest"][name] = {"longest_completed": max(done, default=0), "runs": runs}
         generator = torch.Generator().manual_seed(args.seed)
         lengths_mix = torch.randint(args.mix_min, args.mix_max + 1, (args.requests,), generator=generator).tolist()
-        requests = [(torch.randint(3, 2048, (n,), generator=generator).tolist(), args.new) for n in lengths_mix]
+        requests = Workload([(str(i), torch.randint(3, 2048, (n,), generator=generator).tolist(), args.new)
+                             for i, n in enumerate(lengths_mix)])
         for name, ripplekv in settings_of(args).items():
             row = run(model, requests, args, ripplekv)
             row.pop("tokens", None)

@@ -197,7 +197,7 @@ def run(model: str, workload: Workload, args, ripplekv=None, prefix_caching=Fals
     tiers = 1
     if ripplekv is not None:
         tiers = plan_for_model(Settings.from_config(ripplekv), config, args.block_size).num_tiers
-    longest = longest_sequence(workload, args)
+    longest = longest_sequence(workload)
     kv_bytes = kv_cache_bytes(config, args.blocks, args.block_size, getattr(torch, args.dtype).itemsize)
     kwargs = dict(model=model, skip_tokenizer_init=True, dtype=args.dtype, enforce_eager=True,
                   block_size=args.block_size, max_model_len=-(-longest // args.block_size) * args.block_size,
@@ -277,11 +277,9 @@ def run(model: str, workload: Workload, args, ripplekv=None, prefix_caching=Fals
             "tokens": dict(sorted(tokens.items())), "cached": dict(sorted(cached.items()))}
 
 
-def longest_sequence(workload: Workload, args) -> int:
+def longest_sequence(workload: Workload) -> int:
     """The longest prompt plus its new tokens a run can see (a chat's last turn holds every earlier answer)."""
-    if args.workload != "chat":
-        return max(len(p) + m for _, p, m in workload.first)
-    return max(len(p) + m + sum(len(msg) + args.new_max for msg, _ in workload.turns[rid.partition("/")[0]])
+    return max(len(p) + m + sum(len(msg) + new for msg, new in workload.turns.get(rid.partition("/")[0], []))
                for rid, p, m in workload.first)
 
 

@@ -10,7 +10,7 @@ import pytest
 import ripplekv_ext
 from ripplekv_ext.budgets.block_aligned import BlockAlignedAllocator, aligned_budget
 from ripplekv_ext.engines.vllm.settings import EnginePlan, Settings, plan_for
-from ripplekv_ext.engines.vllm.sizing import kv_cache_bytes
+from ripplekv_ext.engines.vllm.sizing import held_tokens_bound, kv_cache_bytes
 from ripplekv_ext.eval.tiny_models import tiny_model
 from ripplekv_ext.policies import PromptTooShortWarning
 from ripplekv_ext.budgets.profile_file import Profile, save_profile
@@ -170,24 +170,46 @@ def test_kept_tokens_of_shared_blocks_go_to_private_blocks(ripplekv, n):
         assert alone.freed_columns(last_kept, True) == list(range(last_kept))
 
 
-@pytest.mark.parametrize("ripplekv,max_model_len,whole", [
-    # 5% of a 400-token prompt (20) is not more than the window: kept whole, 400 > the budget at 2048 plus a chunk.
-    ({"method": "snapkv", "retention": 0.05, "prefill_chunk": 64}, 2048, 400),
-    # PyramidKV's most generous tier keeps a 257-token prompt whole at 20%.
-    ({"method": "pyramidkv", "retention": 0.2, "prefill_chunk": 64}, 1024, 257),
-])
-def test_held_tokens_bound_holds_for_every_prompt_length(ripplekv, max_model_len, whole):
+@pytest.mark.parametrize("ripplekv", [
+    {"method": "snapkv", "retention": 0.2, "prefill_chunk": 64},
+    {"method": "snapkv", "retention": 0.2, "decode_every": 32, "decode_budget": 96},
+    {"method": "snapkv", "retention": 0.2, "prefill_chunk": 64, "decode_every": 32},
+], ids=["prefill-only", "decode-only", "no-decode-budget"])
+def test_a_request_that_can_reach_its_whole_sequence_is_sized_for_max_model_len(ripplekv):
+    # A prompt read whole holds all of it; a short prompt (kept whole, or with an average budget not above the
+    # window) generating up to max_model_len is never compressed without a decode budget.
+    plan = plan_for(Settings.from_config(ripplekv), LAYERS, BLOCK)
+    assert [held_tokens_bound(plan, t, 1024, 64) for t in range(plan.num_tiers)] == [1024] * plan.num_tiers
+
+
+@pytest.mark.parametrize("ripplekv,max_model_len", [
+    ({"method": "snapkv", "retention": 0.05, "prefill_chunk": 64, "decode_every": 32, "decode_budget": 96}, 1024),
+    ({"method": "pyramidkv", "retention": 0.2, "prefill_chunk": 64, "decode_every": 48, "decode_budget": 160}, 1024),
+    ({"method": "ripplekv", "retention": 0.3, "tiers": 2, "prefill_chunk": 96, "decode_every": 64,
+      "decode_budget": 128}, 768),
+], ids=["snapkv", "pyramidkv", "ripplekv-2tiers"])
+def test_held_tokens_bound_holds_for_every_prompt_and_generation_length(profile_path, ripplekv, max_model_len):
+    """With bounded prefill and decoding, every request of at most ``max_model_len`` tokens, at every position of
+    its prompt and of a generation up to ``max_model_len``, holds no more blocks than the bound: the blocks its next
+    step of ``step`` tokens needs, less those freed at the last boundary it passed (the plan's own freeing)."""
+    if ripplekv["method"] == "ripplekv":
+        ripplekv = {**ripplekv, "profile": profile_path}
     plan = plan_for(Settings.from_config(ripplekv), LAYERS, BLOCK)
     step = 64
-    bounds = [plan.held_tokens_bound(t, max_model_len, step) for t in range(plan.num_tiers)]
-    assert max(bounds) >= whole
-    chunk = ripplekv["prefill_chunk"]
+    bounds = [held_tokens_bound(plan, t, max_model_len, step) for t in range(plan.num_tiers)]
+    assert max(bounds) < max_model_len  # bounded: a sequence longer than the bound runs
     warnings.simplefilter("ignore", PromptTooShortWarning)  # (pytest restores the filters after the test)
-    for n in range(1, max_model_len + 1, 7):
-        # What a request of n prompt tokens holds at most while read: all of it if kept whole, else its budget
-        # plus a block, a chunk, a step and a block.
+    most = [0] * plan.num_tiers
+    for n in range(1, max_model_len, 13):
         for t in range(plan.num_tiers):
-            assert min(n, plan.tier_budget(t, n) + chunk + step + 2 * BLOCK) <= bounds[t]
+            for computed in range(0, max_model_len, 5):
+                last = plan.last_boundary(n, computed)
+                freed = 0 if last is None else plan.dropped_blocks(t, n, last)
+                held = -(-min(computed + step, max_model_len) // BLOCK) - freed
+                assert held * BLOCK <= bounds[t], (n, t, computed, held, bounds[t])
+                most[t] = max(most[t], held * BLOCK)
+    # And not much looser than what a request reaches: within decode_every tokens and two blocks of rounding.
+    assert all(bound - reached <= ripplekv["decode_every"] + 2 * BLOCK for bound, reached in zip(bounds, most))
 
 
 @pytest.mark.parametrize("ripplekv", [{"method": "snapkv", "retention": 0.2, "decode_every": 16, "decode_budget": 96},

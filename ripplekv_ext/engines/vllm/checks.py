@@ -11,6 +11,7 @@ from typing import Optional
 
 from ripplekv_ext.engines.vllm.release import SUPPORTED_VLLM
 from ripplekv_ext.engines.vllm.settings import CONFIG_KEY, Settings, plan_for_model
+from ripplekv_ext.engines.vllm.sizing import kv_cache_bytes, request_peak_tokens
 
 __all__ = ["settings_of", "validate", "UnsupportedConfigError"]
 
@@ -54,16 +55,24 @@ def _check_blocks(vllm_config, settings: Settings) -> None:
         given = f"kv_cache_memory_bytes={vllm_config.cache_config.kv_cache_memory_bytes} ({blocks} blocks)"
     max_len = vllm_config.model_config.max_model_len
     caching = bool(vllm_config.cache_config.enable_prefix_caching)
-    per_tier = max(plan.request_peak_tokens(t, max_len, vllm_config.max_in_flight_tokens, caching) // block_size
+    per_tier = max(request_peak_tokens(plan, t, max_len, vllm_config.max_in_flight_tokens, caching) // block_size
                    for t in range(plan.num_tiers))
     needed = per_tier * plan.num_tiers + 1  # and the null block vLLM's pool keeps back
     if blocks < needed:
         held = ""
-        if settings.prefill_chunk is not None:
-            # What a request holds at most with bounded prefill: its kept tokens, a chunk and one step of vLLM's.
-            held = (f"; with prefill_chunk={settings.prefill_chunk} a request holds at most its budget plus a chunk "
-                    f"and one scheduler step (max_num_batched_tokens={vllm_config.max_in_flight_tokens}): a smaller "
-                    "max_num_batched_tokens or prefill_chunk needs fewer blocks")
+        bounded = settings.decode_every is not None and settings.decode_budget is not None
+        if settings.prefill_chunk is not None and bounded:
+            # What a request holds at most with bounded prefill and decoding: its kept tokens, a chunk or
+            # decode_every tokens, and one step of vLLM's.
+            held = (f"; with prefill_chunk={settings.prefill_chunk} and decode_every={settings.decode_every} a "
+                    "request holds at most its budget plus a chunk (or decode_every tokens) and one scheduler step "
+                    f"(max_num_batched_tokens={vllm_config.max_in_flight_tokens}): a smaller max_num_batched_tokens, "
+                    "prefill_chunk, decode_every or decode_budget needs fewer blocks")
+        elif settings.prefill_chunk is not None or bounded:
+            # One bound without the other: a request still reaches its whole sequence somewhere.
+            held = ("; a request holds its whole sequence unless prefill_chunk bounds its prompt and decode_every with "
+                    "decode_budget bound what it generates (a short prompt may generate up to max_model_len): give "
+                    "all three to need fewer blocks than max_model_len")
         if caching and per_tier > -(-max_len // block_size):
             held += ("; with enable_prefix_caching a request's first compaction writes its kept tokens to private "
                      "blocks while it still holds the shared ones it read them from")
@@ -82,8 +91,6 @@ def _check_blocks(vllm_config, settings: Settings) -> None:
 
 def _stock_block_bytes(vllm_config) -> int:
     """Bytes of one stock vLLM block (every layer) on each worker, for the engine's model, dtype and parallelism."""
-    from ripplekv_ext.engines.vllm.sizing import kv_cache_bytes
-
     parallel = vllm_config.parallel_config
     return kv_cache_bytes(vllm_config.model_config.hf_text_config, 1, vllm_config.cache_config.block_size,
                           vllm_config.model_config.dtype.itemsize, parallel.tensor_parallel_size,

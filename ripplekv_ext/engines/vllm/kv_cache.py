@@ -23,6 +23,7 @@ from vllm.v1.kv_cache_interface import FullAttentionSpec
 from vllm.v1.kv_cache_spec_registry import KVCacheSpecRegistry
 
 from ripplekv_ext.engines.vllm.settings import EnginePlan, Settings, plan_for, profile_digest
+from ripplekv_ext.engines.vllm.sizing import held_tokens_bound, request_peak_tokens
 
 __all__ = ["RippleKVSpec", "RippleKVManager", "register_spec", "plan_of_spec"]
 
@@ -37,20 +38,21 @@ class RippleKVSpec(FullAttentionSpec):
     num_layers: int
     # The layers the engine compresses (every layer, or a hybrid model's full-attention ones).
     layers: tuple
-    # Bounded prefill (settings.prefill_chunk): the most tokens a request of the engine's max_model_len holds in this
-    # tier at once (EnginePlan.held_tokens_bound); None: as stock vLLM, its whole sequence.
+    # Bounded prefill and decoding (prefill_chunk, decode_every and decode_budget): the most tokens a request of the
+    # engine's max_model_len holds in this tier at once (sizing.held_tokens_bound); None: as stock vLLM, its whole
+    # sequence.
     held_tokens: Optional[int] = None
     # What else the workers' plans rest on (plugin_identity): every worker's must be the head's.
     identity: str = ""
 
     def max_memory_usage_bytes(self, vllm_config) -> int:
-        # What vLLM checks one request of max_model_len against at start-up: with bounded prefill a prompt longer
-        # than the pool runs; with prefix caching the step of a request's first compaction holds more than its
-        # sequence (EnginePlan.request_peak_tokens).
+        # What vLLM checks one request of max_model_len against at start-up: with bounded prefill and decoding a
+        # sequence longer than the pool runs; with prefix caching the step of a request's first compaction holds more
+        # than its sequence (sizing.request_peak_tokens).
         caching = bool(vllm_config.cache_config.enable_prefix_caching)
         if self.held_tokens is None and not caching:
             return super().max_memory_usage_bytes(vllm_config)
-        peak = plan_of_spec(self).request_peak_tokens(self.tier, vllm_config.model_config.max_model_len,
+        peak = request_peak_tokens(plan_of_spec(self), self.tier, vllm_config.model_config.max_model_len,
                                                       vllm_config.max_in_flight_tokens, caching)
         return cdiv(peak, self.block_size) * self.page_size_bytes
 
@@ -89,9 +91,8 @@ def tier_spec(spec: FullAttentionSpec, plan: EnginePlan, layer: int, max_model_l
               max_in_flight_tokens: int) -> RippleKVSpec:
     """The spec of compressed ``layer``: vLLM's ``spec`` and the plan's tier of that layer."""
     tier = plan.tier_of[layer]
-    held = None
-    if plan.settings.prefill_chunk is not None:
-        held = plan.held_tokens_bound(tier, max_model_len, max_in_flight_tokens)
+    held = held_tokens_bound(plan, tier, max_model_len, max_in_flight_tokens)
+    held = None if held >= max_model_len else held
     return RippleKVSpec(**_attention_fields(spec), tier=tier, settings=plan.settings.to_json(),
                         num_layers=plan.num_layers, layers=tuple(plan.layers), held_tokens=held,
                         identity=plugin_identity(plan.settings))

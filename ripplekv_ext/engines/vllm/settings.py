@@ -16,7 +16,6 @@ import hashlib
 import json
 import math
 import os
-import warnings
 from pathlib import Path
 from typing import Optional, Sequence
 
@@ -27,7 +26,7 @@ from ripplekv_ext.selection.compressor import KVCompressor
 from ripplekv_ext.engines.vllm.block_layout import TierLayout
 from ripplekv_ext.budgets.tiers import TieredAllocator, tier_counts
 from ripplekv_ext.methods import check_method, make_policy, needs_profile
-from ripplekv_ext.policies import DEFAULT_WINDOW, PromptTooShortWarning
+from ripplekv_ext.policies import DEFAULT_WINDOW
 from ripplekv_ext.selection.adakv import AdaKVSelector
 
 __all__ = ["CONFIG_KEY", "Settings", "EnginePlan", "plan_for", "plan_for_model", "profile_digest"]
@@ -185,7 +184,6 @@ class EnginePlan:
         self.tiers = tiered.tiers(layers, settings.window)
         self.tier_of = {layer: t for t, tier in enumerate(self.tiers) for layer in tier}
         self.compressor = KVCompressor(self.policy, num_layers, layers)
-        self._held_bounds: dict[tuple, list[int]] = {}
         self._decode_drops: dict[tuple[int, int], dict[int, int]] = {}  # (tier, prompt) -> boundary -> dropped
         self._layouts: dict[tuple, object] = {}  # per prompt length, read by the scheduler at every step
         # Profile problems (a profile for another layer count) surface here, when the engine starts.
@@ -262,33 +260,13 @@ class EnginePlan:
             return None
         return computed - computed % chunk
 
-    def held_tokens_bound(self, tier: int, max_model_len: int, max_in_flight_tokens: int) -> int:
-        """With ``prefill_chunk``: the most tokens a request whose prompt is at most ``max_model_len`` holds in
-        ``tier`` while its prompt is read (the engine's scheduler frees up to the last boundary a request has
-        processed, then allocates its next step of at most ``max_in_flight_tokens``). A prompt of ``n`` tokens holds
-        at most what it keeps at a boundary (under its final budget plus a block), the tokens since (under a chunk),
-        the step and a block of rounding, and never more than ``n``: the maximum over every ``n`` up to
-        ``max_model_len``, since a prompt the plan keeps whole (too short for its retention, or dropping less than a
-        block) holds all of it however short ``max_model_len``'s budget is."""
-        chunk = self.settings.prefill_chunk
-        if chunk is None:
-            return max_model_len
-        key = (max_model_len, max_in_flight_tokens)
-        if key not in self._held_bounds:
-            extra = chunk + max_in_flight_tokens + 2 * self.block_size
-            bounds = [0] * self.num_tiers
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore", PromptTooShortWarning)  # short prompts are kept whole: counted so
-                for n in range(1, max_model_len + 1):
-                    for t in range(self.num_tiers):
-                        bounds[t] = max(bounds[t], min(n, self.tier_budget(t, n) + extra))
-            self._held_bounds[key] = bounds
-        return self._held_bounds[key][tier]
-
-    def first_drop(self, tier: int, n_tokens: int) -> Optional[int]:
+    def first_drop(self, tier: int, n_tokens: int, remember: bool = True) -> Optional[int]:
         """The first boundary at which ``tier`` drops blocks of a request of ``n_tokens`` prompt tokens (None: it
-        never does): one of the prompt's, or, with ``decode_every``, one while decoding."""
+        never does): one of the prompt's, or, with ``decode_every``, one while decoding. ``remember=False``: not kept
+        in the per-length cache the scheduler fills as requests come (a scan over every length would fill it)."""
         key = ("drop", tier, n_tokens)
+        if not remember:
+            return self._layouts.get(key) if key in self._layouts else self._first_drop(tier, n_tokens)
         if key not in self._layouts:
             self._layouts[key] = self._first_drop(tier, n_tokens)
         return self._layouts[key]
@@ -327,33 +305,6 @@ class EnginePlan:
         if first is None:
             return n_tokens
         return max(0, first - self.settings.window) // self.block_size * self.block_size
-
-    def request_peak_tokens(self, tier: int, max_model_len: int, max_in_flight_tokens: int, shared: bool) -> int:
-        """The most slots (whole blocks, in tokens) one request of at most ``max_model_len`` tokens holds in ``tier``:
-        ``held_tokens_bound``, and with prefix caching (``shared``) the step of its first compaction, which holds the
-        prompt's blocks up to there (shared until the step ends) and the private blocks its kept tokens go to."""
-        peak = -(-self.held_tokens_bound(tier, max_model_len, max_in_flight_tokens) // self.block_size)
-        if shared:
-            key = ("peak", max_model_len)
-            if key not in self._held_bounds:
-                peaks = [0] * self.num_tiers
-                with warnings.catch_warnings():
-                    warnings.simplefilter("ignore", PromptTooShortWarning)
-                    # Every prompt length, computed without the per-length caches the scheduler fills as requests
-                    # come: a scan of a long context would hold them all.
-                    for n in range(1, max_model_len + 1):
-                        drops = [self._first_drop(t, n) for t in range(self.num_tiers)]
-                        first = min((b for b in drops if b is not None), default=None)
-                        shared_blocks = (n if first is None else min(first, n)) // self.block_size
-                        for t, rewrite_at in enumerate(drops):
-                            if rewrite_at is None or rewrite_at > max_model_len:
-                                continue
-                            private = shared_blocks - self.dropped_blocks(t, n, rewrite_at)
-                            if private > 0:
-                                peaks[t] = max(peaks[t], -(-rewrite_at // self.block_size) + private)
-                self._held_bounds[key] = peaks
-            peak = max(peak, self._held_bounds[key][tier])
-        return peak * self.block_size
 
     def tier_layout(self, tier: int, n_tokens: int, shared: bool) -> TierLayout:
         """Where ``tier``'s blocks of an ``n_tokens`` prompt sit (``block_layout``); ``shared``: prefix caching is on,

@@ -1,10 +1,95 @@
-"""The bytes of a vLLM KV cache: what to give an engine as ``kv_cache_memory_bytes`` (imports nothing from vLLM)."""
+"""The memory of a vLLM engine with the plugin: the most one request holds in a tier (what vLLM's start-up check and
+admission size the pool by), and the bytes to give an engine as ``kv_cache_memory_bytes`` (imports nothing from
+vLLM)."""
 
 from __future__ import annotations
 
-from ripplekv_ext.checks import check_int
+import functools
+import warnings
 
-__all__ = ["kv_cache_bytes"]
+from ripplekv_ext.checks import check_int
+from ripplekv_ext.policies import PromptTooShortWarning
+
+__all__ = ["held_tokens_bound", "kv_cache_bytes", "request_peak_tokens"]
+
+
+def held_tokens_bound(plan, tier: int, max_model_len: int, max_in_flight_tokens: int) -> int:
+    """The most tokens a request of at most ``max_model_len`` tokens (prompt and generated) holds in ``tier`` of the
+    engine plan ``plan``.
+
+    Below ``max_model_len`` only with ``prefill_chunk``, ``decode_every`` and ``decode_budget`` together: a prompt
+    read whole holds all of it once, and without a decode budget a short prompt (kept whole, or with an average
+    budget not above the window) generating up to ``max_model_len`` is never compressed again. With all three, a
+    request of an ``n``-token prompt holds at most
+    - while its prompt is read (the scheduler frees up to the last boundary a request has processed, then allocates
+      its next step of at most ``max_in_flight_tokens``): what it kept at a boundary (its final budget), the tokens
+      since (under a chunk), the step and two blocks of rounding, and never more than ``n``;
+    - while it generates: the most a layer of the tier keeps at a decode boundary (its prompt's budget, or the
+      largest block-aligned decode budget at a boundary after ``n``), the ``decode_every`` tokens since, the step
+      and two blocks;
+    the maximum over every ``n`` up to ``max_model_len``, never above it."""
+    settings = plan.settings
+    if settings.prefill_chunk is None or settings.decode_every is None or settings.decode_budget is None:
+        return max_model_len
+    return _held_bounds(plan, max_model_len, max_in_flight_tokens)[tier]
+
+
+@functools.lru_cache(maxsize=64)
+def _held_bounds(plan, max_model_len: int, max_in_flight_tokens: int) -> tuple:
+    chunk, every, block = plan.settings.prefill_chunk, plan.settings.decode_every, plan.block_size
+    slack = max_in_flight_tokens + 2 * block
+    bounds = [0] * plan.num_tiers
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", PromptTooShortWarning)  # short prompts are kept whole: counted so
+        for t in range(plan.num_tiers):
+            decode_kept = _largest_decode_budgets(plan, t, max_model_len)
+            for n in range(1, max_model_len + 1):
+                kept = n - plan.dropped_blocks(t, n) * block
+                prompt = min(n, kept + chunk + slack)
+                later = decode_kept[n + every] if n + every <= max_model_len else 0
+                decoding = max(kept, later) + every + slack
+                bounds[t] = max(bounds[t], prompt, min(max_model_len, decoding))
+    return tuple(bounds)
+
+
+def _largest_decode_budgets(plan, tier: int, max_model_len: int) -> list[int]:
+    """``[b]``: the largest decode budget of ``tier``'s layers at a boundary ``b, b + K, ...`` up to
+    ``max_model_len`` (with ``decode_budget`` it does not depend on the prompt's length)."""
+    every, layer = plan.settings.decode_every, plan.tiers[tier][0]
+    largest = [0] * (max_model_len + every + 1)
+    for b in range(max_model_len, 0, -1):
+        budget = plan.compressor.decode_budgets(b, 1)[layer]
+        largest[b] = max(min(budget, b), largest[b + every])
+    return largest
+
+
+def request_peak_tokens(plan, tier: int, max_model_len: int, max_in_flight_tokens: int, shared: bool) -> int:
+    """The most slots (whole blocks, in tokens) one request of at most ``max_model_len`` tokens holds in ``tier``:
+    ``held_tokens_bound``, and with prefix caching (``shared``) the step of its first compaction, which holds the
+    prompt's blocks up to there (shared until the step ends) and the private blocks its kept tokens go to."""
+    peak = -(-held_tokens_bound(plan, tier, max_model_len, max_in_flight_tokens) // plan.block_size)
+    if shared:
+        peak = max(peak, _compaction_peaks(plan, max_model_len)[tier])
+    return peak * plan.block_size
+
+
+@functools.lru_cache(maxsize=64)
+def _compaction_peaks(plan, max_model_len: int) -> tuple:
+    block = plan.block_size
+    peaks = [0] * plan.num_tiers
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", PromptTooShortWarning)
+        for n in range(1, max_model_len + 1):
+            drops = [plan.first_drop(t, n, remember=False) for t in range(plan.num_tiers)]
+            first = min((b for b in drops if b is not None), default=None)
+            shared_blocks = (n if first is None else min(first, n)) // block
+            for t, rewrite_at in enumerate(drops):
+                if rewrite_at is None or rewrite_at > max_model_len:
+                    continue
+                private = shared_blocks - plan.dropped_blocks(t, n, rewrite_at)
+                if private > 0:
+                    peaks[t] = max(peaks[t], -(-rewrite_at // block) + private)
+    return tuple(peaks)
 
 
 def kv_cache_bytes(model_config, blocks: int, block_size: int, dtype_bytes: int, tensor_parallel_size: int = 1,

@@ -29,7 +29,7 @@ from ripplekv_ext.engines import vllm as plugin  # noqa: E402
 from ripplekv_ext.engines.vllm import checks  # noqa: E402
 from ripplekv_ext.engines.vllm.attention import RippleKVCPUImpl  # noqa: E402
 from ripplekv_ext.engines.vllm.settings import Settings, plan_for  # noqa: E402
-from ripplekv_ext.engines.vllm.sizing import kv_cache_bytes  # noqa: E402
+from ripplekv_ext.engines.vllm.sizing import held_tokens_bound, kv_cache_bytes  # noqa: E402
 from tiny_llama import LLAMA_CONFIG  # noqa: E402
 
 
@@ -214,9 +214,10 @@ def test_bounded_prefill_tokens_equal_compress_and_generate(model_dir, hf_model,
 
 
 def test_a_prompt_longer_than_the_pool_runs_within_its_budget_plus_a_chunk(model_dir, hf_model):
-    # 64 blocks of 32 tokens: 2,048 tokens of every layer. A 3,000-token prompt at 20% keeps 600 per layer.
+    # 64 blocks of 32 tokens: 2,048 tokens of every layer. A 3,000-token prompt at 20% keeps 600 per layer. The pool
+    # holds less than max_model_len, so what a request generates is bounded too (decode_every, decode_budget).
     n, chunk, blocks = 3000, 128, 64
-    ripplekv = {"method": "snapkv", "retention": 0.2, "prefill_chunk": chunk}
+    ripplekv = {"method": "snapkv", "retention": 0.2, "prefill_chunk": chunk, "decode_every": 64, "decode_budget": 640}
     plan = plan_for(Settings.from_config(ripplekv), LAYERS, BLOCK)
     token_list = prompts([n], seed=3)
     with pytest.raises(ValueError, match="max seq len"):  # stock vLLM cannot serve it at all
@@ -258,32 +259,41 @@ def test_two_engines_in_one_process_stepped_in_turn_keep_their_own_windows(model
     assert [outputs[0], outputs[1]] == reference(hf_model, plan.policy, token_lists, new_tokens=8)
 
 
-def test_a_prompt_kept_whole_is_admitted_only_where_it_fits(model_dir, hf_model):
-    # 5% of a prompt up to 640 tokens is not more than the window: such a prompt is kept whole, longer than the budget
-    # of max_model_len's prompt plus a chunk. The start-up check counts it: 11 blocks (352 tokens) cannot hold a
-    # 400-token prompt, and the engine refuses to start rather than prefill, preempt and restart it forever.
-    ripplekv = {"method": "snapkv", "retention": 0.05, "prefill_chunk": 64}
-    plan = plan_for(Settings.from_config(ripplekv), LAYERS, BLOCK)
-    bound = plan.held_tokens_bound(0, 2048, 64)
-    assert bound >= 640
-    needed = -(-bound // BLOCK) + 1  # and vLLM's null block
-    with pytest.raises(ValueError, match=rf"num_gpu_blocks_override=11 cannot hold one sequence of max_model_len=2048 "
-                                         rf".*needs {needed}.*prefill_chunk=64 a request holds at most its budget plus "
-                                         r"a chunk and one scheduler step \(max_num_batched_tokens=64\)"):
-        with engine(model_dir, ripplekv, blocks=11, max_model_len=2048, max_num_batched_tokens=64):
+def test_a_pool_holds_what_a_request_can_reach_and_a_short_prompt_generating_to_max_model_len_runs_in_it(
+        model_dir, hf_model):
+    # Bounded prefill alone bounds a prompt's reading, not its generation: a short prompt (5% of 100 tokens is not
+    # more than the window, so it is kept whole) generating up to max_model_len holds all of it. A pool sized by the
+    # reading alone admitted such a request and hung the engine (preempted and readmitted forever); it is refused.
+    max_len, new = 1024, 900
+    prefill_only = {"method": "snapkv", "retention": 0.05, "prefill_chunk": 64}
+    with pytest.raises(ValueError, match=r"num_gpu_blocks_override=20 cannot hold one sequence of max_model_len=1024 "
+                                         r".*needs 33.*unless prefill_chunk bounds its prompt and decode_every with "
+                                         r"decode_budget bound what it generates"):
+        with engine(model_dir, prefill_only, blocks=20, max_model_len=max_len, max_num_batched_tokens=64):
             pass
     # The same pool given in bytes is refused in the plugin's words (vLLM's own check said "0.0 GiB needed > 0.0 GiB
     # available" for this tiny model), naming the bytes that do hold it; those pass.
-    in_bytes = dict(num_gpu_blocks_override=None, max_model_len=2048, max_num_batched_tokens=64)
-    small, enough = kv_cache_bytes(LLAMA_CONFIG, 11, BLOCK, 4), kv_cache_bytes(LLAMA_CONFIG, needed, BLOCK, 4)
-    with pytest.raises(ValueError, match=rf"kv_cache_memory_bytes={small} \(11 blocks\) cannot hold one sequence of "
-                                         rf"max_model_len=2048 .*needs {needed}.*give at least {enough} bytes"):
-        config(model_dir, ripplekv, kv_cache_memory_bytes=small, **in_bytes)
-    config(model_dir, ripplekv, kv_cache_memory_bytes=enough, **in_bytes)
-    token_lists = prompts([400, 640], seed=6)
-    with engine(model_dir, ripplekv, blocks=needed, max_model_len=2048, max_num_batched_tokens=64) as llm:
-        tokens = greedy(llm, token_lists, new_tokens=8)
-    assert tokens == reference(hf_model, plan.policy, token_lists, new_tokens=8)
+    in_bytes = dict(num_gpu_blocks_override=None, max_model_len=max_len, max_num_batched_tokens=64)
+    small, enough = kv_cache_bytes(LLAMA_CONFIG, 20, BLOCK, 4), kv_cache_bytes(LLAMA_CONFIG, 33, BLOCK, 4)
+    with pytest.raises(ValueError, match=rf"kv_cache_memory_bytes={small} \(20 blocks\) cannot hold one sequence of "
+                                         rf"max_model_len={max_len} .*needs 33.*give at least {enough} bytes"):
+        config(model_dir, prefill_only, kv_cache_memory_bytes=small, **in_bytes)
+    config(model_dir, prefill_only, kv_cache_memory_bytes=enough, **in_bytes)
+    # With decode_every and decode_budget too, a request holds at most its budget plus a chunk or decode_every tokens
+    # and a step: the pool that bound asks for runs the short prompt to max_model_len, and a long one, each equal to
+    # the hook.
+    bounded = {**prefill_only, "decode_every": 64, "decode_budget": 96}
+    plan = plan_for(Settings.from_config(bounded), LAYERS, BLOCK)
+    needed = -(-held_tokens_bound(plan, 0, max_len, 64) // BLOCK) + 1  # and vLLM's null block
+    assert needed < 33
+    with pytest.raises(ValueError, match=rf"num_gpu_blocks_override={needed - 1} cannot hold .*needs {needed}.*"
+                                         r"prefill_chunk=64 and decode_every=64 a request holds at most its budget"):
+        with engine(model_dir, bounded, blocks=needed - 1, max_model_len=max_len, max_num_batched_tokens=64):
+            pass
+    short, long = prompts([100, 900], seed=6)
+    with engine(model_dir, bounded, blocks=needed, max_model_len=max_len, max_num_batched_tokens=64) as llm:
+        assert greedy(llm, [short], new_tokens=new) == reference(hf_model, plan.policy, [short], new_tokens=new)
+        assert greedy(llm, [long], new_tokens=8) == reference(hf_model, plan.policy, [long], new_tokens=8)
 
 
 def test_bounded_prefill_settings_are_refused_by_name(model_dir):

@@ -18,6 +18,7 @@ import ripplekv_ext.engines.vllm.attention as plugin_attention  # noqa: E402
 from harness import (BLOCK, LAYERS, NEW_TOKENS, engine, prompts, reference, run_first_then_rest,  # noqa: E402
                      scheduler, shared_prefix_prompts)
 from ripplekv_ext.engines.vllm.settings import Settings, plan_for  # noqa: E402
+from ripplekv_ext.engines.vllm.sizing import request_peak_tokens  # noqa: E402
 
 
 @pytest.fixture
@@ -189,7 +190,7 @@ def test_a_pool_that_cannot_hold_a_compaction_s_private_blocks_beside_the_shared
     plan = plan_for(Settings.from_config(ripplekv), LAYERS, BLOCK)
     layout = plan.tier_layout(0, 440, True)
     assert (layout.rewrite_at, layout.private) == (440, 2)
-    assert plan.request_peak_tokens(0, 448, 512, True) == (14 + 3) * BLOCK
+    assert request_peak_tokens(plan, 0, 448, 512, True) == (14 + 3) * BLOCK
     with pytest.raises(ValueError, match=r"num_gpu_blocks_override=15 cannot hold one sequence of max_model_len=448 "
                                          r".*needs 18.*enable_prefix_caching a request's first compaction writes its "
                                          r"kept tokens to private blocks"):
