@@ -13,6 +13,7 @@ from ripplekv_ext.selection.cake import CakeSelector
 from ripplekv_ext.selection.adakv import AdaKVSelector
 from ripplekv_ext.policies import Policy
 from ripplekv_ext.budgets.tiers import TieredAllocator, tier_counts
+from ripplekv_ext.budgets.plan import BudgetPlan
 from ripplekv_ext.selection.compressor import CompressionStep, KVCompressor
 from ripplekv_ext.transformers_front.compress_block import compress
 from ripplekv_ext.transformers_front.context import compress_context, continue_context, load_context
@@ -29,5 +30,6 @@ __all__ = ["build_report", "cuda_built", "cuda_version", "gather_kv", "gather_kv
            "streaming_indices", "Allocator", "UniformAllocator", "PyramidKVAllocator", "RippleKVAllocator",
            "RippleKVRatioAllocator", "CakeAllocator", "TieredAllocator", "tier_counts", "Policy", "Selector",
            "ScoredSelector", "SnapKVSelector", "PeakSpanSelector", "KeyNormSelector", "H2OSelector",
-           "StreamingLLMSelector", "CakeSelector", "AdaKVSelector", "KVCompressor", "CompressionStep", "compress",
+           "StreamingLLMSelector", "CakeSelector", "AdaKVSelector", "BudgetPlan", "KVCompressor", "CompressionStep",
+           "compress",
            "compress_context", "continue_context", "load_context"]

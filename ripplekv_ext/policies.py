@@ -61,7 +61,7 @@ class Policy:
             prompts with long generations (a prompt too short for its retention is otherwise never compressed).
         prefill_chunk: ``C``, bounded prefill: inside ``compress(model, policy)``, ``model.generate`` reads a prompt
             in chunks of ``C`` tokens (transformers' ``prefill_chunk_size``) and after every chunk each layer keeps
-            at most its budget for the whole prompt (``KVCompressor.chunk_budgets``), scored by the newest ``W``
+            at most its budget for the whole prompt (``BudgetPlan.chunk``), scored by the newest ``W``
             queries; each chunk attends to the compressed cache of the chunks before it, so a prompt never holds
             more than its budget plus one chunk (docs/design.md §4, "Bounded (rolling) prefill"). ``C > window``; a
             chunk at least as long as the prompt is one-shot compression. ``None`` (default): one-shot, unless
@@ -162,7 +162,7 @@ class Policy:
         rows = zip(planned, n_tokens) if isinstance(planned, list) else [(planned, n_tokens)]
         if self.reads_attention and any(budget is not None and budget < n for budget, n in rows):
             raise ValueError(f"{self.allocator!r} reads every layer's attention for its budgets: call "
-                             "attention_budgets({layer: (queries, keys, scale), ...}, n_tokens) after every layer's "
+                             "plan.from_attention({layer: (queries, keys, scale), ...}, n_tokens) after every layer's "
                              f"prefill and pass each layer's {argument}= (without it they would be the even plan)")
         return planned
 

@@ -157,7 +157,7 @@ class ServingSession:
 
     def tier_budgets(self, n_tokens: int) -> list[int]:
         """Tokens kept per KV head by each tier after an ``n_tokens`` prefill (``n_tokens`` where nothing is cut)."""
-        budgets = self.compressor.budgets(n_tokens)
+        budgets = self.compressor.plan.prompt(n_tokens)
         out = []
         for tier in self.tiers:
             values = {budgets[layer] for layer in tier}

@@ -1,22 +1,25 @@
 """KVCompressor: a policy applied layer by layer, for any inference loop (no transformers needed).
 
-An engine asks ``budgets(n_tokens)`` to plan memory before prefill, then after each layer's prefill calls
-``compress(layer_idx, queries, keys, values)`` and keeps the compact tensors it gets back::
+Budgets are the compressor's ``plan`` (``BudgetPlan``: a prompt, each chunk of a bounded prefill, decoding, each row
+of a batch, CAKE's from attention); the compressor selects and gathers under the budget it is given, or the plan's.
+An engine asks ``plan.prompt(n_tokens)`` (``budgets(n_tokens)``, the same) to plan memory before prefill, then after
+each layer's prefill calls ``compress(layer_idx, queries, keys, values)`` and keeps the compact tensors it gets
+back::
 
     comp = KVCompressor(Policy.ripplekv(profile, retention=0.2), num_layers=30)
-    plan = comp.budgets(n_prompt)                       # [C_0, ..., C_29] tokens per KV head
+    plan = comp.plan.prompt(n_prompt)                   # [C_0, ..., C_29] tokens per KV head
     k_c, v_c = comp.compress(layer, q_post_rope, k, v)  # [B, H_kv, C_layer, D]
 
 A left-padded batch of prompts of different lengths (row ``b``'s ``n_b`` real tokens are positions ``[N - n_b, N)``)
 goes through ``compress_rows(layer_idx, queries, keys, values, lengths)``: each row is compressed as if it were
-alone, with the budgets of its own length (``row_budgets(lengths)``), and the layer's rows come back padded on the
+alone, with the budgets of its own length (``plan.rows(lengths)``), and the layer's rows come back padded on the
 left to its longest row, with a key mask ``[B, C_max]`` marking the real slots (docs/design.md §4, "Batches").
 
 Compression during decoding (``Policy(..., decode_every=K)``) is the same calls again on the whole cache every ``K``
-generated tokens, with ``budget=decode_budgets(n_seen, n_prompt)[layer]`` (a fixed total, split for the length seen
+generated tokens, with ``budget=plan.decode(n_seen, n_prompt)[layer]`` (a fixed total, split for the length seen
 so far) and the post-RoPE queries of the layer's latest ``W`` tokens as the window.
 
-CAKE's budgets come from the prompt's attention (``attention_budgets``, once every layer has read it); AdaKV's heads
+CAKE's budgets come from the prompt's attention (``plan.from_attention``, once every layer has read it); AdaKV's heads
 keep different counts (``compress_heads`` returns the per-head key mask attention must apply).
 
 ``on_compress`` observes every ``compress`` call (benchmarks time the step with it, tests check the budgets) with a
@@ -27,17 +30,17 @@ from __future__ import annotations
 
 import functools
 import time
-import warnings
 from dataclasses import dataclass
 from typing import Callable, Optional, Sequence
 
 import torch
 from torch import Tensor
 
-from ripplekv_ext.checks import check_int, is_integer
+from ripplekv_ext.budgets.plan import BudgetPlan, as_lengths
+from ripplekv_ext.checks import is_integer
 from ripplekv_ext.model_info import compressible_layers, text_config
 from ripplekv_ext.ops import gather_kv
-from ripplekv_ext.policies import Policy, PromptTooShortWarning
+from ripplekv_ext.policies import Policy
 
 __all__ = ["KVCompressor", "CompressionStep"]
 
@@ -85,110 +88,40 @@ class KVCompressor:
 
     def __init__(self, policy: Policy, num_layers: int, compressible_layers: Optional[Sequence[int]] = None,
                  on_compress: Optional[CompressionObserver] = None):
-        if not isinstance(policy, Policy):
-            raise TypeError(f"policy must be a ripplekv_ext.Policy, got {type(policy).__name__}")
-        num_layers = check_int("num_layers", num_layers, 1)
-        layers = list(range(num_layers)) if compressible_layers is None else list(compressible_layers)
-        # int() would quietly turn 1.5 or True into layer 1.
-        bad = [i for i in layers if not is_integer(i) or not 0 <= i < num_layers]
-        if bad or len(set(layers)) != len(layers):
-            raise ValueError(f"compressible_layers must be distinct indices in [0, {num_layers}), got {layers}")
-        layers = [int(i) for i in layers]
         if on_compress is not None and not callable(on_compress):
             raise TypeError(f"on_compress must be callable or None, got {type(on_compress).__name__}")
+        self.plan = BudgetPlan(policy, num_layers, compressible_layers)
         self.on_compress = on_compress
         self.policy = policy
-        self.num_layers = num_layers
-        self.compressible_layers = sorted(layers)
-        self._slot = {layer: k for k, layer in enumerate(self.compressible_layers)}
-        self._plans: dict[int, list[int]] = {}
-        self._decode_plans: dict[tuple[int, int], list[int]] = {}  # (n_tokens, prompt_tokens) -> plan
+        self.num_layers = self.plan.num_layers
+        self.compressible_layers = self.plan.compressible_layers
 
     @classmethod
     def for_model(cls, model, policy: Policy, on_compress: Optional[CompressionObserver] = None) -> "KVCompressor":
         """Compressor for a transformers model: its full-attention layers are the compressible ones."""
         return cls(policy, text_config(model).num_hidden_layers, compressible_layers(model), on_compress)
 
-    def _plan(self, n_tokens: int) -> list[int]:
-        plan = self._plans.get(n_tokens)
-        if plan is None:
-            plan = self.policy.layer_budgets(len(self.compressible_layers), n_tokens, self.compressible_layers)
-            self._plans[n_tokens] = plan
-        return plan
+    # The budgets are the plan's (``BudgetPlan``): these names stay for the code written against them.
 
     def budgets(self, n_tokens: int) -> list[Optional[int]]:
-        """Tokens kept per KV head by each layer after an ``n_tokens`` prefill, indexed by layer.
-
-        ``None`` marks a layer the policy does not manage (its cache is whatever the model keeps there); a
-        budget equal to ``n_tokens`` means the layer stays uncompressed.
-        """
-        plan = self._plan(n_tokens)
-        out: list[Optional[int]] = [None] * self.num_layers
-        for layer, budget in zip(self.compressible_layers, plan):
-            out[layer] = budget
-        return out
+        """``plan.prompt``: tokens kept per KV head by each layer after an ``n_tokens`` prefill, indexed by layer."""
+        return self.plan.prompt(n_tokens)
 
     def attention_budgets(self, windows: dict, n_tokens: int) -> list[Optional[int]]:
-        """``budgets(n_tokens)`` read from one prompt's attention, for a policy whose allocator ``reads_attention``
-        (CAKE): ``windows[layer] = (queries, keys, scale)`` of each compressible layer after an ``n_tokens`` prefill,
-        its post-RoPE window queries ``[1, H_q, W', D]``, keys ``[1, H_kv, N, D]`` and softmax scale (None:
-        ``1/sqrt(D)``). Other policies: ``budgets(n_tokens)``."""
-        plan, allocator, layers = self.budgets(n_tokens), self.policy.allocator, self.compressible_layers
-        if not self.policy.reads_attention or all(plan[layer] == n_tokens for layer in layers):
-            return plan
-        if any(layer not in windows for layer in layers):
-            raise ValueError(f"{allocator!r} reads every compressible layer's attention: no window for layers "
-                             f"{[layer for layer in layers if layer not in windows]}")
-        for layer in layers:
-            keys = windows[layer][1]
-            if keys.dim() != 4 or keys.shape[0] != 1 or keys.shape[2] != n_tokens:
-                raise ValueError(f"{allocator!r} reads one prompt's attention: layer {layer}'s keys must be "
-                                 f"[1, H_kv, {n_tokens}, D], got {list(keys.shape)}")
-        preferences = [allocator.preference(windows[layer][0], windows[layer][1], self.policy.window,
-                                            windows[layer][2]) for layer in layers]
-        for layer, budget in zip(layers, self.policy.attention_layer_budgets(preferences, n_tokens, layers)):
-            plan[layer] = budget
-        return plan
+        """``plan.from_attention``: the budgets read from one prompt's attention (CAKE)."""
+        return self.plan.from_attention(windows, n_tokens)
 
     def layer_budget(self, layer_idx: int, n_tokens: int) -> Optional[int]:
-        """Budget of one layer (``None`` if the layer is not compressible)."""
-        self._check_layer(layer_idx)
-        slot = self._slot.get(layer_idx)
-        return None if slot is None else self._plan(n_tokens)[slot]
+        """``plan.layer``: one layer's budget (``None`` if the layer is not compressible)."""
+        return self.plan.layer(layer_idx, n_tokens)
 
     def chunk_budgets(self, n_read: int, n_total: Optional[int] = None) -> list[Optional[int]]:
-        """Tokens each layer keeps after the first ``n_read`` tokens of a prompt read in chunks (docs/design.md §4,
-        "Bounded (rolling) prefill"), indexed by layer like ``budgets``: with the whole prompt's length ``n_total``
-        known, its final budget ``budgets(n_total)``, as the allocator rounds it part-way (``chunk_budget``: all
-        tokens read up to the budget); else the budgets of a prompt of ``n_read`` tokens. After the last chunk
-        (``n_read == n_total``) both are ``budgets(n_total)``."""
-        n_read = check_int("n_read", n_read, 1)
-        if n_total is None:
-            with warnings.catch_warnings():  # a first chunk too short to compress is no mistake
-                warnings.simplefilter("ignore", PromptTooShortWarning)
-                return self.budgets(n_read)
-        n_total = check_int("n_total", n_total, n_read)
-        final = self.budgets(n_total)
-        allocator = self.policy.allocator
-        return [None if budget is None else
-                n_read if allocator is None else allocator.chunk_budget(budget, n_read) for budget in final]
+        """``plan.chunk``: what each layer keeps part-way through a prompt read in chunks."""
+        return self.plan.chunk(n_read, n_total)
 
     def decode_budgets(self, n_tokens: int, prompt_tokens: int) -> list[Optional[int]]:
-        """Tokens each layer keeps when it re-selects during decoding (``policy.decode_every``), ``n_tokens``
-        (prompt + generated) having been seen after a ``prompt_tokens`` prompt; indexed by layer like ``budgets``.
-        The total over the layers is fixed for the whole generation (``Policy.decode_layer_budgets``)."""
-        key = (n_tokens, prompt_tokens)
-        plan = self._decode_plans.get(key)
-        if plan is None:  # every layer (and every row of equal length) asks for the same plan at a step
-            if len(self._decode_plans) >= 256:  # lengths only grow: old plans are not asked for again
-                self._decode_plans.clear()
-            plan = self.policy.decode_layer_budgets(len(self.compressible_layers), n_tokens, prompt_tokens,
-                                                    self.compressible_layers)
-            self._decode_plans[key] = plan
-        out: list[Optional[int]] = [None] * self.num_layers
-        for layer, budget in zip(self.compressible_layers, plan):
-            out[layer] = budget
-        return out
+        """``plan.decode``: what each layer keeps when it re-selects during decoding."""
+        return self.plan.decode(n_tokens, prompt_tokens)
 
     def select(self, layer_idx: int, queries: Tensor, keys: Tensor,
                scale: Optional[float] = None, budget: Optional[int] = None,
@@ -255,16 +188,12 @@ class KVCompressor:
     # -- left-padded batches: every row compressed as if it were alone ----------------------------------------
 
     def row_budgets(self, lengths) -> list[list[Optional[int]]]:
-        """``budgets(n_b)`` for each row ``b``: ``[row][layer]``. A row with no real token keeps nothing (0)."""
-        nothing = [0 if layer in self._slot else None for layer in range(self.num_layers)]
-        return [self.budgets(n) if n > 0 else nothing for n in _as_lengths(lengths)]
+        """``plan.rows``: ``[row][layer]`` budgets for each row's length. A row with no real token keeps nothing."""
+        return self.plan.rows(lengths)
 
     def layer_row_budgets(self, layer_idx: int, lengths) -> Optional[list[int]]:
-        """The policy's budget of one layer for each row's length (``None`` if the layer is not compressible)."""
-        self._check_layer(layer_idx)
-        if layer_idx not in self._slot:
-            return None
-        return [self.layer_budget(layer_idx, n) if n > 0 else 0 for n in _as_lengths(lengths)]
+        """``plan.layer_rows``: one layer's budget for each row's length (``None`` if it is not compressible)."""
+        return self.plan.layer_rows(layer_idx, lengths)
 
     def select_rows(self, layer_idx: int, queries: Tensor, keys: Tensor, lengths,
                     scale: Optional[float] = None, budgets=None, values: Optional[Tensor] = None) -> Optional[Tensor]:
@@ -325,48 +254,28 @@ class KVCompressor:
         return keys_c, values_c, key_mask
 
     def _budget(self, layer_idx: int, n_tokens: int, budget: Optional[int]) -> Optional[int]:
-        """The given budget (checked), or the policy's for an ``n_tokens`` prompt; None: layer not compressible."""
+        """The given budget (checked), or the plan's for an ``n_tokens`` prompt; None: layer not compressible."""
         if budget is None:
-            return self.policy.layer_alone_budget(self.layer_budget(layer_idx, n_tokens), n_tokens, "budget")
-        if not self._is_compressible(layer_idx):
+            return self.policy.layer_alone_budget(self.plan.layer(layer_idx, n_tokens), n_tokens, "budget")
+        if not self.plan.is_compressible(layer_idx):
             return None
         return _check_budget("budget", budget, self.policy.window, n_tokens)
 
     def _row_budgets(self, layer_idx: int, lengths: tuple[int, ...], budgets) -> Optional[list[int]]:
         if budgets is None:
-            return self.policy.layer_alone_budget(self.layer_row_budgets(layer_idx, lengths), lengths, "budgets")
-        if not self._is_compressible(layer_idx):
+            return self.policy.layer_alone_budget(self.plan.layer_rows(layer_idx, lengths), lengths, "budgets")
+        if not self.plan.is_compressible(layer_idx):
             return None
-        budgets = list(_as_lengths(budgets, "budgets"))
+        budgets = list(as_lengths(budgets, "budgets"))
         if len(budgets) != len(lengths):
             raise ValueError(f"budgets must hold one budget per row ({len(lengths)}), got {len(budgets)}")
         for row, (budget, length) in enumerate(zip(budgets, lengths)):
             _check_budget(f"budgets[{row}]", budget, self.policy.window, length)
         return budgets
 
-    def _is_compressible(self, layer_idx: int) -> bool:
-        self._check_layer(layer_idx)
-        return layer_idx in self._slot
-
-    def _check_layer(self, layer_idx: int) -> None:
-        if isinstance(layer_idx, bool) or not isinstance(layer_idx, int) or not 0 <= layer_idx < self.num_layers:
-            raise ValueError(f"layer_idx must be an integer in [0, {self.num_layers}), got {layer_idx!r}")
-
     def __repr__(self):
         return (f"KVCompressor({self.policy.name}, num_layers={self.num_layers}, "
                 f"compressible_layers={self.compressible_layers})")
-
-
-def _as_lengths(lengths, name: str = "lengths") -> tuple[int, ...]:
-    if isinstance(lengths, Tensor):
-        if lengths.dim() != 1 or lengths.dtype.is_floating_point or lengths.dtype == torch.bool:
-            raise ValueError(f"{name} must be an integer tensor [B], got {lengths.dtype} of shape "
-                             f"{list(lengths.shape)}")
-        return tuple(int(x) for x in lengths.tolist())
-    values = tuple(lengths)
-    if not all(is_integer(x) for x in values):
-        raise ValueError(f"{name} must be integers (one per row), got {list(values)}")
-    return tuple(int(x) for x in values)
 
 
 def _check_budget(name: str, budget, window: int, n_tokens: int) -> int:
@@ -378,7 +287,7 @@ def _check_budget(name: str, budget, window: int, n_tokens: int) -> int:
 
 
 def _check_lengths(lengths, batch: int, n_tokens: int) -> tuple[int, ...]:
-    lengths = _as_lengths(lengths)
+    lengths = as_lengths(lengths)
     if len(lengths) != batch:
         raise ValueError(f"lengths must hold one length per row ({batch}), got {len(lengths)}")
     bad = [row for row, n in enumerate(lengths) if not 0 <= n <= n_tokens]

@@ -1,7 +1,7 @@
 """Bounded (rolling) prefill in a ``compress`` block: which forwards are chunks of one prompt (docs/design.md §4).
 
 A prompt read in chunks (one cache, several forwards) is compressed after every chunk: each layer keeps at most its
-budget (``KVCompressor.chunk_budgets``), so it never holds more than its budget plus one chunk, and each chunk attends
+budget (``BudgetPlan.chunk``), so it never holds more than its budget plus one chunk, and each chunk attends
 to the compressed cache of the chunks before it. A block must know which forwards are such chunks (a multi-token
 forward over a compressed cache is otherwise a continuation, kept whole: a question after a compressed context):
 
@@ -205,7 +205,7 @@ def row_read(lengths: Optional[Tensor], batch: int, seen: int) -> list[int]:
 
 
 def chunk_row_budgets(compressor, layer_idx: int, read: Sequence[int], prompt: ChunkedPrompt) -> list[int]:
-    """The budget of one layer for each row after a chunk: ``chunk_budgets`` of the row's tokens read so far (0:
+    """The budget of one layer for each row after a chunk: ``BudgetPlan.chunk`` of the row's tokens read so far (0:
     a row that has read none keeps none)."""
     out = []
     for row, n_read in enumerate(read):
@@ -216,7 +216,7 @@ def chunk_row_budgets(compressor, layer_idx: int, read: Sequence[int], prompt: C
         if total is not None and n_read > total:
             raise ValueError(f"row {row} has read {n_read} prompt tokens, more than the {total} given as its "
                              "prompt_tokens")
-        out.append(compressor.chunk_budgets(n_read, total)[layer_idx])
+        out.append(compressor.plan.chunk(n_read, total)[layer_idx])
     return out
 
 

@@ -17,7 +17,7 @@ A ``CompressedLayer`` still reports the number of tokens *seen* as its sequence 
 
 Compression during decoding (``Policy(..., decode_every=K)``): every compressed layer also keeps the post-RoPE
 queries of its newest ``W`` tokens; once ``K`` tokens have been added since its last selection it selects down to
-its budget again over its whole cache (``KVCompressor.decode_budgets``: a fixed total, split for the length seen so
+its budget again over its whole cache (``BudgetPlan.decode``: a fixed total, split for the length seen so
 far), with those queries as the window, right after the attention call that brought it there. A layer so never
 holds more than its budget plus ``K`` tokens (plus the rest of a multi-token chunk that crossed ``K``). Rows of a
 batch each get their own budgets, as at prefill.
@@ -86,7 +86,7 @@ class CompressionSession:
 
     def chunked_prefill(self, prompt_tokens=None, padded_total: Optional[int] = None):
         """Inside this context manager the forwards of this thread are chunks of one prompt, read into an empty
-        cache: after each, every layer keeps at most its budget (``KVCompressor.chunk_budgets``), scored by the
+        cache: after each, every layer keeps at most its budget (``BudgetPlan.chunk``), scored by the
         newest ``W`` queries. ``prompt_tokens``: the whole prompt's real tokens (an int, or one per row of a
         left-padded batch) when known, so that each layer keeps its final budget from the first chunk on; None:
         each chunk keeps the budgets of the tokens read so far. ``padded_total``: the prompt's padded length (when
@@ -181,7 +181,7 @@ class CompressionSession:
         allocator that ``reads_attention``: CAKE)."""
         from ripplekv_ext.integrations.transformers import compress_layer
         n = next(iter(held.values()))[1].shape[2]
-        budgets = self.compressor.attention_budgets({layer: (queries, keys, scale) for layer, (queries, keys, _,
+        budgets = self.compressor.plan.from_attention({layer: (queries, keys, scale) for layer, (queries, keys, _,
                                                      scale) in held.items()}, n)
         for layer_idx, (queries, keys, values, scale) in held.items():
             row_kept = compress_layer(self.cache, layer_idx, queries, keys, values, self.compressor,
@@ -251,7 +251,7 @@ def compress(model, policy: Policy, attention: Optional[str] = None,
             prefill (layer, queries/keys/values in, kept keys/values/indices out, budget, seconds), and after each
             re-selection during decoding when the policy has ``decode_every``.
 
-    Yields the ``CompressionSession`` (``.compressor.budgets(n)`` is the plan; ``.last_budgets`` what the last
+    Yields the ``CompressionSession`` (``.compressor.plan.prompt(n)`` is the plan; ``.last_budgets`` what the last
     prefill kept). On exit, even after an exception, the model's attention implementation is restored, the
     forward hook removed and the registration withdrawn.
 

@@ -156,7 +156,7 @@ def test_compressing_a_layer_without_its_budget_is_refused_not_planned_evenly():
     compressor = KVCompressor(Policy.cake(0.25, window=8), num_layers=4)
     windows = _windows(4)
     q, k, _ = windows[0]
-    with pytest.raises(ValueError, match=r"reads every layer's attention .* attention_budgets.* pass each layer's "
+    with pytest.raises(ValueError, match=r"reads every layer's attention .* plan.from_attention.* pass each layer's "
                                          r"budget= \(without it they would be the even plan"):
         compressor.compress(0, q, k, k)
     with pytest.raises(ValueError, match="pass each layer's budgets="):

@@ -183,11 +183,14 @@ class EnginePlan:
                                           prefill_chunk=chunk)
         self.tiers = tiered.tiers(layers, settings.window)
         self.tier_of = {layer: t for t, tier in enumerate(self.tiers) for layer in tier}
+        # The workers' selection and compaction, and the plan of every budget the scheduler and the workers share;
+        # this plan adds the tiers and the blocks.
         self.compressor = KVCompressor(self.policy, num_layers, layers)
+        self.budgets = self.compressor.plan
         self._decode_drops: dict[tuple[int, int], dict[int, int]] = {}  # (tier, prompt) -> boundary -> dropped
         self._layouts: dict[tuple, object] = {}  # per prompt length, read by the scheduler at every step
         # Profile problems (a profile for another layer count) surface here, when the engine starts.
-        self.compressor.budgets(max(4 * settings.window, 1024))
+        self.budgets.prompt(max(4 * settings.window, 1024))
 
     @property
     def num_tiers(self) -> int:
@@ -195,7 +198,7 @@ class EnginePlan:
 
     def tier_budget(self, tier: int, n_tokens: int) -> int:
         """Tokens each layer of ``tier`` keeps of an ``n_tokens`` prompt (``n_tokens``: nothing dropped)."""
-        return self.compressor.layer_budget(self.tiers[tier][0], n_tokens)
+        return self.budgets.layer(self.tiers[tier][0], n_tokens)
 
     def dropped_blocks(self, tier: int, n_tokens: int, read: Optional[int] = None) -> int:
         """Whole blocks ``tier`` frees once an ``n_tokens`` prompt is compressed (its first ones), or, with
@@ -205,13 +208,13 @@ class EnginePlan:
             return self._decode_dropped(tier, n_tokens, read)
         if read is None or read >= n_tokens:
             return (n_tokens - self.tier_budget(tier, n_tokens)) // self.block_size
-        kept = self.compressor.chunk_budgets(read, n_tokens)[self.tiers[tier][0]]
+        kept = self.budgets.chunk(read, n_tokens)[self.tiers[tier][0]]
         return (read - kept) // self.block_size
 
     def _decode_dropped(self, tier: int, n_tokens: int, read: int) -> int:
         """``dropped_blocks`` after a compaction while decoding, at ``read = n + j K``: the layer holds what it kept
         at the previous boundary plus ``K`` tokens and keeps ``min(its decode budget, what it holds)``, as the
-        hook's re-selection does (``KVCompressor.decode_budgets``: block-aligned, so what it drops is whole blocks).
+        hook's re-selection does (``BudgetPlan.decode``: block-aligned, so what it drops is whole blocks).
         Each boundary's answer builds on the one before: computed forwards from the last one known."""
         every = self.settings.decode_every
         if len(self._decode_drops) > 4096:  # prompt lengths come and go; a request asks in increasing order
@@ -225,7 +228,7 @@ class EnginePlan:
         dropped = known[start - every] if start - every > n_tokens else self.dropped_blocks(tier, n_tokens)
         layer = self.tiers[tier][0]
         for boundary in range(start, read + 1, every):
-            budget = self.compressor.decode_budgets(boundary, n_tokens)[layer]
+            budget = self.budgets.decode(boundary, n_tokens)[layer]
             if budget < boundary - dropped * self.block_size:
                 dropped = (boundary - budget) // self.block_size
             known[boundary] = dropped

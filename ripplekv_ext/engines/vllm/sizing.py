@@ -58,7 +58,7 @@ def _largest_decode_budgets(plan, tier: int, max_model_len: int) -> list[int]:
     every, layer = plan.settings.decode_every, plan.tiers[tier][0]
     largest = [0] * (max_model_len + every + 1)
     for b in range(max_model_len, 0, -1):
-        budget = plan.compressor.decode_budgets(b, 1)[layer]
+        budget = plan.budgets.decode(b, 1)[layer]
         largest[b] = max(min(budget, b), largest[b + every])
     return largest
 

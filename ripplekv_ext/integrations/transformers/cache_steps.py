@@ -131,7 +131,7 @@ def reselect_layer(layer: CompressedLayer, layer_idx: int, compressor: KVCompres
     """Select a compressed layer down to ``budgets`` (one per row; default: its decode budgets) again, its newest
     window kept, with its remembered newest queries as the window."""
     if budgets is None:
-        budgets = [compressor.decode_budgets(seen, prompt)[layer_idx]
+        budgets = [compressor.plan.decode(seen, prompt)[layer_idx]
                    for seen, prompt in zip(layer.seen_per_row(), layer.prompt_lengths.tolist())]
     queries, keys, values = layer.recent_queries, layer.keys, layer.values
     if layer.key_mask is None and len(set(budgets)) == 1:
@@ -160,7 +160,7 @@ def compressed_cache(cache, steps: dict, compressor: Optional[KVCompressor] = No
     out.layers = [layer if i in steps else copy.deepcopy(layer) for i, layer in enumerate(cache.layers)]
     budgets = None
     if compressor is not None and compressor.policy.reads_attention and steps:
-        budgets = compressor.attention_budgets({layer: (step.queries, step.keys, step.scale)
+        budgets = compressor.plan.from_attention({layer: (step.queries, step.keys, step.scale)
                                                 for layer, step in steps.items()},
                                                next(iter(steps.values())).n_tokens)
     for layer_idx, step in steps.items():

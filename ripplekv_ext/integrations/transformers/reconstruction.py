@@ -145,7 +145,7 @@ def reconstructed_cache(model, context_ids: Tensor, policy, tokenizer, chunk: in
     scores = reconstruction_scores(model, cache, context_ids, layers, prompt_ids, suffix_ids, chunk=chunk,
                                         sink=SINK)
     n, window = context_ids.shape[1], policy.window
-    budgets = compressor.budgets(n)
+    budgets = compressor.plan.prompt(n)
     for layer in layers:
         keys, values = cache.layers[layer].keys, cache.layers[layer].values
         if budgets[layer] < n:

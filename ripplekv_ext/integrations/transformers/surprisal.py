@@ -100,7 +100,7 @@ def surprisal_cache(model, context_ids: Tensor, policy, probe_ids: Tensor, share
         model(input_ids=probe, position_ids=positions, use_cache=True, logits_to_keep=1, **{cache_argument(): cache})
     rewind()
 
-    budgets = compressor.budgets(n + p)
+    budgets = compressor.plan.prompt(n + p)
     for layer in layers:
         keys, values = cache.layers[layer].keys, cache.layers[layer].values
         slots = budgets[layer] - p  # the probe's own slots are not the context's, as in the probe scoring
