@@ -9,18 +9,20 @@ import pytest
 import torch
 
 import ripplekv_ref
-from ripplekv_ext import PeakSpanSelector, SnapKVSelector
+from ripplekv_ext import PeakSpanSelector
+from ripplekv_ext.methods import SELECTORS as METHOD_SELECTORS
 from ripplekv_ref.selectors import peak_span_select
 from conftest import MODEL_SHAPES, synchronize
 
 W = 32
 CASES = [("llama3.1-8b", 16384), ("smollm2-135m", 2048)]
-SELECTORS = {"snapkv": SnapKVSelector(), "peak-span": PeakSpanSelector(value_weighted=False),
-             "peak-span-value-weighted": PeakSpanSelector()}
+# The package's selectors by their method names, and the previous default (PeakSpan without the values' weights).
+SELECTORS = {"snapkv": METHOD_SELECTORS["snapkv"](), "peak-span": METHOD_SELECTORS["peak-span"](),
+             "peak-span-unweighted": PeakSpanSelector(value_weighted=False)}
 REFERENCES = {
     "snapkv": lambda q, k, v, budget: ripplekv_ref.snapkv_compress(q, k, v, budget)[2],
-    "peak-span": lambda q, k, v, budget: peak_span_select(q, k, budget, W, 0.5),
-    "peak-span-value-weighted": lambda q, k, v, budget: peak_span_select(q, k, budget, W, 0.5, values=v),
+    "peak-span": lambda q, k, v, budget: peak_span_select(q, k, budget, W, 0.5, values=v),
+    "peak-span-unweighted": lambda q, k, v, budget: peak_span_select(q, k, budget, W, 0.5),
 }
 
 

@@ -32,6 +32,7 @@ This is a harness of the source checkout, not part of the installed package.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import platform
@@ -45,6 +46,7 @@ import torch
 import ripplekv_ext
 from ripplekv_ext import Policy
 from ripplekv_ext.jsonio import write_json_atomic
+from ripplekv_ext.methods import make_policy
 from ripplekv_ext.cli.parser import OneLineErrorParser, non_negative_int, one_retention, positive_int
 from ripplekv_ext import TieredAllocator
 from ripplekv_ext.eval.corpus import kjv_text
@@ -153,11 +155,7 @@ def measure_serving(model, tokenizer, profile, args) -> dict:
     pad = model.config.eos_token_id if tokenizer is None else tokenizer.eos_token_id
     generation_config = GenerationConfig(do_sample=False, max_new_tokens=args.new_max, eos_token_id=-1,
                                          pad_token_id=pad)
-    methods = {
-        "snapkv": Policy.snapkv(args.retention),
-        "ripplekv": Policy(TieredAllocator(ripplekv_ext.RippleKVAllocator(profile), args.tiers),
-                           ripplekv_ext.SnapKVSelector(), args.retention),
-    }
+    methods = {name: tiered(name, args.retention, profile, args.tiers) for name in args.methods if name != "full"}
     rows = {}
     print(f"serving: {len(requests)} requests, prompts {args.prompt_min}-{args.prompt_max} tokens, "
           f"{args.new_min}-{args.new_max} new, cache {num_blocks} blocks x {args.page_size} tokens", flush=True)
@@ -203,6 +201,16 @@ def _row_line(name, row):
 
 # ---- tiering KL ----------------------------------------------------------------------------------------------
 
+def tiered(method: str, retention: float, profile, tiers: int) -> Policy:
+    """The package's policy of a method name (``methods.make_policy``) with SnapKV's selection, so that the figures
+    compare budgets alone, and RippleKV's budgets rounded to ``tiers`` equal groups, as a paged cache holds them
+    (uniform budgets are one tier already)."""
+    policy = dataclasses.replace(make_policy(method, retention, profile), selector=ripplekv_ext.SnapKVSelector())
+    if not isinstance(policy.allocator, ripplekv_ext.RippleKVAllocator):
+        return policy
+    return dataclasses.replace(policy, allocator=TieredAllocator(policy.allocator, tiers))
+
+
 def measure_tiering_kl(model, tokenizer, profile, args) -> dict:
     """KL of each policy against the full cache on teacher-forced continuations.
 
@@ -223,8 +231,7 @@ def measure_tiering_kl(model, tokenizer, profile, args) -> dict:
     policies = {}
     for t in args.kl_tiers:
         label = "snapkv (T=1)" if t == 1 else ("ripplekv exact" if t == num_layers else f"ripplekv T={t}")
-        policies[label] = Policy(TieredAllocator(ripplekv_ext.RippleKVAllocator(profile), t),
-                                 ripplekv_ext.SnapKVSelector(), args.retention)
+        policies[label] = tiered("ripplekv", args.retention, profile, t)
     full_fn = continuation_logits_fn(model)
     shared = SharedPrefill(model)
     logits_fns = {name: shared.logits_fn(policy) for name, policy in policies.items()}

@@ -144,6 +144,36 @@ def _private_names_defined_here() -> set[str]:
     return names
 
 
+# What a policy is built of: a dict whose values construct one (not read from methods.py's tables) is a table of
+# methods.
+POLICY_PARTS = re.compile(r"\bPolicy\b|Allocator\b|Selector\b")
+
+
+def _method_tables(path: Path) -> list[str]:
+    """Dict literals of ``path`` mapping two or more method names to policies, allocators or selectors."""
+    from ripplekv_ext.methods import ALLOCATORS, DEFAULT_METHODS, SELECTORS
+
+    names = set(DEFAULT_METHODS) | set(ALLOCATORS) | set(SELECTORS)
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if not isinstance(node, ast.Dict):
+            continue
+        rows = [(key.value, value) for key, value in zip(node.keys, node.values)
+                if isinstance(key, ast.Constant) and key.value in names]
+        if len(rows) >= 2 and any(POLICY_PARTS.search(ast.unparse(value)) for _, value in rows):
+            found.append(f"{_relative(path)}:{node.lineno} {sorted(name for name, _ in rows)}")
+    return found
+
+
+def test_one_method_table():
+    """A method name becomes a policy in ``methods.py`` only (``make_policy``): the package and the benchmarks read
+    it. (Tests walk their own sample policies; the lab builds the variants it compares.)"""
+    tables = [table for path in PACKAGE_FILES + BENCH_FILES if path != PACKAGE / "methods.py"
+              for table in _method_tables(path)]
+    assert tables == []
+    assert _method_tables(PACKAGE / "methods.py")  # the check finds the one table
+
+
 def test_no_private_reach_ins_in_the_package_or_benchmarks():
     private = _private_names_defined_here()
     found = []
