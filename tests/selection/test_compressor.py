@@ -11,8 +11,8 @@ import ripplekv_ref
 from api_tables import Case, INF, NAN, table_tests
 from ripplekv_ext import KVCompressor, Policy
 from ripplekv_ext.budgets.allocators import average_budget
-from ripplekv_ext.selection.selectors import H2OSelector, PeakSpanSelector, Selector
-from policy_samples import profile_like
+from ripplekv_ext.selection.selectors import Selector
+from policy_samples import SAMPLE_NAMES, profile_like, sample_policies
 
 WINDOW = 8
 
@@ -172,15 +172,6 @@ def test_profile_of_a_layer_that_is_not_compressible_is_an_error():
 
 # ---- left-padded batches: compress_rows and select_rows, each row as if alone ------------------------------------
 
-ROW_POLICIES = {
-    "snapkv": Policy.snapkv(0.3, window=WINDOW),
-    "pyramidkv": Policy.pyramidkv(0.3, window=WINDOW),
-    "h2o": Policy.h2o(0.3, window=WINDOW),
-    "streamingllm": Policy.streamingllm(0.3, window=WINDOW),
-    "pyramidkv+h2o": Policy(Policy.pyramidkv(0.3).allocator, H2OSelector(), 0.3, WINDOW),
-    # The value-weighted default selector: reads each row's values too.
-    "pyramidkv+peak-span": Policy(Policy.pyramidkv(0.3).allocator, PeakSpanSelector(), 0.3, WINDOW),
-}
 # The short rows are too short for 30%: left whole, as documented.
 short_rows_left_whole = pytest.mark.filterwarnings("ignore::ripplekv_ext.policies.PromptTooShortWarning")
 
@@ -192,9 +183,9 @@ def _rows_layer(b, n, seed=0, h_kv=2, groups=2, d=16):
 
 
 @short_rows_left_whole
-@pytest.mark.parametrize("policy_name", ["snapkv", "pyramidkv", "h2o", "streamingllm", "pyramidkv+peak-span"])
+@pytest.mark.parametrize("policy_name", SAMPLE_NAMES)
 def test_compress_rows_equals_each_row_alone(policy_name):
-    policy = ROW_POLICIES[policy_name]
+    policy = sample_policies(3)[policy_name]
     comp = KVCompressor(policy, num_layers=3)
     lengths = [64, 40, 5, 0, 20]
     q, k, v = _rows_layer(len(lengths), 64)
@@ -219,11 +210,11 @@ def test_compress_rows_equals_each_row_alone(policy_name):
 
 
 @short_rows_left_whole
-@pytest.mark.parametrize("policy_name", ["snapkv", "h2o", "pyramidkv+h2o", "pyramidkv+peak-span"])
+@pytest.mark.parametrize("policy_name", SAMPLE_NAMES)
 def test_per_row_ops_equal_the_row_loop(policy_name):
     # A scored selector's select_rows runs the per-row ops (one call for the batch); the Selector base's runs each
     # row alone through select (with that row's values, for a selector that reads them).
-    policy = ROW_POLICIES[policy_name]
+    policy = sample_policies(2)[policy_name]
     comp = KVCompressor(policy, num_layers=2)
     lengths = (64, 40, 5, 0, 20, 33)
     q, k, v = _rows_layer(len(lengths), 64, seed=4)

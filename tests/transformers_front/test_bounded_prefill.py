@@ -17,10 +17,10 @@ from ripplekv_ext.eval.tiny_models import tiny_model
 from ripplekv_ext.integrations.transformers import cache_argument, output_cache
 from ripplekv_ext.model_info import compressible_layers
 from ripplekv_ext.policies import PromptTooShortWarning
-from test_hook import GREEDY, MaskedReference, reference_indices, toy_sensitivity
+from policy_samples import WINDOW, sample_policies, toy_sensitivity
+from test_hook import GREEDY, MaskedReference, reference_indices
 
 CACHE = cache_argument()
-WINDOW = 8
 
 
 def _no_eos(model):
@@ -103,12 +103,9 @@ def _max_diff(a, b):
     return max((x - y).abs().max().item() for x, y in zip(a, b))
 
 
-POLICIES = {
-    "snapkv": Policy.snapkv(0.2, window=WINDOW),
-    "ripplekv": Policy.ripplekv(toy_sensitivity(4), 0.2, window=WINDOW),
-    "pyramidkv": Policy.pyramidkv(0.25, window=WINDOW),
-    "streamingllm": Policy.streamingllm(0.2, window=WINDOW),
-}
+# The sample policies that can select again after each chunk (H2O scores with every prompt query: refused).
+POLICIES = {name: policy for name, policy in sample_policies(4, retention=0.2).items()
+            if policy.reselection_refusal() is None}
 
 
 @pytest.mark.parametrize("name", list(POLICIES))

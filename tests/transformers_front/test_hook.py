@@ -20,6 +20,7 @@ import torch
 
 import ripplekv_ref
 from api_tables import Case, table_tests
+from policy_samples import SAMPLE_NAMES, WINDOW, sample_policies, toy_sensitivity
 from ripplekv_ext import Policy, compress, compress_context, continue_context
 from ripplekv_ext.budgets.allocators import average_budget
 from ripplekv_ext.eval.tiny_models import TINY_ARCHS, tiny_model
@@ -40,30 +41,11 @@ from ripplekv_ext.integrations.transformers import cache_argument, output_cache 
 # The cache argument's name: `cache`, or `past_key_values` in the oldest supported transformers.
 CACHE = cache_argument()
 
-WINDOW = 8
 GREEDY = dict(do_sample=False, temperature=None, top_p=None, top_k=None, pad_token_id=0)
 
 
 def prompt_ids(batch=2, n=96, seed=0, vocab=512):
     return torch.randint(3, vocab, (batch, n), generator=torch.Generator().manual_seed(seed))
-
-
-def toy_sensitivity(num_layers):
-    # A fixed, uneven profile (not measured): enough to make RippleKV budgets differ across layers.
-    return [1.0 + ((7 * i) % 5) * 0.4 for i in range(num_layers)]
-
-
-def _policies(num_compressible):
-    return {
-        "snapkv": Policy.snapkv(0.3, window=WINDOW),
-        "pyramidkv": Policy.pyramidkv(0.3, window=WINDOW),
-        "ripplekv": Policy.ripplekv(toy_sensitivity(num_compressible), 0.3, window=WINDOW),
-        "h2o": Policy.h2o(0.3, window=WINDOW),
-        "streamingllm": Policy.streamingllm(0.3, window=WINDOW),
-        "pyramidkv+h2o": Policy(Policy.pyramidkv(0.3).allocator, H2OSelector(), 0.3, WINDOW),
-        "ripplekv+snapkv": Policy.ripplekv(toy_sensitivity(num_compressible), 0.3, window=WINDOW,
-                                           selector=SnapKVSelector()),
-    }
 
 
 @torch.no_grad()
@@ -176,7 +158,7 @@ def test_budget_at_prompt_length_equals_stock(arch):
 ])
 def test_compressed_decoding_matches_masked_reference(arch, policy_name):
     model = tiny_model(arch)
-    policy = _policies(len(compressible_layers(model)))[policy_name]
+    policy = sample_policies(len(compressible_layers(model)))[policy_name]
     ids, cont = prompt_ids(), prompt_ids(n=5, seed=1)
     with compress(model, policy) as session:
         ours, cache = prefill_then_continue(model, ids, cont)
@@ -248,12 +230,12 @@ def _cache_bytes(cache, layers):
                for i in layers)
 
 
-@pytest.mark.parametrize("policy_name", list(_policies(2)))
+@pytest.mark.parametrize("policy_name", SAMPLE_NAMES)
 @pytest.mark.parametrize("arch,dtype", [("llama", torch.float32), ("gemma3", torch.bfloat16)])
 def test_cache_bytes_equal_the_budgets(arch, dtype, policy_name):
     model = tiny_model(arch).to(dtype)
     layers = compressible_layers(model)
-    policy = _policies(len(layers))[policy_name]
+    policy = sample_policies(len(layers))[policy_name]
     ids = prompt_ids(n=120)
     with compress(model, policy) as session, torch.no_grad():
         cache = output_cache(model(ids, use_cache=True))
@@ -273,7 +255,7 @@ def test_cache_bytes_equal_the_budgets(arch, dtype, policy_name):
 def test_on_compress_sees_every_compressed_layer_once_per_prefill(arch):
     model = tiny_model(arch)
     layers = compressible_layers(model)
-    policy = _policies(len(layers))["ripplekv"]
+    policy = sample_policies(len(layers))["ripplekv"]
     steps = []
     with compress(model, policy, on_compress=steps.append) as session, torch.no_grad():
         cache = output_cache(model(prompt_ids(n=120), use_cache=True))

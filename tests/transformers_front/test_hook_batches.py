@@ -18,7 +18,7 @@ from ripplekv_ext import Policy, compress
 from ripplekv_ext.eval.tiny_models import tiny_model
 from ripplekv_ext.model_info import compressible_layers
 from ripplekv_ext.policies import PromptTooShortWarning
-from ripplekv_ext.selection.selectors import H2OSelector
+from policy_samples import SAMPLE_NAMES, WINDOW, sample_policies
 
 transformers = pytest.importorskip("transformers")
 from transformers.cache_utils import DynamicSlidingWindowLayer  # noqa: E402
@@ -27,24 +27,11 @@ from ripplekv_ext.integrations.transformers import cache_argument, output_cache 
 from ripplekv_ext.integrations.transformers import CompressedLayer  # noqa: E402
 
 CACHE = cache_argument()
-WINDOW = 8
 ARCHS = ("llama", "qwen2", "gemma3", "phi3")
 # 120: compressed everywhere; 60: a shorter compressed row; 20: a budget (0.3 * 20 = 6 <= W) that covers the row;
 # 6: shorter than the window.
 LENGTHS = (60, 120, 6, 20)
 PAD_ID = 0
-
-
-def _policies(num_compressible):
-    sensitivity = [1.0 + ((7 * i) % 5) * 0.4 for i in range(num_compressible)]
-    return {
-        "snapkv": Policy.snapkv(0.3, window=WINDOW),
-        "pyramidkv": Policy.pyramidkv(0.3, window=WINDOW),
-        "ripplekv": Policy.ripplekv(sensitivity, 0.3, window=WINDOW),
-        "h2o": Policy.h2o(0.3, window=WINDOW),
-        "streamingllm": Policy.streamingllm(0.3, window=WINDOW),
-        "pyramidkv+h2o": Policy(Policy.pyramidkv(0.3).allocator, H2OSelector(), 0.3, WINDOW),
-    }
 
 
 def _prompts(lengths=LENGTHS, seed=0, vocab=512):
@@ -110,11 +97,11 @@ def _quiet_short_prompts():
 
 # --- The hook: every row equals its prompt alone ----------------------------------------------------------------
 
-@pytest.mark.parametrize("policy_name", list(_policies(2)))
+@pytest.mark.parametrize("policy_name", SAMPLE_NAMES)
 @pytest.mark.parametrize("arch", ARCHS)
 def test_each_row_equals_its_prompt_alone(arch, policy_name):
     model = tiny_model(arch)
-    policy = _policies(len(compressible_layers(model)))[policy_name]
+    policy = sample_policies(len(compressible_layers(model)))[policy_name]
     prompts = _prompts()
     ids, mask = _left_pad(prompts)
     continuation = torch.tensor([[11, 12, 13]])
@@ -145,7 +132,7 @@ def test_eager_attention_batch_equals_each_prompt_alone():
     prompts = _prompts(seed=3)
     ids, mask = _left_pad(prompts)
     continuation = torch.tensor([[11, 12]])
-    with compress(model, _policies(4)["pyramidkv"], attention="eager"):
+    with compress(model, sample_policies(4)["pyramidkv"], attention="eager"):
         batch_logits, batch_tokens, _ = _run(model, ids, mask, continuation, decode_steps=2)
         for row, p in enumerate(prompts):
             logits, tokens, _ = _run(model, p[None], None, continuation, decode_steps=2)
@@ -170,7 +157,7 @@ def test_compression_changes_the_long_rows():
                                               ("phi3", "streamingllm")])
 def test_generate_greedy_equals_each_prompt_alone(arch, policy_name):
     model = tiny_model(arch)
-    policy = _policies(len(compressible_layers(model)))[policy_name]
+    policy = sample_policies(len(compressible_layers(model)))[policy_name]
     prompts = _prompts(seed=1)
     ids, mask = _left_pad(prompts)
     kwargs = dict(max_new_tokens=6, do_sample=False, pad_token_id=PAD_ID, output_logits=True,
@@ -188,7 +175,7 @@ def test_beam_search_equals_each_prompt_alone():
     prompts = _prompts(lengths=(60, 120, 20))
     ids, mask = _left_pad(prompts)
     kwargs = dict(max_new_tokens=5, num_beams=3, do_sample=False, pad_token_id=PAD_ID)
-    with compress(model, _policies(4)["snapkv"]), torch.no_grad():
+    with compress(model, sample_policies(4)["snapkv"]), torch.no_grad():
         batch = model.generate(ids, attention_mask=mask, **kwargs)
         for row, p in enumerate(prompts):
             assert torch.equal(batch[row, ids.shape[1]:], model.generate(p[None], **kwargs)[0, len(p):]), row
@@ -203,7 +190,7 @@ def _observe_kept_positions(model, policy, **generate_kwargs):
 
 def test_sampling_never_attends_padding():
     model = tiny_model("qwen2")
-    policy = _policies(4)["ripplekv"]
+    policy = sample_policies(4)["ripplekv"]
     prompts = _prompts(seed=2)
     ids, mask = _left_pad(prompts)
     noisy_pads, _ = _left_pad(prompts, pad_ids=torch.randint(3, 512, (4, 120), generator=torch.Generator()))
@@ -305,7 +292,7 @@ def test_equal_length_batch_keeps_the_plain_path():
 def test_on_compress_reports_rows():
     model = tiny_model("gemma3")
     layers = compressible_layers(model)
-    policy = _policies(len(layers))["ripplekv"]
+    policy = sample_policies(len(layers))["ripplekv"]
     ids, mask = _left_pad(_prompts())
     steps = []
     with compress(model, policy, on_compress=steps.append) as session, torch.no_grad():

@@ -13,7 +13,8 @@ from ripplekv_ext.budgets.allocators import average_budget
 from ripplekv_ext.budgets.cake import cake_budgets
 from ripplekv_ext.eval.tiny_models import tiny_model
 from ripplekv_ext.model_info import compressible_layers
-from test_hook import WINDOW, MaskedReference, max_diff, prefill_then_continue, prompt_ids
+from policy_samples import WINDOW
+from test_hook import MaskedReference, max_diff, prefill_then_continue, prompt_ids
 
 GAMMA, TAU1, TAU2 = 200.0, 1.3, 0.7
 

@@ -9,7 +9,8 @@ from ripplekv_ext.eval.tiny_models import tiny_model
 from ripplekv_ext.selection.adakv import headwise_selection
 from ripplekv_ext.model_info import compressible_layers
 from ripplekv_ref.selectors import window_scores
-from test_hook import WINDOW, MaskedReference, max_diff, prefill_then_continue, prompt_ids, toy_sensitivity
+from policy_samples import WINDOW, toy_sensitivity
+from test_hook import MaskedReference, max_diff, prefill_then_continue, prompt_ids
 
 
 class HeadwiseMaskedReference(MaskedReference):
