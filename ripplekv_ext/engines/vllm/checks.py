@@ -213,8 +213,8 @@ def validate(vllm_config) -> None:
         _refuse(f"tensor_parallel_size={tp} above the model's {kv_heads} KV heads (vLLM replicates KV heads across "
                 "workers, and each copy would select its tokens with part of the head's queries)",
                 f"use a tensor_parallel_size that divides {kv_heads}, and pipeline_parallel_size for more workers")
-    from ripplekv_ext.engines.vllm.attention import cpu_isa
-    from ripplekv_ext.engines.vllm.cache_layout import SUPPORTED_ISAS
+    from ripplekv_ext.engines.vllm.worker.attention import cpu_isa
+    from ripplekv_ext.engines.vllm.worker.cache_layout import SUPPORTED_ISAS
 
     isa = cpu_isa(model.dtype, cache.block_size, model.get_head_size(), cache.cache_dtype)
     if isa == "amx":

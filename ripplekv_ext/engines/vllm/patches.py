@@ -181,12 +181,12 @@ def install() -> None:
     """Everything the plugin adds to vLLM ``SUPPORTED_VLLM`` (idempotent)."""
     from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
 
-    from ripplekv_ext.engines.vllm.kv_cache import register_spec
+    from ripplekv_ext.engines.vllm.scheduler.manager import register_spec
 
     register_spec()
     # The CPU platform always picks CPU_ATTN: the plugin's subclass takes its place and defers to it for engines
     # that do not ask for compression.
-    register_backend(AttentionBackendEnum.CPU_ATTN, "ripplekv_ext.engines.vllm.attention.RippleKVCPUBackend")
+    register_backend(AttentionBackendEnum.CPU_ATTN, "ripplekv_ext.engines.vllm.worker.attention.RippleKVCPUBackend")
     _wrap_config_check()
     _wrap_spec()
     _wrap_runner()
@@ -213,7 +213,7 @@ def _wrap_spec() -> None:
     from vllm.model_executor.layers.attention.attention import Attention
     from vllm.v1.kv_cache_interface import FullAttentionSpec
 
-    from ripplekv_ext.engines.vllm.attention import layer_index
+    from ripplekv_ext.engines.vllm.worker.attention import layer_index
     from ripplekv_ext.engines.vllm.checks import settings_of
     from ripplekv_ext.engines.vllm.kv_cache import tier_spec
     from ripplekv_ext.engines.vllm.settings import plan_for_model
@@ -243,7 +243,7 @@ def _wrap_spec() -> None:
 def _wrap_runner() -> None:
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
-    from ripplekv_ext.engines.vllm.attention import StepBatch, hand_to_builders
+    from ripplekv_ext.engines.vllm.worker.attention import StepBatch, hand_to_builders
 
     def with_batch(original):
         signature = inspect.signature(original)
@@ -280,7 +280,7 @@ class _CappedRequest:
 def _wrap_prefix_cache_hit() -> None:
     from vllm.v1.core.kv_cache_manager import KVCacheManager
 
-    from ripplekv_ext.engines.vllm.kv_cache import RippleKVManager
+    from ripplekv_ext.engines.vllm.scheduler.manager import RippleKVManager
 
     def capped(original):
         def get_computed_blocks(self, request):

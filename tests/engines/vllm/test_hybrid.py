@@ -18,7 +18,8 @@ from vllm.v1.kv_cache_interface import SlidingWindowSpec  # noqa: E402
 
 from tiny_llama import load_reference_model, save_given_profile  # noqa: E402
 from harness import (BLOCK, engine, greedy, prompts, reference, run_first_then_rest, scheduler, shared_prefix_prompts)
-from ripplekv_ext.engines.vllm.kv_cache import RippleKVManager, RippleKVSpec  # noqa: E402
+from ripplekv_ext.engines.vllm.kv_cache import RippleKVSpec
+from ripplekv_ext.engines.vllm.scheduler.manager import RippleKVManager  # noqa: E402
 from ripplekv_ext.engines.vllm.settings import Settings, plan_for  # noqa: E402
 
 GEMMA3_CONFIG = dict(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=6,

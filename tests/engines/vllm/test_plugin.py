@@ -27,7 +27,7 @@ from harness import (BLOCK, LAYERS, config, engine, engine_kwargs, greedy, held_
                      reference, scheduler)
 from ripplekv_ext.engines import vllm as plugin  # noqa: E402
 from ripplekv_ext.engines.vllm import checks  # noqa: E402
-from ripplekv_ext.engines.vllm.attention import RippleKVCPUImpl  # noqa: E402
+from ripplekv_ext.engines.vllm.worker.attention import RippleKVCPUImpl  # noqa: E402
 from ripplekv_ext.engines.vllm.settings import Settings, plan_for  # noqa: E402
 from ripplekv_ext.engines.vllm.sizing import held_tokens_bound, kv_cache_bytes  # noqa: E402
 from tiny_llama import LLAMA_CONFIG  # noqa: E402
@@ -99,7 +99,7 @@ def test_plugin_is_loaded_by_vllm_and_stock_engines_stay_stock(model_dir, stock_
     from vllm.v1.core.single_type_kv_cache_manager import FullAttentionManager
 
     # vLLM loaded the plugin through the entry point when it built the stock engine (stock_tokens).
-    assert AttentionBackendEnum.CPU_ATTN.get_path() == "ripplekv_ext.engines.vllm.attention.RippleKVCPUBackend"
+    assert AttentionBackendEnum.CPU_ATTN.get_path() == "ripplekv_ext.engines.vllm.worker.attention.RippleKVCPUBackend"
     with engine(model_dir) as llm:
         managers = scheduler(llm).kv_cache_manager.coordinator.single_type_managers
         assert [type(m) for m in managers] == [FullAttentionManager]
@@ -439,7 +439,7 @@ def test_a_profile_with_a_nan_names_the_file_and_the_field(model_dir, profile_pa
 
 
 def test_bfloat16_on_a_cpu_with_amx_names_the_dtype(model_dir, monkeypatch):
-    from ripplekv_ext.engines.vllm import attention
+    from ripplekv_ext.engines.vllm.worker import attention
 
     monkeypatch.setattr(attention, "cpu_isa", lambda *args: "amx")  # what vLLM picks for bf16 on AMX CPUs
     with pytest.raises(ValueError, match=r"dtype torch.bfloat16 on this CPU: vLLM runs its AMX attention kernel .*"

@@ -14,7 +14,7 @@ pytest.importorskip("vllm.entrypoints.llm", reason="vLLM is not installed here: 
 
 from vllm import SamplingParams  # noqa: E402
 
-import ripplekv_ext.engines.vllm.attention as plugin_attention  # noqa: E402
+import ripplekv_ext.engines.vllm.worker.attention as plugin_attention  # noqa: E402
 from harness import (BLOCK, LAYERS, NEW_TOKENS, engine, prompts, reference, run_first_then_rest,  # noqa: E402
                      scheduler, shared_prefix_prompts)
 from ripplekv_ext.engines.vllm.settings import Settings, plan_for  # noqa: E402

@@ -36,7 +36,7 @@ from torch import Tensor
 from vllm.v1.attention.backends.cpu_attn import (CPUAttentionBackend, CPUAttentionBackendImpl,
                                                   CPUAttentionMetadata, CPUAttentionMetadataBuilder, _get_attn_isa)
 
-from ripplekv_ext.engines.vllm.cache_layout import check_cache_layout, read_prompt, write_slots
+from ripplekv_ext.engines.vllm.worker.cache_layout import check_cache_layout, read_prompt, write_slots
 from ripplekv_ext.engines.vllm.kv_cache import RippleKVSpec, plan_of_spec
 
 __all__ = ["RippleKVCPUBackend", "RippleKVMetadata", "StepBatch", "hand_to_builders", "layer_index"]
