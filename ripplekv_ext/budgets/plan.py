@@ -83,6 +83,12 @@ class BudgetPlan:
         return [None if budget is None else n_read if allocator is None else allocator.chunk_budget(budget, n_read)
                 for budget in self.prompt(n_total)]
 
+    def layer_chunk(self, layer_idx: int, n_read: int, n_total: int) -> Optional[int]:
+        """One layer's ``chunk(n_read, n_total)``."""
+        budget = self.layer(layer_idx, check_int("n_total", n_total, check_int("n_read", n_read, 1)))
+        allocator = self.policy.allocator
+        return None if budget is None else n_read if allocator is None else allocator.chunk_budget(budget, n_read)
+
     def decode(self, n_tokens: int, prompt_tokens: int) -> list[Optional[int]]:
         """Tokens each layer keeps when it re-selects during decoding (``policy.decode_every``), ``n_tokens``
         (prompt + generated) having been seen after a ``prompt_tokens`` prompt. The total over the layers is fixed

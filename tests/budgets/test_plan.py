@@ -52,7 +52,9 @@ def test_a_chunk_keeps_every_token_read_up_to_the_final_budget(policy):
     for layer in COMPRESSIBLE:
         kept = [plan.chunk(n_read, 300)[layer] for n_read in range(1, 301)]
         assert kept == [min(n_read, final[layer]) for n_read in range(1, 301)]
+        assert [plan.layer_chunk(layer, n_read, 300) for n_read in range(1, 301)] == kept
     assert plan.chunk(300, 300) == final
+    assert plan.layer_chunk(1, 100, 300) is None
     # Without the whole length, a chunk is planned as a prompt of the tokens read so far.
     assert plan.chunk(120) == plan.prompt(120)
 

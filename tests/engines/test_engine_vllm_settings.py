@@ -10,7 +10,7 @@ import pytest
 import ripplekv_ext
 from ripplekv_ext.budgets.block_aligned import BlockAlignedAllocator, aligned_budget
 from ripplekv_ext.engines.vllm.settings import EnginePlan, Settings, plan_for
-from ripplekv_ext.engines.vllm.sizing import held_tokens_bound, kv_cache_bytes
+from ripplekv_ext.engines.vllm.sizing import held_tokens_bound, kv_cache_bytes, request_peak_tokens
 from ripplekv_ext.eval.tiny_models import tiny_model
 from ripplekv_ext.policies import PromptTooShortWarning
 from ripplekv_ext.budgets.profile_file import Profile, save_profile
@@ -210,6 +210,28 @@ def test_held_tokens_bound_holds_for_every_prompt_and_generation_length(profile_
                 most[t] = max(most[t], held * BLOCK)
     # And not much looser than what a request reaches: within decode_every tokens and two blocks of rounding.
     assert all(bound - reached <= ripplekv["decode_every"] + 2 * BLOCK for bound, reached in zip(bounds, most))
+
+
+@pytest.mark.parametrize("ripplekv", [
+    {"method": "snapkv", "retention": 0.2},
+    {"method": "pyramidkv", "retention": 0.1, "tiers": 2},
+    {"method": "snapkv", "retention": 0.2, "prefill_chunk": 128},
+    {"method": "snapkv", "retention": 0.2, "decode_every": 32, "decode_budget": 96},
+], ids=["snapkv", "pyramidkv-2tiers", "bounded-prefill", "decoding"])
+def test_a_request_s_peak_with_prefix_caching_is_the_layout_s_compaction_step(ripplekv):
+    # Independently of the start-up scan: the scheduler's own layout of every prompt length, the columns a request
+    # holds in the step of its first compaction (its prompt up to there, shared until the step ends, and its
+    # private blocks), or its held bound, whichever is more.
+    plan = plan_for(Settings.from_config(ripplekv), LAYERS, BLOCK)
+    max_len, step = 700, 64
+    warnings.simplefilter("ignore", PromptTooShortWarning)  # (pytest restores the filters after the test)
+    for t in range(plan.num_tiers):
+        layouts = [plan.tier_layout(t, n, True) for n in range(1, max_len + 1)]
+        compacting = [layout.columns_needed(layout.rewrite_at) for layout in layouts
+                      if layout.private and layout.rewrite_at <= max_len]
+        assert compacting  # some prompt does compact within max_model_len
+        held = -(-held_tokens_bound(plan, t, max_len, step) // BLOCK)
+        assert request_peak_tokens(plan, t, max_len, step, True) == max(held, *compacting) * BLOCK
 
 
 @pytest.mark.parametrize("ripplekv", [{"method": "snapkv", "retention": 0.2, "decode_every": 16, "decode_budget": 96},

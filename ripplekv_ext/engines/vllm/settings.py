@@ -208,7 +208,7 @@ class EnginePlan:
             return self._decode_dropped(tier, n_tokens, read)
         if read is None or read >= n_tokens:
             return (n_tokens - self.tier_budget(tier, n_tokens)) // self.block_size
-        kept = self.budgets.chunk(read, n_tokens)[self.tiers[tier][0]]
+        kept = self.budgets.layer_chunk(self.tiers[tier][0], read, n_tokens)
         return (read - kept) // self.block_size
 
     def _decode_dropped(self, tier: int, n_tokens: int, read: int) -> int:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import functools
 import warnings
+from typing import Optional
 
 from ripplekv_ext.checks import check_int
 from ripplekv_ext.policies import PromptTooShortWarning
@@ -41,25 +42,28 @@ def _held_bounds(plan, max_model_len: int, max_in_flight_tokens: int) -> tuple:
     bounds = [0] * plan.num_tiers
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", PromptTooShortWarning)  # short prompts are kept whole: counted so
-        for t in range(plan.num_tiers):
-            decode_kept = _largest_decode_budgets(plan, t, max_model_len)
-            for n in range(1, max_model_len + 1):
+        decode_kept = _largest_decode_budgets(plan, max_model_len)
+        for n in range(1, max_model_len + 1):
+            for t in range(plan.num_tiers):
                 kept = n - plan.dropped_blocks(t, n) * block
                 prompt = min(n, kept + chunk + slack)
-                later = decode_kept[n + every] if n + every <= max_model_len else 0
+                later = decode_kept[t][n + every] if n + every <= max_model_len else 0
                 decoding = max(kept, later) + every + slack
                 bounds[t] = max(bounds[t], prompt, min(max_model_len, decoding))
     return tuple(bounds)
 
 
-def _largest_decode_budgets(plan, tier: int, max_model_len: int) -> list[int]:
-    """``[b]``: the largest decode budget of ``tier``'s layers at a boundary ``b, b + K, ...`` up to
-    ``max_model_len`` (with ``decode_budget`` it does not depend on the prompt's length)."""
-    every, layer = plan.settings.decode_every, plan.tiers[tier][0]
-    largest = [0] * (max_model_len + every + 1)
+def _largest_decode_budgets(plan, max_model_len: int) -> list[list[int]]:
+    """``[tier][b]``: the largest decode budget of the tier's layers at a boundary ``b, b + K, ...`` up to
+    ``max_model_len`` (with ``decode_budget`` it does not depend on the prompt's length). One plan per ``b`` serves
+    every tier."""
+    every = plan.settings.decode_every
+    firsts = [layers[0] for layers in plan.tiers]
+    largest = [[0] * (max_model_len + every + 1) for _ in firsts]
     for b in range(max_model_len, 0, -1):
-        budget = plan.budgets.decode(b, 1)[layer]
-        largest[b] = max(min(budget, b), largest[b + every])
+        budgets = plan.budgets.decode(b, 1)
+        for t, layer in enumerate(firsts):
+            largest[t][b] = max(min(budgets[layer], b), largest[t][b + every])
     return largest
 
 
@@ -80,16 +84,30 @@ def _compaction_peaks(plan, max_model_len: int) -> tuple:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", PromptTooShortWarning)
         for n in range(1, max_model_len + 1):
-            drops = [plan.first_drop(t, n, remember=False) for t in range(plan.num_tiers)]
+            dropped = _prompt_end_drops(plan, n)
+            if dropped is None:  # the general case: a tier may first drop part-way, or only while decoding
+                drops = [plan.first_drop(t, n, remember=False) for t in range(plan.num_tiers)]
+                dropped = [None if b is None else plan.dropped_blocks(t, n, b) for t, b in enumerate(drops)]
+            else:
+                drops = [n if d else None for d in dropped]
             first = min((b for b in drops if b is not None), default=None)
             shared_blocks = (n if first is None else min(first, n)) // block
             for t, rewrite_at in enumerate(drops):
                 if rewrite_at is None or rewrite_at > max_model_len:
                     continue
-                private = shared_blocks - plan.dropped_blocks(t, n, rewrite_at)
+                private = shared_blocks - dropped[t]
                 if private > 0:
                     peaks[t] = max(peaks[t], -(-rewrite_at // block) + private)
     return tuple(peaks)
+
+
+def _prompt_end_drops(plan, n: int) -> Optional[list[int]]:
+    """Each tier's blocks dropped at the end of an ``n``-token prompt, from one plan of every layer, where that is
+    every tier's first drop (no ``prefill_chunk``, no ``decode_every``); else None."""
+    if plan.settings.prefill_chunk is not None or plan.settings.decode_every is not None:
+        return None
+    budgets = plan.budgets.prompt(n)
+    return [(n - budgets[layers[0]]) // plan.block_size for layers in plan.tiers]
 
 
 def kv_cache_bytes(model_config, blocks: int, block_size: int, dtype_bytes: int, tensor_parallel_size: int = 1,
