@@ -9,10 +9,10 @@ import torch
 
 from ripplekv_ext import Policy, compress
 from ripplekv_ext.eval.tiny_models import tiny_model
+from policy_samples import WINDOW, sample_policies
 
 pytest.importorskip("transformers")
 
-WINDOW = 8
 GREEDY = dict(do_sample=False, temperature=None, top_p=None, top_k=None, pad_token_id=0)
 
 
@@ -20,14 +20,8 @@ def _ids(n, seed=0, batch=1):
     return torch.randint(3, 512, (batch, n), generator=torch.Generator().manual_seed(seed))
 
 
-def toy_sensitivity(num_layers):
-    return [1.0 + ((7 * i) % 5) * 0.4 for i in range(num_layers)]
-
-
-THREAD_POLICIES = {
-    "ripplekv": Policy.ripplekv(toy_sensitivity(4), 0.3, window=WINDOW),
-    "snapkv+decode_every": Policy.snapkv(0.3, window=WINDOW, decode_every=4),
-}
+# The sample policies, and one that selects again while decoding.
+THREAD_POLICIES = {**sample_policies(4), "snapkv+decode_every": Policy.snapkv(0.3, window=WINDOW, decode_every=4)}
 
 
 STEPS = 12
