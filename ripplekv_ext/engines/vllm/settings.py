@@ -27,22 +27,11 @@ from ripplekv_ext.engines.vllm.block_layout import TierLayout
 from ripplekv_ext.budgets.tiers import TieredAllocator, tier_counts
 from ripplekv_ext.methods import check_method, make_policy, needs_profile
 from ripplekv_ext.policies import DEFAULT_WINDOW
-from ripplekv_ext.selection.adakv import AdaKVSelector
 
 __all__ = ["CONFIG_KEY", "Settings", "EnginePlan", "plan_for", "plan_for_model", "profile_digest"]
 
 # additional_config[CONFIG_KEY] holds the settings (``--additional-config '{"ripplekv": {...}}'``).
 CONFIG_KEY = "ripplekv"
-# Why a method the package defines cannot run in the engine (methods.make_policy names them all; these are the
-# engine's reasons, read from what the policy needs).
-_ENGINE_REFUSALS = (
-    (lambda policy: policy.selector.needs_all_queries,
-     "its selector scores with every prompt query, which a chunked prefill does not keep (h2o)"),
-    (lambda policy: policy.reads_attention,
-     "its budgets need every layer's attention over the whole prompt before any layer is cut (cake)"),
-    (lambda policy: isinstance(policy.selector, AdaKVSelector),
-     "its head-wise counts (AdaKV) do not fit one block table per layer"),
-)
 _KEYS = ("method", "retention", "window", "profile", "tiers", "prefill_chunk", "decode_every", "decode_budget")
 
 
@@ -155,11 +144,13 @@ class EnginePlan:
         # The method as the hook, the CLI and the benchmarks run it (methods.make_policy); the engine then tiers and
         # block-aligns its budgets, and refuses what it cannot run by what the policy needs.
         named = make_policy(settings.method, settings.retention, profile, settings.window)
-        for needs, why in _ENGINE_REFUSALS:
-            if needs(named):
-                raise ValueError(f'additional_config["{CONFIG_KEY}"]["method"] {settings.method} cannot run in the '
-                                 f"engine: {why}; use snapkv, pyramidkv, ripplekv or streamingllm (or another "
-                                 "ALLOCATOR+SELECTOR pair)")
+        # The engine reads prompts in chunks and compacts each request again later: what the policy refuses for a
+        # prompt read in chunks (Policy.reselection_refusal), the engine refuses, in the same words.
+        refusal = named.reselection_refusal()
+        if refusal is not None:
+            raise ValueError(f'additional_config["{CONFIG_KEY}"]["method"] {settings.method} cannot run in the '
+                             f"engine, {refusal[0]}: {refusal[1]}; use snapkv, pyramidkv, ripplekv or streamingllm "
+                             "(or another ALLOCATOR+SELECTOR pair)")
         base = named.allocator
         uniform = isinstance(base, UniformAllocator)
         num_tiers = settings.tiers if settings.tiers is not None else (1 if uniform else len(layers))

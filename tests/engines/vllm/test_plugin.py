@@ -9,6 +9,7 @@ refusal.
 
 import gc
 import json
+import re
 import subprocess
 import sys
 
@@ -30,6 +31,7 @@ from ripplekv_ext.engines.vllm import checks  # noqa: E402
 from ripplekv_ext.engines.vllm.worker.attention import RippleKVCPUImpl  # noqa: E402
 from ripplekv_ext.engines.vllm.settings import Settings, plan_for  # noqa: E402
 from ripplekv_ext.engines.vllm.sizing import held_tokens_bound, kv_cache_bytes  # noqa: E402
+from policy_samples import SAMPLE_NAMES, sample_policies  # noqa: E402
 from tiny_llama import LLAMA_CONFIG  # noqa: E402
 
 
@@ -409,10 +411,10 @@ def test_the_v2_model_runner_is_refused_by_name(model_dir, monkeypatch):
 
 
 @pytest.mark.parametrize("ripplekv,message", [
-    ({"method": "h2o", "retention": 0.2}, r"method\"\] h2o cannot run in the engine: its selector scores with every "
-                                          r"prompt query"),
-    ({"method": "cake", "retention": 0.2}, r"method\"\] cake cannot run in the engine: its budgets need every layer"),
-    ({"method": "uniform+adakv", "retention": 0.2}, r"uniform\+adakv cannot run in the engine: its head-wise counts"),
+    ({"method": "cake", "retention": 0.2}, r"method\"\] cake cannot run in the engine, CakeAllocator.*: its budgets "
+                                           r"come from the prompt's attention over every layer"),
+    ({"method": "uniform+adakv", "retention": 0.2}, r"uniform\+adakv cannot run in the engine, AdaKVSelector.*: its "
+                                                    r"heads keep different counts"),
     ({"method": "full", "retention": 0.2}, r"full compresses nothing: drop additional_config"),
     ({"method": "snapkv2", "retention": 0.2}, r"method\"\]: unknown method 'snapkv2': expected one of full, "),
     ({"method": "snapkv", "retention": 0.2, "budget": 64}, r"unknown keys \['budget'\]"),
@@ -422,11 +424,29 @@ def test_the_v2_model_runner_is_refused_by_name(model_dir, monkeypatch):
     ({"method": "ripplekv", "retention": 0.2}, r"profile.*must be the path of a RippleKV profile"),
     ({"method": "ripplekv", "retention": 0.2, "profile": "/nonexistent/profile.json"}, "not found"),
     ({"method": "snapkv", "retention": 0.2, "profile": "x.json"}, "only read by RippleKV's budgets, not snapkv"),
-], ids=["h2o", "cake", "adakv", "full", "unknown-method", "unknown-key", "no-retention", "retention", "tiers",
+], ids=["cake", "adakv", "full", "unknown-method", "unknown-key", "no-retention", "retention", "tiers",
         "no-profile", "missing-profile", "stray-profile"])
 def test_bad_settings_are_refused(model_dir, ripplekv, message):
     with pytest.raises(ValueError, match=message):
         config(model_dir, ripplekv)
+
+
+@pytest.mark.parametrize("name", SAMPLE_NAMES)
+def test_the_engine_takes_each_sample_method_the_policy_can_select_again_and_refuses_the_rest(model_dir, profile_path,
+                                                                                           name):
+    # The tests' table of sample policies, by method name: the engine runs what the policy can select after each
+    # chunk of a prompt, with the policy's own selector, and refuses the rest in the policy's words.
+    policy = sample_policies(LAYERS)[name]
+    ripplekv = {"method": name, "retention": 0.3, **({"profile": profile_path} if "ripplekv" in name else {})}
+    refusal = policy.reselection_refusal()
+    if refusal is not None:
+        with pytest.raises(ValueError, match=rf"{re.escape(name)} cannot run in the engine, .*{re.escape(refusal[1])}"):
+            config(model_dir, ripplekv)
+        return
+    config(model_dir, ripplekv)
+    plan = plan_for(Settings.from_config(ripplekv), LAYERS, BLOCK)
+    assert repr(plan.policy.selector) == repr(policy.selector)
+    assert type(plan.policy.allocator.base.base) is type(policy.allocator)  # block-aligned tiers of the same budgets
 
 
 def test_a_profile_with_a_nan_names_the_file_and_the_field(model_dir, profile_path, tmp_path):
