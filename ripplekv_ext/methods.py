@@ -75,11 +75,12 @@ def make_allocator(name: str, profile=None, ratio: Optional[float] = None):
 
 def make_policy(method: str, retention: float, profile=None, window: int = DEFAULT_WINDOW,
                 ratio: Optional[float] = None, decode_every: Optional[int] = None,
-                decode_budget: Optional[int] = None) -> Policy:
+                decode_budget: Optional[int] = None, protect: int = 0) -> Policy:
     """The policy a method name stands for at ``retention`` (Full ignores the retention and the decode options).
 
     ``ratio``: RippleKV's budgets by the paper's ``R ** z`` with this R instead of the default square root.
     ``decode_every``/``decode_budget``: compression during decoding (``Policy``), off by default.
+    ``protect``: the prompt tokens kept whole at its start (``Policy.protect``), none by default.
     """
     name = check_method(method)
     if name == "full":
@@ -92,6 +93,6 @@ def make_policy(method: str, retention: float, profile=None, window: int = DEFAU
     else:
         allocator, _, selector = name.partition("+")
         policy = Policy(make_allocator(allocator, profile, ratio), SELECTORS[selector](), retention, window)
-    if decode_every is None and decode_budget is None:
+    if decode_every is None and decode_budget is None and not protect:
         return policy
-    return dataclasses.replace(policy, decode_every=decode_every, decode_budget=decode_budget)
+    return dataclasses.replace(policy, decode_every=decode_every, decode_budget=decode_budget, protect=protect)

@@ -15,7 +15,7 @@ seen so far (``decode_layer_budgets``), so every allocator holds the same total 
 from __future__ import annotations
 
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Optional, Sequence
 
 from ripplekv_ext.budgets.allocators import (DEFAULT_EXPONENT, DEFAULT_NORMALIZE, DEFAULT_RATIO, Allocator,
@@ -66,6 +66,12 @@ class Policy:
             more than its budget plus one chunk (docs/design.md §4, "Bounded (rolling) prefill"). ``C > window``; a
             chunk at least as long as the prompt is one-shot compression. ``None`` (default): one-shot, unless
             ``generate`` is given ``prefill_chunk_size`` itself (then it rolls the same way).
+        protect: a protected prefix: the first ``protect`` tokens of every prompt (a system prompt, a shared
+            document) are kept whole in every layer, and the rest is compressed as a prompt of its own: its budgets
+            are those of ``n - protect`` tokens (``layer_budgets``, ``decode_layer_budgets``; each layer keeps
+            ``protect`` more), and it is scored and selected without the protected keys. A serving engine keeps the
+            protected blocks shared between the requests that begin with them, as without compression. ``0``
+            (default): nothing protected. Needs a selector that can select again (``reselection_refusal``).
     """
 
     allocator: Optional[Allocator] = None
@@ -75,6 +81,7 @@ class Policy:
     decode_every: Optional[int] = None
     decode_budget: Optional[int] = None
     prefill_chunk: Optional[int] = None
+    protect: int = 0
 
     def __post_init__(self):
         if (self.allocator is None) != (self.selector is None):
@@ -99,6 +106,20 @@ class Policy:
         for name in ("decode_every", "decode_budget", "prefill_chunk"):
             if getattr(self, name) is not None:
                 object.__setattr__(self, name, int(getattr(self, name)))
+        object.__setattr__(self, "protect", self._check_protect())
+
+    def _check_protect(self) -> int:
+        if not is_integer(self.protect) or self.protect < 0:
+            raise ValueError(f"protect must be an integer >= 0 (prompt tokens kept whole at the start of every "
+                             f"prompt, e.g. a system prompt's length), got {shown(self.protect)}")
+        if self.protect and self.is_full:
+            raise ValueError("protect needs a compressing policy (Policy.full() keeps every token); use e.g. "
+                             "Policy.snapkv(0.2, protect=256)")
+        refusal = None if not self.protect else self.reselection_refusal()
+        if refusal is not None:
+            raise ValueError(f"protect is not supported with {refusal[0]}: {refusal[1]} (a protected prefix is "
+                             "selected around, as a prompt read in parts); use SnapKV, PeakSpan or StreamingLLM")
+        return int(self.protect)
 
     def _check_decode_options(self) -> None:
         if self.decode_every is None:
@@ -186,6 +207,8 @@ class Policy:
             name += f",decode_budget={self.decode_budget}"
         if self.prefill_chunk is not None:
             name += f",prefill_chunk={self.prefill_chunk}"
+        if self.protect:
+            name += f",protect={self.protect}"
         return name
 
     def layer_budgets(self, num_layers: int, n_tokens: int, layers: Optional[Sequence[int]] = None) -> list[int]:
@@ -203,8 +226,16 @@ class Policy:
         ``[window + 1, decode_budget]``: the generation's budget caps the prefill too, so a layer never holds more
         than its budget plus ``K`` tokens, and a retention too low for the window keeps the window plus one token
         (not the whole prompt), so a higher retention never holds less.
+
+        With a protected prefix (``protect``), each budget is ``protect`` plus the budget of the ``n_tokens -
+        protect`` tokens after it, by these same rules.
         """
         check_int("n_tokens", n_tokens, 1)
+        if self.protect:
+            if n_tokens <= self.protect:
+                return [n_tokens] * num_layers
+            return [self.protect + b for b in self._unprotected(self.layer_budgets)(num_layers,
+                                                                                   n_tokens - self.protect, layers)]
         if self.is_full or n_tokens <= self.window:
             return [n_tokens] * num_layers
         avg = average_budget(self.retention, n_tokens)
@@ -254,6 +285,14 @@ class Policy:
         its retention and no ``decode_budget`` was given).
         """
         check_int("n_tokens", n_tokens, 1)
+        if self.protect:
+            # The prompt's part after the prefix (at least a token: a prompt within the prefix keeps everything
+            # unless a decode_budget is given).
+            if n_tokens <= self.protect:
+                return [n_tokens] * num_layers
+            tail = self._unprotected(self.decode_layer_budgets)
+            return [self.protect + b for b in tail(num_layers, n_tokens - self.protect,
+                                                   max(prompt_tokens - self.protect, 1), layers)]
         avg = self.decode_average_budget(prompt_tokens)
         if n_tokens < prompt_tokens:
             raise ValueError(f"n_tokens (prompt + generated) must be >= prompt_tokens = {prompt_tokens}, "
@@ -261,6 +300,10 @@ class Policy:
         if avg >= n_tokens or avg <= self.window:
             return [n_tokens] * num_layers
         return self._allocate(num_layers, n_tokens, avg, layers)
+
+    def _unprotected(self, method):
+        """``method`` of this policy without its protected prefix: the rules of the part after it."""
+        return getattr(replace(self, protect=0), method.__name__)
 
     def _allocate(self, num_layers: int, n_tokens: int, avg: int, layers: Optional[Sequence[int]]) -> list[int]:
         budgets = self.allocator.budgets(num_layers, n_tokens, avg, self.window,
@@ -274,27 +317,28 @@ class Policy:
     def full(cls) -> "Policy":
         return cls()
 
-    # ``decode_every``/``decode_budget``: compression during decoding (see the class docstring).
+    # ``decode_every``/``decode_budget``: compression during decoding; ``protect``: a protected prefix (the class
+    # docstring).
     @classmethod
     def snapkv(cls, retention: float, window: int = DEFAULT_WINDOW, *, decode_every: Optional[int] = None,
-               decode_budget: Optional[int] = None, prefill_chunk: Optional[int] = None,
+               decode_budget: Optional[int] = None, prefill_chunk: Optional[int] = None, protect: int = 0,
                **selector_options) -> "Policy":
         return cls(UniformAllocator(), SnapKVSelector(**selector_options), retention, window, decode_every,
-                   decode_budget, prefill_chunk)
+                   decode_budget, prefill_chunk, protect)
 
     @classmethod
     def pyramidkv(cls, retention: float, window: int = DEFAULT_WINDOW, beta: int = 20, *,
                   decode_every: Optional[int] = None, decode_budget: Optional[int] = None,
-                  prefill_chunk: Optional[int] = None) -> "Policy":
+                  prefill_chunk: Optional[int] = None, protect: int = 0) -> "Policy":
         return cls(PyramidKVAllocator(beta), SnapKVSelector(), retention, window, decode_every, decode_budget,
-                   prefill_chunk)
+                   prefill_chunk, protect)
 
     @classmethod
     def ripplekv(cls, profile_or_sensitivity, retention: float, window: int = DEFAULT_WINDOW,
                  ratio: Optional[float] = None, normalize: Optional[str] = None, *,
                  exponent: Optional[float] = None, selector: Optional[Selector] = None,
                  decode_every: Optional[int] = None, decode_budget: Optional[int] = None,
-                 prefill_chunk: Optional[int] = None) -> "Policy":
+                 prefill_chunk: Optional[int] = None, protect: int = 0) -> "Policy":
         """RippleKV's per-layer budgets with ``selector`` inside each layer: by default ``PeakSpanSelector``
         (sinks, a recent region each head sizes by its window's attention, then half the rest to SnapKV's
         max-pooled peaks and half to its average-pooled spans, each position's attention weighted by its value's
@@ -312,7 +356,7 @@ class Policy:
             allocator = RippleKVAllocator(profile_or_sensitivity, DEFAULT_EXPONENT if exponent is None else exponent)
         return cls(allocator,
                    DEFAULT_RIPPLEKV_SELECTOR() if selector is None else selector, retention, window, decode_every,
-                   decode_budget, prefill_chunk)
+                   decode_budget, prefill_chunk, protect)
 
     @classmethod
     def cake(cls, retention: float, window: int = DEFAULT_WINDOW, tau1: float = DEFAULT_TAU1,
@@ -330,6 +374,6 @@ class Policy:
     @classmethod
     def streamingllm(cls, retention: float, window: int = DEFAULT_WINDOW, sink: int = 4, *,
                      decode_every: Optional[int] = None, decode_budget: Optional[int] = None,
-                     prefill_chunk: Optional[int] = None) -> "Policy":
+                     prefill_chunk: Optional[int] = None, protect: int = 0) -> "Policy":
         return cls(UniformAllocator(), StreamingLLMSelector(sink), retention, window, decode_every, decode_budget,
-                   prefill_chunk)
+                   prefill_chunk, protect)

@@ -30,15 +30,27 @@ def toy_sensitivity(num_layers):
 
 # Every published method with a scored or positional selector, and allocator x selector pairs that mix them (H2O's
 # running scores, PeakSpan reading the values, SnapKV under RippleKV's budgets).
+# The last one keeps a protected prefix (a system prompt kept whole, ``Policy.protect``): ``method,protect=P``.
+PROTECT = 32
 SAMPLE_NAMES = ("snapkv", "pyramidkv", "ripplekv", "h2o", "streamingllm", "pyramidkv+h2o", "pyramidkv+peak-span",
-                "ripplekv+snapkv")
+                "ripplekv+snapkv", f"ripplekv,protect={PROTECT}")
+
+
+def sample_method(name):
+    """``(method, protect)`` of a sample name."""
+    method, _, protect = name.partition(",protect=")
+    return method, int(protect or 0)
 
 
 def sample_policies(num_compressible, retention=0.3):
     """``SAMPLE_NAMES`` as the package's method table builds them, on a model with ``num_compressible`` compressed
     layers (RippleKV reads a toy profile of that many)."""
-    return {name: make_policy(name, retention, toy_sensitivity(num_compressible), window=WINDOW)
-            for name in SAMPLE_NAMES}
+    policies = {}
+    for name in SAMPLE_NAMES:
+        method, protect = sample_method(name)
+        policies[name] = make_policy(method, retention, toy_sensitivity(num_compressible), window=WINDOW,
+                                     protect=protect)
+    return policies
 
 
 def decode_budget_policy(retention):

@@ -79,15 +79,20 @@ class BudgetPlan:
                 warnings.simplefilter("ignore", PromptTooShortWarning)
                 return self.prompt(n_read)
         n_total = check_int("n_total", n_total, n_read)
-        allocator = self.policy.allocator
-        return [None if budget is None else n_read if allocator is None else allocator.chunk_budget(budget, n_read)
-                for budget in self.prompt(n_total)]
+        return [None if budget is None else self._chunk_budget(budget, n_read) for budget in self.prompt(n_total)]
 
     def layer_chunk(self, layer_idx: int, n_read: int, n_total: int) -> Optional[int]:
         """One layer's ``chunk(n_read, n_total)``."""
         budget = self.layer(layer_idx, check_int("n_total", n_total, check_int("n_read", n_read, 1)))
-        allocator = self.policy.allocator
-        return None if budget is None else n_read if allocator is None else allocator.chunk_budget(budget, n_read)
+        return None if budget is None else self._chunk_budget(budget, n_read)
+
+    def _chunk_budget(self, budget: int, n_read: int) -> int:
+        """What a layer whose final budget is ``budget`` keeps after ``n_read`` tokens: the allocator's rounding
+        part-way (``chunk_budget``), over the tokens after a protected prefix, which is kept whole."""
+        allocator, protect = self.policy.allocator, self.policy.protect
+        if allocator is None or n_read <= protect:
+            return n_read
+        return protect + allocator.chunk_budget(budget - protect, n_read - protect)
 
     def decode(self, n_tokens: int, prompt_tokens: int) -> list[Optional[int]]:
         """Tokens each layer keeps when it re-selects during decoding (``policy.decode_every``), ``n_tokens``

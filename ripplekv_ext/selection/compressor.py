@@ -125,48 +125,65 @@ class KVCompressor:
 
     def select(self, layer_idx: int, queries: Tensor, keys: Tensor,
                scale: Optional[float] = None, budget: Optional[int] = None,
-               values: Optional[Tensor] = None) -> Optional[Tensor]:
+               values: Optional[Tensor] = None, protect: Optional[int] = None) -> Optional[Tensor]:
         """int64 ``[B, H_kv, C]`` ascending positions to keep, or ``None`` when the layer stays as it is.
 
         ``queries``: post-RoPE prompt queries ``[B, H_q, W', D]``: at least the last ``window`` positions for
         SnapKV, every prompt position for H2O (``policy.selector.needs_all_queries``), unused by StreamingLLM.
         ``scale`` is the model's softmax scale (default ``1/sqrt(D)``). ``budget``: tokens to keep (default: the
         policy's for an ``N``-token prompt); during decoding, ``decode_budgets``'s. ``values`` ``[B, H_kv, N, D]``:
-        needed by a selector that reads them (``policy.selector.needs_values``).
+        needed by a selector that reads them (``policy.selector.needs_values``). ``protect``: the first tokens of
+        ``keys``, kept whole and left out of the scoring (default: the policy's protected prefix; an engine that
+        passes only the tokens after it passes 0).
         """
         if keys.dim() != 4:
             raise ValueError(f"keys must be 4-D [B, H_kv, N, D], got {keys.dim()}-D")
         n = keys.shape[2]
-        budget = self._budget(layer_idx, n, budget)
+        protect = self._protect(protect)
+        budget = self._budget(layer_idx, n, budget, protect)
         if budget is None or budget >= n:
             return None
-        return self.policy.selector.select(queries, keys, budget, self.policy.window, scale,
-                                           **self._values_argument(keys, values))
+        # The protected prefix is not scored: the rest is selected as a prompt of its own.
+        rest = self.policy.selector.select(queries, keys[:, :, protect:], budget - protect, self.policy.window, scale,
+                                           **self._values_argument(keys, values, protect))
+        if not protect:
+            return rest
+        prefix = torch.arange(protect, device=rest.device).expand(rest.shape[0], rest.shape[1], protect)
+        return torch.cat([prefix, rest + protect], dim=-1)
 
-    def _values_argument(self, keys: Tensor, values: Optional[Tensor]) -> dict:
-        """``{"values": values}`` for a selector that reads them, else nothing (a selector of one's own may not take
-        the argument)."""
+    def _protect(self, protect: Optional[int]) -> int:
+        if protect is None:
+            return self.policy.protect
+        if not is_integer(protect) or protect < 0:
+            raise ValueError(f"protect must be an integer >= 0 (tokens kept whole at the start of keys) or None (the "
+                             f"policy's, {self.policy.protect}), got {protect!r}")
+        return int(protect)
+
+    def _values_argument(self, keys: Tensor, values: Optional[Tensor], protect: int = 0) -> dict:
+        """``{"values": values}`` (after the first ``protect`` tokens) for a selector that reads them, else nothing
+        (a selector of one's own may not take the argument)."""
         if not self.policy.selector.needs_values:
             return {}
         if values is None:
             raise ValueError(f"{self.policy.selector!r} reads the layer's values: pass values= (the keys' shape "
                              f"{list(keys.shape)})")
-        return {"values": values}
+        return {"values": values[:, :, protect:]}
 
     def compress(self, layer_idx: int, queries: Tensor, keys: Tensor, values: Tensor,
-                 scale: Optional[float] = None, budget: Optional[int] = None) -> tuple[Tensor, Tensor]:
+                 scale: Optional[float] = None, budget: Optional[int] = None,
+                 protect: Optional[int] = None) -> tuple[Tensor, Tensor]:
         """``(keys_c, values_c)`` ``[B, H_kv, C, D]``: fresh compact tensors holding this layer's kept tokens, or
-        the inputs themselves when the layer is not compressed (budget >= N or not compressible). ``budget`` as
-        in ``select``."""
+        the inputs themselves when the layer is not compressed (budget >= N or not compressible). ``budget`` and
+        ``protect`` as in ``select``."""
         if self.policy.selector is not None and self.policy.selector.head_wise:
             raise ValueError(f"{self.policy.selector!r} keeps a different count per KV head: use compress_heads, "
                              "which returns the per-head key mask attention must apply")
-        keys_c, values_c, _ = self.compress_heads(layer_idx, queries, keys, values, scale, budget)
+        keys_c, values_c, _ = self.compress_heads(layer_idx, queries, keys, values, scale, budget, protect)
         return keys_c, values_c
 
     def compress_heads(self, layer_idx: int, queries: Tensor, keys: Tensor, values: Tensor,
-                       scale: Optional[float] = None,
-                       budget: Optional[int] = None) -> tuple[Tensor, Tensor, Optional[Tensor]]:
+                       scale: Optional[float] = None, budget: Optional[int] = None,
+                       protect: Optional[int] = None) -> tuple[Tensor, Tensor, Optional[Tensor]]:
         """``(keys_c, values_c, key_mask)`` for a selector whose heads keep different counts (AdaKV): each head's
         kept tokens in its last slots of ``[B, H_kv, C_max, D]``, zeros before them, and the bool ``[B, H_kv, C_max]``
         mask of real slots attention must apply (None: all real, as for every other selector)."""
@@ -175,11 +192,11 @@ class KVCompressor:
         observed = self.on_compress is not None
         if observed:
             start = _clock(keys)
-        indices = self.select(layer_idx, queries, keys, scale, budget, values)
+        indices = self.select(layer_idx, queries, keys, scale, budget, values, protect)
         keys_c, values_c = (keys, values) if indices is None else gather_kv(keys, values, indices)
         if observed:
             seconds = _clock(keys) - start
-            budget = self._budget(layer_idx, keys.shape[2], budget)
+            budget = self._budget(layer_idx, keys.shape[2], budget, self._protect(protect))
             self.on_compress(CompressionStep(layer_idx, queries, keys, values, scale, budget, indices, keys_c,
                                              values_c, seconds))
         key_mask = None if indices is None or bool((indices >= 0).all()) else indices >= 0
@@ -217,10 +234,27 @@ class KVCompressor:
             return None
         if all(length == n for length in lengths) and len(set(budgets)) == 1:  # no padding: one batched call
             return self.select(layer_idx, queries, keys, scale, budgets[0], values)
+        if self.policy.protect:  # each row's prefix starts at its own first real token
+            return self._select_rows_one_by_one(layer_idx, queries, keys, lengths, scale, budgets, values)
         # One call for the whole batch (the per-row ops for scored selectors; other selectors go row by row).
         as_tensor = functools.partial(torch.tensor, dtype=torch.int64, device=keys.device)
         return self.policy.selector.select_rows(queries, keys, as_tensor(budgets), as_tensor(lengths),
                                                 self.policy.window, scale, **self._values_argument(keys, values))
+
+    def _select_rows_one_by_one(self, layer_idx: int, queries: Tensor, keys: Tensor, lengths: tuple[int, ...],
+                                scale: Optional[float], budgets: list[int], values: Optional[Tensor]) -> Tensor:
+        """``select_rows``, each row by ``select`` on its own real tokens."""
+        n, heads = keys.shape[2], keys.shape[1]
+        rows = []
+        for b, (length, budget) in enumerate(zip(lengths, budgets)):
+            start = n - length
+            kept = self.select(layer_idx, queries[b:b + 1], keys[b:b + 1, :, start:], scale, budget,
+                               None if values is None else values[b:b + 1, :, start:])
+            if kept is None:
+                kept = torch.arange(length, device=keys.device).expand(1, heads, length)
+            rows.append(kept + start)
+        width = max(row.shape[-1] for row in rows)
+        return torch.cat([torch.nn.functional.pad(row, (width - row.shape[-1], 0), value=-1) for row in rows])
 
     def compress_rows(self, layer_idx: int, queries: Tensor, keys: Tensor, values: Tensor, lengths,
                       scale: Optional[float] = None, budgets=None) -> tuple[Tensor, Tensor, Tensor]:
@@ -253,13 +287,13 @@ class KVCompressor:
                                              key_mask))
         return keys_c, values_c, key_mask
 
-    def _budget(self, layer_idx: int, n_tokens: int, budget: Optional[int]) -> Optional[int]:
+    def _budget(self, layer_idx: int, n_tokens: int, budget: Optional[int], protect: int) -> Optional[int]:
         """The given budget (checked), or the plan's for an ``n_tokens`` prompt; None: layer not compressible."""
         if budget is None:
             return self.policy.layer_alone_budget(self.plan.layer(layer_idx, n_tokens), n_tokens, "budget")
         if not self.plan.is_compressible(layer_idx):
             return None
-        return _check_budget("budget", budget, self.policy.window, n_tokens)
+        return _check_budget("budget", budget, self.policy.window, n_tokens, protect)
 
     def _row_budgets(self, layer_idx: int, lengths: tuple[int, ...], budgets) -> Optional[list[int]]:
         if budgets is None:
@@ -270,7 +304,7 @@ class KVCompressor:
         if len(budgets) != len(lengths):
             raise ValueError(f"budgets must hold one budget per row ({len(lengths)}), got {len(budgets)}")
         for row, (budget, length) in enumerate(zip(budgets, lengths)):
-            _check_budget(f"budgets[{row}]", budget, self.policy.window, length)
+            _check_budget(f"budgets[{row}]", budget, self.policy.window, length, self.policy.protect)
         return budgets
 
     def __repr__(self):
@@ -278,11 +312,13 @@ class KVCompressor:
                 f"compressible_layers={self.compressible_layers})")
 
 
-def _check_budget(name: str, budget, window: int, n_tokens: int) -> int:
-    # A budget that covers the tokens keeps them all; one that cuts must still hold the window.
-    if not is_integer(budget) or (budget < window and budget < n_tokens):
-        raise ValueError(f"{name} must be an integer >= window = {window} (the newest window tokens are always kept) "
-                         f"or >= the tokens it covers ({n_tokens}), got {budget!r}")
+def _check_budget(name: str, budget, window: int, n_tokens: int, protect: int = 0) -> int:
+    # A budget that covers the tokens keeps them all; one that cuts must still hold the window (and the protected
+    # prefix).
+    if not is_integer(budget) or (budget < protect + window and budget < n_tokens):
+        prefix = f"the protected prefix ({protect}) + " if protect else ""
+        raise ValueError(f"{name} must be an integer >= {prefix}window = {protect + window} (the newest window tokens "
+                         f"are always kept) or >= the tokens it covers ({n_tokens}), got {budget!r}")
     return int(budget)
 
 

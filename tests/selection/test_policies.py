@@ -286,3 +286,54 @@ def test_policies_compare_and_hash_by_value():
     assert Policy(TieredAllocator(Policy.pyramidkv(0.2).allocator, 2), PeakSpanSelector(0.4), 0.2) != \
         Policy(TieredAllocator(Policy.pyramidkv(0.2).allocator, 2), PeakSpanSelector(0.5), 0.2)
     assert Policy.snapkv(0.2).selector != Policy.streamingllm(0.2).selector
+
+
+# --- A protected prefix --------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("build,message", [
+    (lambda: Policy.snapkv(0.2, protect=-1), r"protect must be an integer >= 0 .* got -1"),
+    (lambda: Policy.snapkv(0.2, protect=1.5), r"protect must be an integer >= 0 .* got 1.5"),
+    (lambda: Policy(protect=8), r"protect needs a compressing policy"),
+    (lambda: Policy.snapkv(0.2, protect=True), r"protect must be an integer >= 0 .* got True"),
+    (lambda: Policy(UniformAllocator(), H2OSelector(), 0.2, protect=8), r"protect is not supported with H2OSelector"),
+    (lambda: Policy.cake(0.2).__class__(Policy.cake(0.2).allocator, Policy.cake(0.2).selector, 0.2, protect=8),
+     r"protect is not supported with CakeAllocator"),
+])
+def test_bad_protected_prefixes_are_refused_by_name(build, message):
+    with pytest.raises(ValueError, match=message):
+        build()
+
+
+def test_a_protected_prefix_adds_itself_to_the_budgets_of_the_rest():
+    # Every budget rule (the prompt's, the decode re-selection's, a chunk's) applies to the tokens after the prefix.
+    rest = Policy.pyramidkv(0.2, window=8, decode_every=16, decode_budget=40)
+    protected = Policy.pyramidkv(0.2, window=8, decode_every=16, decode_budget=40, protect=64)
+    assert protected.name == rest.name + ",protect=64"
+    for n in (30, 64, 65, 100, 300, 1000):
+        expected = [n] * 6 if n <= 64 else [64 + b for b in rest.layer_budgets(6, n - 64)]
+        assert protected.layer_budgets(6, n) == expected
+        for generated in (0, 16, 500):
+            seen = n + generated
+            expected = [seen] * 6 if seen <= 64 else [64 + b for b in rest.decode_layer_budgets(6, seen - 64,
+                                                                                                max(n - 64, 1))]
+            assert protected.decode_layer_budgets(6, seen, n) == expected
+    plan = KVCompressor(protected, num_layers=6).plan
+    final = plan.prompt(1000)
+    for read in (32, 64, 96, 500, 1000):
+        # Every token read is kept up to the final budget, the prefix included.
+        assert plan.chunk(read, 1000) == [min(read, budget) for budget in final]
+
+
+def test_a_protected_prefix_is_kept_and_the_rest_selected_as_a_prompt_of_its_own():
+    q, k = qkv(n=80)
+    v = torch.randn_like(k)
+    comp = KVCompressor(Policy.snapkv(0.25, window=8, protect=16), num_layers=1)
+    budget = comp.layer_budget(0, 80)
+    assert budget == 16 + average_budget(0.25, 64)
+    kept = comp.select(0, q[:, :, -8:], k)
+    rest = ripplekv_ref.select_topk(ripplekv_ref.snapkv_scores(q[:, :, -8:], k[:, :, 16:]), budget - 16, 8)
+    assert torch.equal(kept, torch.cat([torch.arange(16).expand(2, 2, 16), rest + 16], dim=-1))
+    # An engine that holds the prefix apart passes only the rest, and protect=0.
+    assert torch.equal(comp.select(0, q[:, :, -8:], k[:, :, 16:], budget=budget - 16, protect=0), rest)
+    with pytest.raises(ValueError, match=r"budget must be an integer >= the protected prefix \(16\) \+ window = 24"):
+        comp.compress(0, q[:, :, -8:], k, v, budget=20)

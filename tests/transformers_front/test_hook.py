@@ -9,6 +9,7 @@ of keys equals attention over all keys with the others masked, so the hook's log
 different lengths per layer, its own per-layer causal masks, logical positions) must match it.
 """
 
+import dataclasses
 import importlib.util
 import sqlite3
 import warnings
@@ -20,7 +21,7 @@ import torch
 
 import ripplekv_ref
 from api_tables import Case, table_tests
-from policy_samples import SAMPLE_NAMES, WINDOW, sample_policies, toy_sensitivity
+from policy_samples import PROTECT, SAMPLE_NAMES, WINDOW, sample_policies, toy_sensitivity
 from ripplekv_ext import Policy, compress, compress_context, continue_context
 from ripplekv_ext.budgets.allocators import average_budget
 from ripplekv_ext.eval.tiny_models import TINY_ARCHS, tiny_model
@@ -41,6 +42,9 @@ from ripplekv_ext.integrations.transformers import cache_argument, output_cache 
 # The cache argument's name: `cache`, or `past_key_values` in the oldest supported transformers.
 CACHE = cache_argument()
 
+# The sample policy with a protected prefix.
+PROTECTED = SAMPLE_NAMES[-1]
+
 GREEDY = dict(do_sample=False, temperature=None, top_p=None, top_k=None, pad_token_id=0)
 
 
@@ -59,9 +63,14 @@ def prefill_then_continue(model, ids, continuation, cache=None):
 
 
 def reference_indices(policy, query, key, value, budget, scaling):
-    n, w = key.shape[2], policy.window
+    n, w, protect = key.shape[2], policy.window, policy.protect
     if budget >= n:
         return None
+    if protect:  # the prefix kept whole, the rest selected as a prompt of its own
+        rest = reference_indices(dataclasses.replace(policy, protect=0), query, key[:, :, protect:],
+                                 value[:, :, protect:], budget - protect, scaling)
+        prefix = torch.arange(protect).expand(key.shape[0], key.shape[1], protect)
+        return torch.cat([prefix, rest + protect], dim=-1)
     selector = policy.selector
     values = value if selector.needs_values else None
     if isinstance(selector, PeakSpanSelector):
@@ -154,7 +163,7 @@ def test_budget_at_prompt_length_equals_stock(arch):
 
 @pytest.mark.parametrize("arch,policy_name", [
     ("llama", "snapkv"), ("qwen2", "pyramidkv"), ("mistral", "h2o"), ("gemma3", "ripplekv"),
-    ("phi3", "streamingllm"), ("llama", "pyramidkv+h2o"), ("gemma3", "snapkv"),
+    ("phi3", "streamingllm"), ("llama", "pyramidkv+h2o"), ("gemma3", "snapkv"), ("qwen2", PROTECTED),
 ])
 def test_compressed_decoding_matches_masked_reference(arch, policy_name):
     model = tiny_model(arch)
@@ -173,6 +182,32 @@ def test_compressed_decoding_matches_masked_reference(arch, policy_name):
         assert cache.layers[layer].get_seq_length() == 96 + 5  # positions stay those of the full sequence
     assert max_diff(ours, reference) <= 1e-4
     assert max_diff(ours[1:], full[1:]) > 1e-3  # and compression did change the continuation
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+def test_a_protected_prefix_is_kept_whole_and_the_rest_kept_as_its_own_prompt_keeps(arch):
+    model = tiny_model(arch)
+    layers = compressible_layers(model)
+    ids = prompt_ids(batch=1)
+    protected = Policy.ripplekv(toy_sensitivity(len(layers)), 0.3, window=WINDOW, protect=PROTECT)
+    rest_alone = dataclasses.replace(protected, protect=0)
+    with torch.no_grad():
+        full = output_cache(model(ids, use_cache=True))
+        with compress(model, protected):
+            cache = output_cache(model(ids, use_cache=True))
+    # The budgets of the 64 tokens after the prefix, each plus the prefix.
+    rest = rest_alone.layer_budgets(len(layers), 96 - PROTECT, layers)
+    for layer, budget in zip(layers, rest):
+        keys = cache.layers[layer].keys
+        assert keys.shape[2] == PROTECT + budget < 96
+        # The prefill is the stock one: the prefix is the full cache's, bit for bit.
+        assert torch.equal(keys[:, :, :PROTECT], full.layers[layer].keys[:, :, :PROTECT])
+        assert torch.equal(cache.layers[layer].values[:, :, :PROTECT], full.layers[layer].values[:, :, :PROTECT])
+    # A prompt within the protected prefix is the stock model's.
+    short = ids[:, :PROTECT]
+    with torch.no_grad(), compress(model, protected):
+        ours = model.generate(short, max_new_tokens=4, **GREEDY)
+    assert torch.equal(ours, model.generate(short, max_new_tokens=4, **GREEDY))
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
@@ -242,7 +277,9 @@ def test_cache_bytes_equal_the_budgets(arch, dtype, policy_name):
     budgets = session.compressor.budgets(120)
     batch, h_kv, head_dim = 2, model.config.num_key_value_heads, model.config.head_dim
     per_token = 2 * batch * h_kv * head_dim * torch.finfo(dtype).bits // 8  # keys + values
-    assert sum(budgets[i] for i in layers) == len(layers) * average_budget(0.3, 120)
+    # The average budget of what follows a protected prefix, plus the prefix.
+    protect = policy.protect
+    assert sum(budgets[i] for i in layers) == len(layers) * (protect + average_budget(0.3, 120 - protect))
     assert _cache_bytes(cache, layers) == sum(budgets[i] for i in layers) * per_token
     assert session.last_budgets == {i: budgets[i] for i in layers}
     for i in range(model.config.num_hidden_layers):

@@ -78,6 +78,9 @@ def surprisal_cache(model, context_ids: Tensor, policy, probe_ids: Tensor, share
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
     from transformers.masking_utils import sdpa_mask
 
+    if policy.protect:
+        raise ValueError(f"the surprisal scoring selects over the whole context; {policy.name} protects its first "
+                         f"{policy.protect} tokens: compress without a probe, or drop protect")
     batch, n = context_ids.shape
     device = context_ids.device
     out = model.get_decoder()(input_ids=context_ids, use_cache=True)
