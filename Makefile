@@ -161,8 +161,8 @@ test-vllm: cpu-wheel $(VLLM_DEPS_STAMP)
 # them (tools/make_dist.sh, tools/dist_report.py); `make test-dist` installs them into fresh environments of each
 # Python with no compiler on the PATH and runs the library tests against them (tools/test_dist.sh; a wheel not built
 # yet is built first). DIST_PYTHONS / DIST_KINDS narrow either. .ci/run tests the torch 2.13 CPU wheel (test-min's
-# compile) on the oldest and newest Python with DIST_QUICK=1 (the four slowest tests left out); `make test-vllm` tests
-# that wheel too.
+# compile) on the oldest and newest Python with DIST_QUICK=1 (the ops, budgets, saved contexts and the hook);
+# `make test-vllm` tests that wheel too.
 DIST_TOOLS_STAMP := $(VENV)/.ripplekv-dist-tools
 DIST_PYTHONS ?= 3.10 3.11 3.12 3.13
 DIST_KINDS ?= cpu-torch2.15 cuda-torch2.15 cpu-torch2.14 cuda-torch2.14 cpu-torch2.13 cuda-torch2.13

@@ -11,7 +11,10 @@ without EOS (every request generates exactly its ``max_tokens``):
   every other method runs with it on);
 * ``snapkv-decode`` / ``ripplekv-decode``: ``snapkv`` / ``ripplekv`` compressing while decoding too, every
   ``--decode-every`` generated tokens down to ``--decode-budget`` tokens a layer on average (for ``--workload
-  long-output``).
+  long-output``);
+* ``snapkv-protect`` / ``ripplekv-protect``: ``snapkv`` / ``ripplekv`` with a protected prefix (``protect_prefix``):
+  ``--protect`` tokens, by default the shared prefix (``--document-len``) in whole blocks, kept whole in blocks every
+  request shares; the rest of each prompt is compressed.
 
 A tier's block holds ``1 / T`` of the layers of a stock block, so a ``T``-tier engine gets ``T x --blocks`` blocks:
 the same bytes. Measured per method: peak concurrent requests (most requests in vLLM's running queue after a
@@ -58,7 +61,8 @@ from ripplekv_ext.eval.models import shipped_profile_path  # noqa: E402
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 DEFAULT_MODEL = Path(os.environ.get("RIPPLEKV_CACHE_DIR", "~/.cache/ripplekv")).expanduser() / "smollm2-135m-instruct"
 DEFAULT_PROFILE = shipped_profile_path("smollm2")  # the profile Policy.ripplekv is documented with
-METHODS = ("full", "snapkv", "ripplekv", "ripplekv-no-prefix-cache", "snapkv-decode", "ripplekv-decode")
+METHODS = ("full", "snapkv", "ripplekv", "ripplekv-no-prefix-cache", "snapkv-decode", "ripplekv-decode",
+           "snapkv-protect", "ripplekv-protect")
 WORKLOADS = ("random", "long-output", "shared-prefix", "system-prompt", "chat")
 
 
@@ -99,6 +103,8 @@ def parse_args(argv=None):
     p.add_argument("--decode-every", type=int, default=64, help="K of the *-decode methods")
     p.add_argument("--decode-budget", type=int, default=None,
                    help="decode_budget of the *-decode methods (default: the prompt's own budget)")
+    p.add_argument("--protect", type=int, default=None,
+                   help="protect_prefix of the *-protect methods (default: --document-len in whole blocks)")
     p.add_argument("--prefix-caching", action="store_true",
                    help="vLLM's prefix caching on for every method (always on with --workload shared-prefix but for "
                         "ripplekv-no-prefix-cache)")
@@ -310,8 +316,11 @@ def main(argv=None) -> int:
         decode = {"decode_every": args.decode_every}
         if args.decode_budget is not None:
             decode["decode_budget"] = args.decode_budget
+        protect = {"protect_prefix": args.protect if args.protect is not None
+                   else args.document_len // args.block_size * args.block_size}
         methods = {"full": None, "snapkv": snapkv, "ripplekv": ripplekv, "ripplekv-no-prefix-cache": ripplekv,
-                   "snapkv-decode": {**snapkv, **decode}, "ripplekv-decode": {**ripplekv, **decode}}
+                   "snapkv-decode": {**snapkv, **decode}, "ripplekv-decode": {**ripplekv, **decode},
+                   "snapkv-protect": {**snapkv, **protect}, "ripplekv-protect": {**ripplekv, **protect}}
         print(f"{args.workload}: {len(workload.first)} first requests, prompts {args.prompt_min}-{args.prompt_max} "
               f"tokens, {args.new_min}-"
               f"{args.new_max} new; KV cache of {args.blocks} blocks x {args.block_size} tokens (all layers); "

@@ -217,7 +217,8 @@ def test_held_tokens_bound_holds_for_every_prompt_and_generation_length(profile_
     {"method": "pyramidkv", "retention": 0.1, "tiers": 2},
     {"method": "snapkv", "retention": 0.2, "prefill_chunk": 128},
     {"method": "snapkv", "retention": 0.2, "decode_every": 32, "decode_budget": 96},
-], ids=["snapkv", "pyramidkv-2tiers", "bounded-prefill", "decoding"])
+    {"method": "pyramidkv", "retention": 0.2, "tiers": 2, "protect_prefix": 128},
+], ids=["snapkv", "pyramidkv-2tiers", "bounded-prefill", "decoding", "protected-2tiers"])
 def test_a_request_s_peak_with_prefix_caching_is_the_layout_s_compaction_step(ripplekv):
     # Independently of the start-up scan: the scheduler's own layout of every prompt length, the columns a request
     # holds in the step of its first compaction (its prompt up to there, shared until the step ends, and its
@@ -263,3 +264,30 @@ def test_compactions_while_decoding_keep_what_the_hook_s_reselection_keeps(profi
         assert 20 + ripplekv["decode_budget"] < first < 20 + ripplekv["decode_budget"] + BLOCK + 2 * every
     else:
         assert first is None
+
+
+@pytest.mark.parametrize("ripplekv", [{"method": "pyramidkv", "retention": 0.2, "tiers": 2, "protect_prefix": 128},
+                                      {"method": "snapkv", "retention": 0.2, "protect_prefix": 96, "prefill_chunk": 128,
+                                       "decode_every": 32, "decode_budget": 64}], ids=["prompt", "bounded-decoding"])
+def test_a_protected_prefix_s_blocks_are_held_whole_and_the_rest_as_without_it(ripplekv):
+    # The protected blocks are never freed nor rewritten; after them a tier frees what the budgets of the rest drop.
+    plan = plan_for(Settings.from_config(ripplekv), LAYERS, BLOCK)
+    p = ripplekv["protect_prefix"] // BLOCK
+    warnings.simplefilter("ignore", PromptTooShortWarning)  # (pytest restores the filters after the test)
+    compacted = 0
+    for n in range(1, 600):
+        for t in range(plan.num_tiers):
+            layout = plan.tier_layout(t, n, True)
+            assert layout.protected == p
+            for b in plan.boundaries_between(n, 0, n + 200):
+                first_kept = plan.kept_from_block(t, n, b)
+                kept = plan.budgets.layer(plan.tiers[t][0], n) if b == n else None
+                if kept is not None:  # the prompt's end: the prefix and the rest's budget, whole blocks dropped
+                    assert first_kept * BLOCK == p * BLOCK + (n - kept)
+                done = layout.rewrite_at is not None and b >= layout.rewrite_at
+                freed = layout.freed_columns(first_kept, done)
+                assert all(column >= p for column in freed)
+                if done:
+                    assert layout.first_kept >= p and layout.column(layout.first_kept) >= p
+                    compacted += 1
+    assert compacted

@@ -3,13 +3,14 @@ and the workers' attention read the same ``TierLayout`` (imports nothing from vL
 
 Logical block ``i`` holds prompt positions ``[i * bs, (i + 1) * bs)``; its *column* is where its block id sits in the
 request's block table, which vLLM's scheduler and workers both grow by appending. A tier's first compaction that
-drops anything, at boundary ``e`` (``EnginePlan.boundaries``), keeps tokens in logical slots ``[f * bs, e)``. The
+drops anything, at boundary ``e`` (``EnginePlan.boundaries``), keeps tokens in logical slots ``[f * bs, e)``, after
+the ``p`` blocks of a protected prefix (``protect_prefix``), which stay where they are, shared and never written. The
 blocks of the prompt's first ``shared`` tokens hold the keys and values a full prefill writes, and stay so: they are
 hashed, another request may be reading them, and they go back to vLLM's prefix cache when this request lets go of
 them. So the kept tokens of logical blocks ``[f, f + m)`` (the full shared blocks the compaction would rewrite) go to
 ``m`` blocks of the request's own, allocated in the step that reaches ``e`` and placed in the columns right after
 logical block ``ceil(e / bs) - 1``; every later logical block sits ``m`` columns further on. After the compaction the
-request lets go of the first ``f + m`` original blocks (the prefix cache keeps them; nothing writes to them).
+request lets go of the original blocks ``[p, f + m)`` (the prefix cache keeps them; nothing writes to them).
 Without prefix caching nothing is shared: ``m = 0``, and the compaction rewrites the prompt's own blocks in place.
 """
 
@@ -33,12 +34,15 @@ class TierLayout:
 
     ``block_size``: tokens per block. ``rewrite_at``: the boundary of the tier's first compaction that drops anything
     (None: the tier keeps the whole prompt). ``first_kept``: the logical block of its first kept token then (``f``).
-    ``private``: ``m``, the blocks of the request's own that receive the kept tokens of shared blocks."""
+    ``private``: ``m``, the blocks of the request's own that receive the kept tokens of shared blocks.
+    ``protected``: ``p``, the blocks of the protected prefix, kept as they are (``f >= p`` once anything is dropped).
+    """
 
     block_size: int
     rewrite_at: Optional[int]
     first_kept: int
     private: int
+    protected: int = 0
 
     @property
     def private_column(self) -> int:
@@ -73,10 +77,12 @@ class TierLayout:
         return np.minimum(out, width - 1)
 
     def freed_columns(self, first_kept: int, compacted_private: bool) -> list[int]:
-        """Columns a request no longer needs once a compaction keeps logical blocks from ``first_kept`` on
-        (``compacted_private``: the compaction at ``rewrite_at`` or a later one has run): the logical blocks before
-        ``first_kept`` and, after ``rewrite_at``, the original shared blocks the private ones replaced."""
+        """Columns a request no longer needs once a compaction keeps logical blocks from ``first_kept`` on, after the
+        protected prefix (``compacted_private``: the compaction at ``rewrite_at`` or a later one has run): the logical
+        blocks ``[protected, first_kept)`` and, after ``rewrite_at``, the original shared blocks the private ones
+        replaced."""
+        dropped = range(self.protected, first_kept)
         if not compacted_private or not self.private:
-            return list(range(first_kept))
+            return list(dropped)
         originals = range(self.first_kept, self.first_kept + self.private)
-        return sorted({self.column(block) for block in range(first_kept)} | set(originals))
+        return sorted({self.column(block) for block in dropped} | set(originals))

@@ -32,7 +32,8 @@ __all__ = ["CONFIG_KEY", "Settings", "EnginePlan", "plan_for", "plan_for_model",
 
 # additional_config[CONFIG_KEY] holds the settings (``--additional-config '{"ripplekv": {...}}'``).
 CONFIG_KEY = "ripplekv"
-_KEYS = ("method", "retention", "window", "profile", "tiers", "prefill_chunk", "decode_every", "decode_budget")
+_KEYS = ("method", "retention", "window", "profile", "tiers", "prefill_chunk", "decode_every", "decode_budget",
+         "protect_prefix")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,7 +49,9 @@ class Settings:
     compression while decoding, as the hook's ``Policy.decode_every``: every ``K`` generated tokens each layer selects
     down to its budget again, so a request holds at most its budget plus about ``K`` tokens and a block however long
     it generates; default None: off) and ``decode_budget`` (the average tokens per layer held while generating, as
-    ``Policy.decode_budget``; default: the prompt's own budget)."""
+    ``Policy.decode_budget``; default: the prompt's own budget) and ``protect_prefix`` (``P``, a multiple of the block
+    size: the first ``P`` tokens of every prompt, a system prompt or a shared document, are kept whole in shared
+    blocks, as stock vLLM keeps them, and only the rest is compressed, as ``Policy.protect``; default 0)."""
 
     method: str
     retention: float
@@ -58,6 +61,7 @@ class Settings:
     prefill_chunk: Optional[int] = None
     decode_every: Optional[int] = None
     decode_budget: Optional[int] = None
+    protect_prefix: int = 0
 
     @classmethod
     def from_config(cls, config) -> "Settings":
@@ -106,8 +110,12 @@ class Settings:
             if value is not None and (not is_integer(value) or value < 1):
                 raise ValueError(f"{where}[\"{key}\"] must be an integer >= 1 (tokens; e.g. 128), got {value!r}")
             decode[key] = None if value is None else int(value)
+        protect = config.get("protect_prefix", 0)
+        if not is_integer(protect) or protect < 0:
+            raise ValueError(f"{where}[\"protect_prefix\"] must be an integer >= 0 (prompt tokens kept whole, a "
+                             f"multiple of the block size, e.g. a system prompt's 512), got {protect!r}")
         return cls(method, float(retention), window, profile, None if tiers is None else int(tiers),
-                   None if chunk is None else int(chunk), **decode)
+                   None if chunk is None else int(chunk), **decode, protect_prefix=int(protect))
 
     def to_json(self) -> str:
         """Canonical JSON: it travels inside vLLM's KV cache specs to the scheduler process."""
@@ -166,12 +174,18 @@ class EnginePlan:
             # Refused, not rounded: compactions at whole blocks keep "budget + one chunk" a whole number of blocks.
             raise ValueError(f'additional_config["{CONFIG_KEY}"]["prefill_chunk"] must be a multiple of the block size '
                              f"({block_size}), got {chunk}; e.g. {-(-chunk // block_size) * block_size}")
+        if settings.protect_prefix % block_size:
+            # Whole blocks: the prefix's blocks are the ones requests share, and none of them is ever written.
+            raise ValueError(f'additional_config["{CONFIG_KEY}"]["protect_prefix"] must be a multiple of the block '
+                             f"size ({block_size}), got {settings.protect_prefix}; e.g. "
+                             f"{settings.protect_prefix // block_size * block_size}")
+        self.protected_blocks = settings.protect_prefix // block_size
         tiered = TieredAllocator(base, num_tiers)
         # The policy refuses, by name, what the hook refuses (a decode_budget not above the window, decode_every
         # with a selector that cannot re-select).
         self.policy = dataclasses.replace(named, allocator=BlockAlignedAllocator(tiered, block_size),
                                           decode_every=settings.decode_every, decode_budget=settings.decode_budget,
-                                          prefill_chunk=chunk)
+                                          prefill_chunk=chunk, protect=settings.protect_prefix)
         self.tiers = tiered.tiers(layers, settings.window)
         self.tier_of = {layer: t for t, tier in enumerate(self.tiers) for layer in tier}
         # The workers' selection and compaction, and the plan of every budget the scheduler and the workers share;
@@ -192,7 +206,8 @@ class EnginePlan:
         return self.budgets.layer(self.tiers[tier][0], n_tokens)
 
     def dropped_blocks(self, tier: int, n_tokens: int, read: Optional[int] = None) -> int:
-        """Whole blocks ``tier`` frees once an ``n_tokens`` prompt is compressed (its first ones), or, with
+        """Whole blocks ``tier`` frees once an ``n_tokens`` prompt is compressed (its first ones after the protected
+        prefix: ``kept_from_block``), or, with
         ``read``, once it is compacted after its first ``read`` tokens (a boundary of ``boundaries_between``: part
         of the prompt, or, with ``decode_every``, prompt and generated tokens)."""
         if read is not None and read > n_tokens:
@@ -201,6 +216,11 @@ class EnginePlan:
             return (n_tokens - self.tier_budget(tier, n_tokens)) // self.block_size
         kept = self.budgets.layer_chunk(self.tiers[tier][0], read, n_tokens)
         return (read - kept) // self.block_size
+
+    def kept_from_block(self, tier: int, n_tokens: int, read: Optional[int] = None) -> int:
+        """The logical block of ``tier``'s first kept token after the protected prefix once compacted after ``read``
+        tokens (``dropped_blocks``): the blocks ``[protected_blocks, kept_from_block)`` are the freed ones."""
+        return self.protected_blocks + self.dropped_blocks(tier, n_tokens, read)
 
     def _decode_dropped(self, tier: int, n_tokens: int, read: int) -> int:
         """``dropped_blocks`` after a compaction while decoding, at ``read = n + j K``: the layer holds what it kept
@@ -270,9 +290,9 @@ class EnginePlan:
         every = self.settings.decode_every
         average = None if every is None else self.policy.decode_average_budget(n_tokens)
         if found is None and average is not None and average > self.settings.window:
-            # The layers' decode budgets share a fixed total, so some tier drops before the sequence passes that
-            # total plus a block and a step; this one may never.
-            last = n_tokens + len(self.layers) * average + self.block_size
+            # The layers' decode budgets share a fixed total (after the protected prefix), so some tier drops before
+            # the sequence passes that total plus a block and a step; this one may never.
+            last = n_tokens + self.settings.protect_prefix + len(self.layers) * average + self.block_size
             found = next((b for b in range(n_tokens + every, last + 2 * every, every)
                           if self.dropped_blocks(tier, n_tokens, b)), None)
         return found
@@ -308,10 +328,10 @@ class EnginePlan:
             rewrite_at = self.first_drop(tier, n_tokens)
             first_kept = private = 0
             if rewrite_at is not None:
-                first_kept = self.dropped_blocks(tier, n_tokens, rewrite_at)
+                first_kept = self.kept_from_block(tier, n_tokens, rewrite_at)
                 if shared:
                     private = max(0, self.shared_tokens(n_tokens) // self.block_size - first_kept)
-            self._layouts[key] = TierLayout(self.block_size, rewrite_at, first_kept, private)
+            self._layouts[key] = TierLayout(self.block_size, rewrite_at, first_kept, private, self.protected_blocks)
         return self._layouts[key]
 
     def blocks_held(self, n_tokens: int, generated: int = 0) -> int:

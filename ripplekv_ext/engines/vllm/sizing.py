@@ -95,7 +95,7 @@ def _compaction_peaks(plan, max_model_len: int) -> tuple:
             for t, rewrite_at in enumerate(drops):
                 if rewrite_at is None or rewrite_at > max_model_len:
                     continue
-                private = shared_blocks - dropped[t]
+                private = shared_blocks - plan.protected_blocks - dropped[t]  # layout: first kept p + dropped
                 if private > 0:
                     peaks[t] = max(peaks[t], -(-rewrite_at // block) + private)
     return tuple(peaks)

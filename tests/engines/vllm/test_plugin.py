@@ -31,7 +31,7 @@ from ripplekv_ext.engines.vllm import checks  # noqa: E402
 from ripplekv_ext.engines.vllm.worker.attention import RippleKVCPUImpl  # noqa: E402
 from ripplekv_ext.engines.vllm.settings import Settings, plan_for  # noqa: E402
 from ripplekv_ext.engines.vllm.sizing import held_tokens_bound, kv_cache_bytes  # noqa: E402
-from policy_samples import SAMPLE_NAMES, sample_policies  # noqa: E402
+from policy_samples import SAMPLE_NAMES, sample_method, sample_policies  # noqa: E402
 from tiny_llama import LLAMA_CONFIG  # noqa: E402
 
 
@@ -424,8 +424,11 @@ def test_the_v2_model_runner_is_refused_by_name(model_dir, monkeypatch):
     ({"method": "ripplekv", "retention": 0.2}, r"profile.*must be the path of a RippleKV profile"),
     ({"method": "ripplekv", "retention": 0.2, "profile": "/nonexistent/profile.json"}, "not found"),
     ({"method": "snapkv", "retention": 0.2, "profile": "x.json"}, "only read by RippleKV's budgets, not snapkv"),
+    ({"method": "snapkv", "retention": 0.2, "protect_prefix": -32}, r"protect_prefix\"\] must be an integer >= 0"),
+    ({"method": "snapkv", "retention": 0.2, "protect_prefix": 48}, r"protect_prefix\"\] must be a multiple of the "
+                                                                   r"block size \(32\), got 48; e.g. 32"),
 ], ids=["cake", "adakv", "full", "unknown-method", "unknown-key", "no-retention", "retention", "tiers",
-        "no-profile", "missing-profile", "stray-profile"])
+        "no-profile", "missing-profile", "stray-profile", "negative-protect", "protect-not-whole-blocks"])
 def test_bad_settings_are_refused(model_dir, ripplekv, message):
     with pytest.raises(ValueError, match=message):
         config(model_dir, ripplekv)
@@ -437,16 +440,20 @@ def test_the_engine_takes_each_sample_method_the_policy_can_select_again_and_ref
     # The tests' table of sample policies, by method name: the engine runs what the policy can select after each
     # chunk of a prompt, with the policy's own selector, and refuses the rest in the policy's words.
     policy = sample_policies(LAYERS)[name]
-    ripplekv = {"method": name, "retention": 0.3, **({"profile": profile_path} if "ripplekv" in name else {})}
+    method, protect = sample_method(name)
+    ripplekv = {"method": method, "retention": 0.3, "protect_prefix": protect,
+                **({"profile": profile_path} if "ripplekv" in name else {})}
     refusal = policy.reselection_refusal()
     if refusal is not None:
-        with pytest.raises(ValueError, match=rf"{re.escape(name)} cannot run in the engine, .*{re.escape(refusal[1])}"):
+        with pytest.raises(ValueError, match=rf"{re.escape(method)} cannot run in the engine, .*"
+                                             rf"{re.escape(refusal[1])}"):
             config(model_dir, ripplekv)
         return
     config(model_dir, ripplekv)
     plan = plan_for(Settings.from_config(ripplekv), LAYERS, BLOCK)
     assert repr(plan.policy.selector) == repr(policy.selector)
     assert type(plan.policy.allocator.base.base) is type(policy.allocator)  # block-aligned tiers of the same budgets
+    assert plan.policy.protect == policy.protect
 
 
 def test_a_profile_with_a_nan_names_the_file_and_the_field(model_dir, profile_path, tmp_path):

@@ -40,8 +40,9 @@ def writes_to_shared_blocks(monkeypatch):
 
 
 @pytest.mark.parametrize("ripplekv", [{"method": "snapkv", "retention": 0.2},
-                                      {"method": "ripplekv", "retention": 0.3, "tiers": 2, "prefill_chunk": 128}],
-                         ids=["snapkv", "ripplekv-2tiers-bounded"])
+                                      {"method": "ripplekv", "retention": 0.3, "tiers": 2, "prefill_chunk": 128},
+                                      {"method": "ripplekv", "retention": 0.3, "tiers": 2, "protect_prefix": 256}],
+                         ids=["snapkv", "ripplekv-2tiers-bounded", "ripplekv-2tiers-protected"])
 def test_shared_prefixes_are_read_from_the_cache_and_give_the_uncached_tokens(model_dir, hf_model, profile_path,
                                                                              ripplekv, writes_to_shared_blocks):
     if ripplekv["method"] == "ripplekv":
@@ -62,6 +63,9 @@ def test_shared_prefixes_are_read_from_the_cache_and_give_the_uncached_tokens(mo
         # The questions read the whole document (its 10 blocks), as on stock vLLM below; the document's first 200
         # tokens stop before their own window: 160 tokens, where stock reads 192.
         assert cached[1:4] == [320] * 3 and cached[-1] == limits[-1] == 160
+    if ripplekv.get("protect_prefix"):
+        # The protected 256 tokens are every request's: the 200-token one is stock's (it reads 192 from the cache).
+        assert cached[1:4] == [320] * 3 and cached[-1] == 192
 
 
 def test_the_guard_sees_a_compaction_that_writes_into_shared_blocks(model_dir, writes_to_shared_blocks, monkeypatch):

@@ -23,9 +23,9 @@ __all__ = ["RippleKVManager", "register_spec"]
 class RippleKVManager(FullAttentionManager):
     """A tier's blocks of each request, laid out as ``block_layout`` says: once a request's prompt is computed up to
     a compaction boundary ``b`` (``EnginePlan.boundaries``; the workers compacted the tier's kept tokens in that
-    step) it lets go of the blocks before its first kept one, and, after the tier's first compaction, of the shared
-    blocks its private ones replaced (prefix caching keeps them). In the step that reaches that compaction it
-    allocates the private blocks, in the columns the layout names; blocks are hashed up to
+    step) it lets go of the blocks before its first kept one (after a protected prefix), and, after the tier's first
+    compaction, of the shared blocks its private ones replaced (prefix caching keeps them). In the step that reaches
+    that compaction it allocates the private blocks, in the columns the layout names; blocks are hashed up to
     ``EnginePlan.shared_tokens`` only."""
 
     def __init__(self, kv_cache_spec: RippleKVSpec, **kwargs) -> None:
@@ -57,7 +57,7 @@ class RippleKVManager(FullAttentionManager):
         if boundary is None:
             return
         layout = self.layout(request_id)
-        first_kept = self.plan.dropped_blocks(self.tier, num_prompt_tokens, boundary)
+        first_kept = self.plan.kept_from_block(self.tier, num_prompt_tokens, boundary)
         compacted = layout.rewrite_at is not None and boundary >= layout.rewrite_at
         blocks = self.req_to_blocks[request_id]
         # Later columns first, so that vLLM's LRU evicts a shared prompt's tail before its head.
@@ -68,7 +68,7 @@ class RippleKVManager(FullAttentionManager):
                 blocks[column] = self._null_block
         if released:
             self.block_pool.free_blocks(released)
-        if first_kept:
+        if first_kept > self.plan.protected_blocks:
             self._compressed[request_id] = num_prompt_tokens
 
     def get_num_blocks_to_allocate(self, request_id: str, num_tokens: int, *args, **kwargs) -> int:

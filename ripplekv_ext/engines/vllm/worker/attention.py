@@ -5,7 +5,10 @@ number ``k`` of blocks (``EnginePlan``); the kept tokens, ascending, fill logica
 of the prompt, in its own block table); new tokens go on at slot ``n``, as in stock vLLM. The scheduler frees the
 first ``k`` blocks. Attention then reads logical slots ``[d, seq_len)``: the block table shifted by ``k`` and
 ``seq_len - d`` tokens, which the kernel's end-aligned causal rule gets right (every kept token precedes every new
-one). Query positions, hence RoPE, stay logical; kept keys keep the rotation of their original positions.
+one). Query positions, hence RoPE, stay logical; kept keys keep the rotation of their original positions. With a
+protected prefix of ``P = p`` blocks (``protect_prefix``) the same holds after it: its slots ``[0, P)`` are never
+compacted nor freed, the kept tokens fill ``[P + d, n)``, and attention reads the table's first ``p`` columns, then
+the rest shifted by ``k``.
 
 A request is compacted at each of its boundaries (``EnginePlan.boundaries``: the prompt's end, and every
 ``prefill_chunk`` prompt tokens with bounded prefill). In the step that reaches a boundary ``b``, each layer first
@@ -150,7 +153,8 @@ class RippleKVCPUBuilder(CPUAttentionMetadataBuilder):
         return dropped
 
     def _parts(self, r: int, n: int, s0: int, s1: int, token0: int, before: Tensor, after: Tensor):
-        """Row ``r``'s parts in this step: ``[(begin, end, offset, compaction or None, table)]`` in positions;
+        """Row ``r``'s parts in this step: ``[(begin, end, offset, compaction or None, table)]`` in positions
+        (``offset``: the slots freed after the protected prefix);
         ``table``: its logical blocks as the part reads them (``before``, or ``after`` once the tier's first
         compaction has written the row's private blocks). A part ends at each boundary where the tier drops
         blocks (of the prompt, or, with ``decode_every``, while decoding)."""
@@ -160,14 +164,15 @@ class RippleKVCPUBuilder(CPUAttentionMetadataBuilder):
             return before if rewrite_at is None or end <= rewrite_at else after
 
         parts, begin = [], s0
+        protect = self.plan.settings.protect_prefix
         offset = self._dropped_tokens(n, self.plan.last_boundary(n, s0))
         for end in self.plan.boundaries_between(n, s0, s1):
             kept_from = self._dropped_tokens(n, end)
             if kept_from == offset:  # nothing dropped here (whole blocks only): no compaction
                 continue
             blocks = -(-end // self.block_size)
-            compaction = _Compaction(self._req_ids[r], n, end, offset, kept_from, table(end)[:blocks],
-                                     after[:blocks], torch.arange(token0 + s0, token0 + end), s0)
+            compaction = _Compaction(self._req_ids[r], n, end, protect + offset, protect + kept_from,
+                                     table(end)[:blocks], after[:blocks], torch.arange(token0 + s0, token0 + end), s0)
             parts.append((begin, end, offset, compaction, table(end)))
             begin, offset = end, kept_from
         if begin < s1:
@@ -247,7 +252,8 @@ class RippleKVCPUBuilder(CPUAttentionMetadataBuilder):
         blocks) on."""
         new_lens = torch.from_numpy(seq_lens - offsets).to(cm.seq_lens.dtype)
         return cm.replace(seq_lens=new_lens, max_seq_len=int(new_lens.max()),
-                          block_table_tensor=_shift_rows(table, offsets // self.block_size))
+                          block_table_tensor=_shift_rows(table, offsets // self.block_size,
+                                                         self.plan.protected_blocks))
 
     def _subset(self, cm, rows: list):
         """``cm`` for the given ``(logical blocks, query tokens, seq_len, offset)`` rows, their query tokens packed
@@ -256,7 +262,8 @@ class RippleKVCPUBuilder(CPUAttentionMetadataBuilder):
         lens = np.array([s - o for _, _, s, o in rows], dtype=np.int64)
         blocks = np.array([o // self.block_size for *_, o in rows], dtype=np.int64)
         qsl = torch.from_numpy(np.concatenate([[0], np.cumsum(counts)])).to(cm.query_start_loc_cpu.dtype)
-        table = _shift_rows(torch.stack([t for t, *_ in rows]).to(cm.block_table_tensor.dtype), blocks)
+        table = _shift_rows(torch.stack([t for t, *_ in rows]).to(cm.block_table_tensor.dtype), blocks,
+                            self.plan.protected_blocks)
         return cm.replace(query_start_loc=qsl, query_start_loc_cpu=qsl,
                           seq_lens=torch.from_numpy(lens).to(cm.seq_lens.dtype), num_reqs=len(rows),
                           num_actual_tokens=int(counts.sum()), max_query_len=int(counts.max()),
@@ -267,12 +274,13 @@ def _fields(meta: CPUAttentionMetadata) -> dict:
     return {f.name: getattr(meta, f.name) for f in dataclasses.fields(CPUAttentionMetadata)}
 
 
-def _shift_rows(table: Tensor, shifts: np.ndarray) -> Tensor:
-    """Row ``r`` of ``table`` starting at column ``shifts[r]`` (the tail repeats the last column)."""
+def _shift_rows(table: Tensor, shifts: np.ndarray, kept: int = 0) -> Tensor:
+    """Row ``r`` of ``table``: its first ``kept`` columns (a protected prefix's), then the rest from column ``kept +
+    shifts[r]`` (the tail repeats the last column)."""
     width = table.shape[1]
     shift = torch.from_numpy(np.ascontiguousarray(shifts[: table.shape[0]])).to(torch.int64)
-    columns = (torch.arange(width)[None, :] + shift[:, None]).clamp_(max=width - 1)
-    return table.gather(1, columns)
+    columns = torch.arange(width)[None, :] + torch.where(torch.arange(width) >= kept, 1, 0)[None, :] * shift[:, None]
+    return table.gather(1, columns.clamp_(max=width - 1))
 
 
 # -- the attention implementation -----------------------------------------------------------------------------------
@@ -345,8 +353,9 @@ class RippleKVCPUImpl(CPUAttentionBackendImpl):
                                f"with the queries of only {current.shape[0]} of its newest {window} positions")
         queries = current.permute(1, 0, 2).unsqueeze(0)  # [1, H_q, W, D]
         keys, values = read_prompt(kv_cache, row.read_blocks[row.held_from // block_size:], held)
+        # The slots read are those after the protected prefix: they are compressed as a prompt of their own.
         keys_c, values_c = plan.compressor.compress(layer_idx, queries, keys, values, scale=self.scale,
-                                                    budget=kept)
+                                                    budget=kept, protect=0)
         write_slots(kv_cache, row.write_blocks, row.kept_from, keys_c, values_c, layer, self.kv_cache_dtype)
 
 
