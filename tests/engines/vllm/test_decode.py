@@ -22,8 +22,9 @@ NEW = 120
 
 @pytest.mark.parametrize("ripplekv", [{"method": "snapkv", "retention": 0.2, **DECODE},
                                       {"method": "ripplekv", "retention": 0.3, "tiers": 2, "prefill_chunk": 64,
-                                       "decode_every": 24}],
-                         ids=["snapkv", "ripplekv-2tiers-bounded"])
+                                       "decode_every": 24},
+                                      {"method": "snapkv", "retention": 0.2, **DECODE, "protect_prefix": 64}],
+                         ids=["snapkv", "ripplekv-2tiers-bounded", "snapkv-protected"])
 def test_tokens_equal_the_hook_s_with_the_same_decode_settings(model_dir, hf_model, profile_path, ripplekv):
     if ripplekv["method"] == "ripplekv":
         ripplekv = {**ripplekv, "profile": profile_path}
@@ -69,15 +70,16 @@ def test_a_long_generation_holds_its_budget_plus_a_step_and_a_block(model_dir, h
 
 
 def test_preempted_requests_and_shared_prefixes_give_the_hook_s_tokens(model_dir, hf_model, profile_path):
-    """Requests preempted after compactions while decoding (vLLM's reset_prefix_cache with running requests)
-    recompute prompt and output, compacted again at every boundary they pass (the prompt's chunks and every ``K``
-    generated tokens); with prefix caching the questions of a shared document read it from the cache, and a prompt
+    """Requests preempted after compactions while decoding (vLLM's reset_prefix_cache with running requests), with
+    a protected prefix, recompute prompt and output, compacted again at every boundary they pass (the prompt's
+    chunks and every ``K`` generated tokens); with prefix caching the questions of a shared document read it from the cache, and a prompt
     shorter than its decode budget (kept whole at its end) is first compacted while decoding, its shared blocks
     untouched."""
     from harness import run_first_then_rest, shared_prefix_prompts
 
+    # A protected prefix too: its blocks are recomputed whole, and never compacted.
     ripplekv = {"method": "ripplekv", "retention": 0.2, "tiers": 2, "prefill_chunk": 64, "decode_every": 24,
-                "profile": profile_path}
+                "protect_prefix": 64, "profile": profile_path}
     plan = plan_for(Settings.from_config(ripplekv), LAYERS, BLOCK)
     token_lists = prompts([270, 333], seed=1)
     params = SamplingParams(temperature=0, max_tokens=NEW, ignore_eos=True)

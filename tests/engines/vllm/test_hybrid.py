@@ -53,8 +53,9 @@ def gemma3_profile(gemma3_model, tmp_path_factory):
 
 
 @pytest.mark.parametrize("ripplekv", [{"method": "snapkv", "retention": 0.2},
-                                      {"method": "ripplekv", "retention": 0.2, "prefill_chunk": 96}],
-                         ids=["snapkv", "ripplekv-2tiers-bounded"])
+                                      {"method": "ripplekv", "retention": 0.2, "prefill_chunk": 96},
+                                      {"method": "snapkv", "retention": 0.2, "protect_prefix": 64}],
+                         ids=["snapkv", "ripplekv-2tiers-bounded", "snapkv-protected"])
 def test_hybrid_model_compresses_its_full_attention_layers_to_the_hook_tokens(gemma3_dir, gemma3_model,
                                                                               gemma3_profile, ripplekv):
     if ripplekv["method"] == "ripplekv":

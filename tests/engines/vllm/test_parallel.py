@@ -63,10 +63,10 @@ def test_parallel_engines_give_the_single_request_tokens(model_dir, hf_model, pr
                                                                            new_tokens=100)
 
 
-def test_tensor_parallel_one_shot_with_prefix_caching_equals_one_process(model_dir, hf_model):
+def test_tensor_parallel_one_shot_with_prefix_caching_and_a_protected_prefix_equals_one_process(model_dir, hf_model):
     # Questions of a shared document, all sent at once: later ones hit the blocks the first computes in the same
-    # step, and every rank writes their kept tokens to the same private blocks.
-    ripplekv = {"method": "snapkv", "retention": 0.2}
+    # step, and every rank writes their kept tokens to the same private blocks, after a protected prefix.
+    ripplekv = {"method": "snapkv", "retention": 0.2, "protect_prefix": 64}
     plan = plan_for(Settings.from_config(ripplekv), LAYERS, BLOCK)
     token_lists = prompts() + shared_prefix_prompts()
     with engine(model_dir, ripplekv, tensor_parallel_size=2, enable_prefix_caching=True) as llm:
