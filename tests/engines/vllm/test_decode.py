@@ -72,9 +72,9 @@ def test_a_long_generation_holds_its_budget_plus_a_step_and_a_block(model_dir, h
 def test_preempted_requests_and_shared_prefixes_give_the_hook_s_tokens(model_dir, hf_model, profile_path):
     """Requests preempted after compactions while decoding (vLLM's reset_prefix_cache with running requests), with
     a protected prefix, recompute prompt and output, compacted again at every boundary they pass (the prompt's
-    chunks and every ``K`` generated tokens); with prefix caching the questions of a shared document read it from the cache, and a prompt
-    shorter than its decode budget (kept whole at its end) is first compacted while decoding, its shared blocks
-    untouched."""
+    chunks and every ``K`` generated tokens); with prefix caching the questions of a shared document read it from
+    the cache, and a prompt shorter than its decode budget (kept whole at its end) is first compacted while
+    decoding, its shared blocks untouched."""
     from harness import run_first_then_rest, shared_prefix_prompts
 
     # A protected prefix too: its blocks are recomputed whole, and never compacted.
