@@ -234,8 +234,13 @@ class Policy:
         if self.protect:
             if n_tokens <= self.protect:
                 return [n_tokens] * num_layers
-            return [self.protect + b for b in self._unprotected(self.layer_budgets)(num_layers,
-                                                                                   n_tokens - self.protect, layers)]
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always", PromptTooShortWarning)
+                rest = self._unprotected(self.layer_budgets)(num_layers, n_tokens - self.protect, layers)
+            for warning in caught:  # said of the whole prompt, not of the part after the prefix alone
+                warnings.warn(f"{warning.message} (the tokens after a protected prefix of {self.protect}, of "
+                              f"{n_tokens})", warning.category, stacklevel=2)
+            return [self.protect + b for b in rest]
         if self.is_full or n_tokens <= self.window:
             return [n_tokens] * num_layers
         avg = average_budget(self.retention, n_tokens)

@@ -337,3 +337,8 @@ def test_a_protected_prefix_is_kept_and_the_rest_selected_as_a_prompt_of_its_own
     assert torch.equal(comp.select(0, q[:, :, -8:], k[:, :, 16:], budget=budget - 16, protect=0), rest)
     with pytest.raises(ValueError, match=r"budget must be an integer >= the protected prefix \(16\) \+ window = 24"):
         comp.compress(0, q[:, :, -8:], k, v, budget=20)
+
+
+def test_a_rest_too_short_to_compress_warns_naming_the_protected_prefix():
+    with pytest.warns(PromptTooShortWarning, match=r"a 40-token prompt .* protected prefix of 64, of 104\)"):
+        assert Policy.snapkv(0.2, window=8, protect=64).layer_budgets(4, 104) == [104] * 4
