@@ -84,9 +84,14 @@ def test_an_engine_says_the_plugin_is_active_and_warns_when_blocks_keep_far_more
         config(model_dir, {"method": "snapkv", "retention": 0.1})
         assert [r.levelname for r in records] == ["INFO"]
         config(model_dir, {"method": "snapkv", "retention": 0.1}, block_size=128)
+        # A protected prefix keeps more than the retention by itself: named, and no block-size warning.
+        config(model_dir, {"method": "snapkv", "retention": 0.3, "protect_prefix": 256})
     finally:
         logger.removeFilter(record)
     messages = [r.getMessage() for r in records]
+    assert [r.levelname for r in records[3:]] == ["INFO"]
+    # 256 protected + 96 of the 256 after them (a budget of 77, in whole blocks): 352 of 512.
+    assert "prefill_chunk None, protect_prefix 256, prefix caching off; a request keeps 69% of 512" in messages[3]
     assert messages[0] == ("ripplekv plugin active: snapkv at retention 0.1, 1 tier(s), window 32, block size 32, "
                            "prefill_chunk None, prefix caching off; a request keeps 12% of 512 tokens of its prompt "
                            "(whole blocks only)")
