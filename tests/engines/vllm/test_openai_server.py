@@ -23,7 +23,8 @@ from harness import BLOCK, LAYERS, free_port, prompts, reference, running, stop 
 from ripplekv_ext.engines.vllm.settings import Settings, plan_for  # noqa: E402
 from ripplekv_ext.engines.vllm.sizing import kv_cache_bytes  # noqa: E402
 
-RIPPLEKV = {"method": "snapkv", "retention": 0.2}
+# The system prompt of the chats below is 200 tokens: its first 192 (6 blocks) are protected, kept whole and shared.
+RIPPLEKV = {"method": "snapkv", "retention": 0.4, "protect_prefix": 192}
 NEW_TOKENS = 16
 CHAT_TEMPLATE = "{% for m in messages %}{{ m['content'] }} {% endfor %}"
 SERVER_START_S = 300
@@ -147,8 +148,9 @@ def _ids(text):
 
 def test_chats_sharing_a_system_prompt_answer_as_the_hook(server, model_with_tokenizer):
     """Four chats of two turns at once over HTTP, prefix caching on (the server's default), every one after the same
-    system prompt: the second turns resend the first with its answer, so they read the system prompt and their first
-    turn's prompt from the cache. Each answer equals compress(model, policy) + generate on its whole prompt."""
+    system prompt, protected: the second turns resend the first with its answer, so they read the system prompt and
+    their first turn's prompt from the cache. Each answer equals compress(model, policy) + generate on its whole
+    prompt, the policy protecting the same prefix."""
     server, _ = server
     system, *users = (" ".join(f"w{t}" for t in tokens) for tokens in prompts([200, 40, 60, 50, 70, 30, 45, 55, 35],
                                                                                  seed=9))
@@ -169,5 +171,6 @@ def test_chats_sharing_a_system_prompt_answer_as_the_hook(server, model_with_tok
     # The chat template joins the messages' words: the prompt's ids are theirs in order.
     prompts_ids = [[t for message in chat for t in _ids(message["content"])] for chat, _ in turns]
     plan = plan_for(Settings.from_config(RIPPLEKV), LAYERS, BLOCK)
+    assert any(plan.first_compaction(len(ids)) for ids in prompts_ids)  # the second turns drop blocks after the prefix
     expected = reference(load_reference_model(model_with_tokenizer), plan.policy, prompts_ids, new_tokens=NEW_TOKENS)
     assert [_ids(answer) for _, answer in turns] == expected
