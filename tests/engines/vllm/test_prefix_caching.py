@@ -68,6 +68,27 @@ def test_shared_prefixes_are_read_from_the_cache_and_give_the_uncached_tokens(mo
         assert cached[1:4] == [320] * 3 and cached[-1] == 192
 
 
+def test_parallel_samples_of_one_prompt_share_its_prefix_and_each_equals_the_hook(model_dir, hf_model,
+                                                                                 writes_to_shared_blocks):
+    """``n = 3`` samples of each question (vLLM refuses ``n > 1`` when greedy; top-k 1 samples the greedy token, so
+    all three are the reference's tokens): vLLM runs them as requests that share the prompt's blocks, each compacted
+    on its own after the protected prefix."""
+    ripplekv = {"method": "snapkv", "retention": 0.3, "protect_prefix": 128}
+    plan = plan_for(Settings.from_config(ripplekv), LAYERS, BLOCK)
+    token_lists = shared_prefix_prompts()[:2]
+    assert all(plan.first_compaction(len(tokens)) for tokens in token_lists)
+    shared_writes, pools = writes_to_shared_blocks
+    params = SamplingParams(n=3, temperature=1.0, top_k=1, seed=0, max_tokens=NEW_TOKENS, ignore_eos=True)
+    with engine(model_dir, ripplekv, enable_prefix_caching=True, max_num_batched_tokens=1024) as llm:
+        pool = scheduler(llm).kv_cache_manager.block_pool
+        pools.append(pool)
+        outputs = llm.generate([{"prompt_token_ids": t} for t in token_lists], params, use_tqdm=False)
+        assert pool.get_num_free_blocks() == pool.num_gpu_blocks - 1
+    expected = reference(hf_model, plan.policy, token_lists)
+    assert [[list(sample.token_ids) for sample in out.outputs] for out in outputs] == [[e] * 3 for e in expected]
+    assert shared_writes == []
+
+
 def test_the_guard_sees_a_compaction_that_writes_into_shared_blocks(model_dir, writes_to_shared_blocks, monkeypatch):
     """Without private blocks (a compaction written in place, as before prefix caching kept shared blocks whole),
     the same run writes into hashed blocks: the guard above would see it."""
