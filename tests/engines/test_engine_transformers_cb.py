@@ -26,6 +26,7 @@ needs_supported_transformers = pytest.mark.skipif(
 
 NUM_LAYERS = 6
 WINDOW = 8
+PROTECT = 16  # the protected prefix of one policy below
 PAGE_SIZE = 8
 # A made-up sensitivity profile: layers 1 and 3 matter most.
 SENSITIVITY = [0.1, 2.0, 0.5, 3.0, 0.2, 1.0]
@@ -106,23 +107,27 @@ def policies():
                               0.3, WINDOW),
         # Not tiered: one tier per layer (a block is one page), exact per-layer budgets.
         "ripplekv-exact": Policy.ripplekv(SENSITIVITY, 0.3, window=WINDOW),
+        # The first PROTECT tokens of every prompt kept whole, the rest compressed as a prompt of its own.
+        "snapkv-protected": Policy.snapkv(0.3, window=WINDOW, protect=PROTECT),
     }
 
 
 @needs_supported_transformers
-@pytest.mark.parametrize("name", ["snapkv", "ripplekv-t3", "ripplekv-exact"])
+@pytest.mark.parametrize("name", ["snapkv", "ripplekv-t3", "ripplekv-exact", "snapkv-protected"])
 def test_generate_batch_tokens_equal_single_request_compress(model, policies, name):
     policy = policies[name]
     with cb.serve(model, policy) as session:
         got = run_staggered(model)
     assert session.policy is policy
-    assert session.num_tiers == {"snapkv": 1, "ripplekv-t3": 3, "ripplekv-exact": NUM_LAYERS}[name]
+    tiers = {"snapkv": 1, "ripplekv-t3": 3, "ripplekv-exact": NUM_LAYERS, "snapkv-protected": 1}
+    assert session.num_tiers == tiers[name]
     for i, (n, new) in enumerate(REQUESTS):
         want = reference_tokens(model, session.policy, prompts()[i], new)
         assert got[i] == want, f"request {i} ({n} prompt tokens): engine {got[i]} != generate+compress {want}"
     # The engine really compressed: every prompt long enough was cut, and requests overlapped in the cache.
     compressed = {event.prompt_tokens for event in session.events}
-    assert compressed == {n for n, _ in REQUESTS if average_budget(0.3, n) > WINDOW}
+    protect = policy.protect
+    assert compressed == {n for n, _ in REQUESTS if n > protect and average_budget(0.3, n - protect) > WINDOW}
     assert session.peak_requests >= 2
     # The check has power: compression changes what the model says for at least one request.
     full = [reference_tokens(model, None, prompts()[i], new) for i, (_, new) in enumerate(REQUESTS)]
