@@ -76,12 +76,13 @@ def test_compress_context_is_compress_on_the_same_prefill(arch):
     assert cache.ripplekv_context.probe_tokens == 0 and torch.equal(cache.ripplekv_context.context_ids, context)
 
 
-@pytest.mark.parametrize("arch,policy_name", [("llama", "snapkv"), ("qwen2", "ripplekv")])
+@pytest.mark.parametrize("arch,policy_name", [("llama", "snapkv"), ("qwen2", "ripplekv"), ("llama", "protected")])
 def test_answer_equals_the_masked_reference(arch, policy_name):
     # The question comes after compression: its window was the context's tail, so the reference compresses the
     # context alone, then attends to the question and the answer over the kept tokens only.
     model = tiny_model(arch)
-    policy = (Policy.snapkv(0.3, window=WINDOW) if policy_name == "snapkv"
+    policy = (Policy.snapkv(0.3, window=WINDOW, protect=24 if policy_name == "protected" else 0)
+              if policy_name != "ripplekv"
               else Policy.ripplekv(toy_sensitivity(len(compressible_layers(model))), 0.3, window=WINDOW))
     context, question = _ids(), _ids(n=6, seed=1)
     tokens, logits = _answer(model, compress_context(model, context, policy), question)
@@ -268,7 +269,9 @@ def test_saved_context_continues_in_a_fresh_process_as_the_original(tmp_path):
     expected = {}
     for arch in ("llama", "gemma3"):  # gemma3: sliding-window layers saved alongside the compressed ones
         model = tiny_model(arch)
-        policy = Policy.ripplekv(toy_sensitivity(len(compressible_layers(model))), 0.3, window=WINDOW)
+        # llama's with a protected prefix: the policy's new field travels in the file.
+        policy = Policy.ripplekv(toy_sensitivity(len(compressible_layers(model))), 0.3, window=WINDOW,
+                                 protect=16 if arch == "llama" else 0)
         cache = compress_context(model, context, policy)
         torch.save(cache, tmp_path / f"{arch}.pt")
         result = continue_context(model, cache, question, max_new_tokens=4, output_logits=True,
