@@ -26,11 +26,31 @@ from ripplekv_ext.engines.vllm import offline_cpu_environment
 offline_cpu_environment()
 from vllm import LLM, SamplingParams
 kwargs, token_lists, new_tokens = json.loads(sys.argv[1]), json.loads(sys.argv[2]), int(sys.argv[3])
+preempt_after = int(sys.argv[4])  # generated tokens of every running request; 0: never
 llm = LLM(**kwargs)
+engine = llm.llm_engine
+scheduler = engine.engine_core.engine_core.scheduler
+preempted = []
+preempt = scheduler._preempt_request
+scheduler._preempt_request = lambda request, *a, **k: (preempted.append(request.request_id),
+                                                       preempt(request, *a, **k))[1]
 params = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True)
-outputs = llm.generate([{"prompt_token_ids": t} for t in token_lists], params, use_tqdm=False)
-print("TOKENS " + json.dumps([list(o.outputs[0].token_ids) for o in outputs]), flush=True)
-llm.llm_engine.engine_core.shutdown()
+# A request aborted half-way through its prompt leaves nothing behind, on either node.
+engine.add_request("aborted", {"prompt_token_ids": token_lists[-1]}, params)
+engine.step()
+engine.abort_request(["aborted"])
+for i, tokens in enumerate(token_lists):
+    engine.add_request(str(i), {"prompt_token_ids": tokens}, params)
+outputs = {}
+while engine.has_unfinished_requests():
+    outputs.update({o.request_id: list(o.outputs[0].token_ids) for o in engine.step() if o.finished})
+    if preempt_after and not preempted and len(scheduler.running) == len(token_lists) and all(
+            r.num_output_tokens > preempt_after for r in scheduler.running):
+        # Every running request back to the waiting queue: each recomputes its prompt and output on both nodes.
+        assert llm.reset_prefix_cache(reset_running_requests=True)
+print("TOKENS " + json.dumps([outputs[str(i)] for i in range(len(token_lists))]), flush=True)
+print("PREEMPTED " + json.dumps(preempted), flush=True)
+engine.engine_core.shutdown()
 """
 SECONDS = 420  # each node's limit: start-up, the prompts, shut-down
 
@@ -59,27 +79,35 @@ def headless_node(kwargs: dict, log):
         stop(node, 30)
 
 
-# Both compress while decoding too: every 8 generated tokens down to 48 tokens a layer on average.
-@pytest.mark.parametrize("ripplekv,parallel", [
-    ({"method": "snapkv", "retention": 0.2, "decode_every": 8, "decode_budget": 48}, dict(tensor_parallel_size=2)),
+# Both compress while decoding too: every 8 generated tokens down to 48 tokens a layer on average. Under pipeline
+# parallel, four requests generating 100 tokens are preempted after 30 (every one, as vLLM's reset of the prefix cache
+# with running requests does) and recompute past their decode compactions (single-node pipeline parallel is this
+# test's: its model compiles at start-up, a minute of CI each).
+@pytest.mark.parametrize("ripplekv,parallel,lengths,new_tokens", [
+    ({"method": "snapkv", "retention": 0.2, "decode_every": 8, "decode_budget": 48}, dict(tensor_parallel_size=2),
+     None, NEW_TOKENS),
     ({"method": "ripplekv", "retention": 0.2, "tiers": 2, "prefill_chunk": 64, "decode_every": 8, "decode_budget": 48},
-     dict(pipeline_parallel_size=2, enforce_eager=False, max_num_batched_tokens=64)),
-], ids=["tp2-one-shot-decode", "pp2-tiers-bounded-decode"])
-def test_two_nodes_give_the_single_process_tokens(model_dir, hf_model, profile_path, tmp_path, ripplekv, parallel):
+     dict(pipeline_parallel_size=2, enforce_eager=False, max_num_batched_tokens=64), [270, 300, 240, 333], 100),
+], ids=["tp2-one-shot-decode", "pp2-tiers-bounded-decode-preempted"])
+def test_two_nodes_give_the_single_process_tokens(model_dir, hf_model, profile_path, tmp_path, ripplekv, parallel,
+                                                  lengths, new_tokens):
     if ripplekv["method"] == "ripplekv":
         ripplekv = {**ripplekv, "profile": profile_path}
     plan = plan_for(Settings.from_config(ripplekv), LAYERS, BLOCK)
-    token_lists = prompts()
+    token_lists = prompts() if lengths is None else prompts(lengths, seed=1)
     port = free_port()
     across = dict(nnodes=2, master_addr="127.0.0.1", master_port=port, distributed_executor_backend="mp")
     head = {**engine_kwargs(model_dir, ripplekv, **parallel), **across, "node_rank": 0}
     with open(tmp_path / "node1.log", "w") as log, headless_node({**head, "node_rank": 1}, log):
-        out = subprocess.run([sys.executable, "-c", HEAD, json.dumps(head), json.dumps(token_lists), str(NEW_TOKENS)],
+        out = subprocess.run([sys.executable, "-c", HEAD, json.dumps(head), json.dumps(token_lists), str(new_tokens),
+                              "0" if lengths is None else "30"],
                              capture_output=True, text=True, timeout=SECONDS, cwd=tmp_path,
                              env=dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0", OMP_NUM_THREADS="1"))
     lines = [line for line in out.stdout.splitlines() if line.startswith("TOKENS ")]
     assert out.returncode == 0 and lines, (out.stderr[-3000:], (tmp_path / "node1.log").read_text()[-3000:])
-    assert json.loads(lines[0][len("TOKENS "):]) == reference(hf_model, plan.policy, token_lists)
+    assert json.loads(lines[0][len("TOKENS "):]) == reference(hf_model, plan.policy, token_lists, new_tokens)
+    preempted = json.loads(next(line for line in out.stdout.splitlines() if line.startswith("PREEMPTED "))[10:])
+    assert bool(preempted) == (lengths is not None), preempted
 
 
 def test_a_node_whose_plan_differs_from_the_head_s_is_refused(profile_path, tmp_path):
