@@ -15,7 +15,7 @@ seen so far (``decode_layer_budgets``), so every allocator holds the same total 
 from __future__ import annotations
 
 import warnings
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Optional, Sequence
 
 from ripplekv_ext.budgets.allocators import (DEFAULT_EXPONENT, DEFAULT_NORMALIZE, DEFAULT_RATIO, Allocator,
@@ -231,16 +231,20 @@ class Policy:
         protect`` tokens after it, by these same rules.
         """
         check_int("n_tokens", n_tokens, 1)
-        if self.protect:
-            if n_tokens <= self.protect:
-                return [n_tokens] * num_layers
-            with warnings.catch_warnings(record=True) as caught:
-                warnings.simplefilter("always", PromptTooShortWarning)
-                rest = self._unprotected(self.layer_budgets)(num_layers, n_tokens - self.protect, layers)
-            for warning in caught:  # said of the whole prompt, not of the part after the prefix alone
-                warnings.warn(f"{warning.message} (the tokens after a protected prefix of {self.protect}, of "
-                              f"{n_tokens})", warning.category, stacklevel=2)
-            return [self.protect + b for b in rest]
+        if not self.protect:
+            return self._prompt_budgets(num_layers, n_tokens, layers)
+        if n_tokens <= self.protect:
+            return [n_tokens] * num_layers
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always", PromptTooShortWarning)
+            rest = self._prompt_budgets(num_layers, n_tokens - self.protect, layers)
+        for warning in caught:  # said of the whole prompt, not of the part after the prefix alone
+            warnings.warn(f"{warning.message} (the tokens after a protected prefix of {self.protect}, of "
+                          f"{n_tokens})", warning.category, stacklevel=2)
+        return [self.protect + b for b in rest]
+
+    def _prompt_budgets(self, num_layers: int, n_tokens: int, layers: Optional[Sequence[int]]) -> list[int]:
+        """``layer_budgets``' rules for ``n_tokens`` tokens with nothing protected before them."""
         if self.is_full or n_tokens <= self.window:
             return [n_tokens] * num_layers
         avg = average_budget(self.retention, n_tokens)
@@ -253,7 +257,7 @@ class Policy:
         if avg <= self.window:
             warnings.warn(f"retention {self.retention:g} of a {n_tokens}-token prompt is an average budget of {avg} "
                           f"tokens, not more than the window ({self.window}): the prompt is left uncompressed",
-                          PromptTooShortWarning, stacklevel=2)
+                          PromptTooShortWarning, stacklevel=3)  # layer_budgets' caller
             return [n_tokens] * num_layers
         return self._allocate(num_layers, n_tokens, avg, layers)
 
@@ -290,25 +294,24 @@ class Policy:
         its retention and no ``decode_budget`` was given).
         """
         check_int("n_tokens", n_tokens, 1)
-        if self.protect:
-            # The prompt's part after the prefix (at least a token: a prompt within the prefix keeps everything
-            # unless a decode_budget is given).
-            if n_tokens <= self.protect:
-                return [n_tokens] * num_layers
-            tail = self._unprotected(self.decode_layer_budgets)
-            return [self.protect + b for b in tail(num_layers, n_tokens - self.protect,
-                                                   max(prompt_tokens - self.protect, 1), layers)]
         avg = self.decode_average_budget(prompt_tokens)
         if n_tokens < prompt_tokens:
             raise ValueError(f"n_tokens (prompt + generated) must be >= prompt_tokens = {prompt_tokens}, "
                              f"got {n_tokens}")
+        if not self.protect:
+            return self._decode_budgets(num_layers, n_tokens, avg, layers)
+        if n_tokens <= self.protect:
+            return [n_tokens] * num_layers
+        # The part after the prefix, whose prompt is at least a token: a prompt within the prefix keeps everything
+        # unless a decode_budget is given.
+        rest_avg = self.decode_average_budget(max(prompt_tokens - self.protect, 1))
+        return [self.protect + b for b in self._decode_budgets(num_layers, n_tokens - self.protect, rest_avg, layers)]
+
+    def _decode_budgets(self, num_layers: int, n_tokens: int, avg: int, layers: Optional[Sequence[int]]) -> list[int]:
+        """``decode_layer_budgets``' split of ``avg`` over ``n_tokens`` tokens with nothing protected before them."""
         if avg >= n_tokens or avg <= self.window:
             return [n_tokens] * num_layers
         return self._allocate(num_layers, n_tokens, avg, layers)
-
-    def _unprotected(self, method):
-        """``method`` of this policy without its protected prefix: the rules of the part after it."""
-        return getattr(replace(self, protect=0), method.__name__)
 
     def _allocate(self, num_layers: int, n_tokens: int, avg: int, layers: Optional[Sequence[int]]) -> list[int]:
         budgets = self.allocator.budgets(num_layers, n_tokens, avg, self.window,

@@ -81,9 +81,10 @@ def test_answer_equals_the_masked_reference(arch, policy_name):
     # The question comes after compression: its window was the context's tail, so the reference compresses the
     # context alone, then attends to the question and the answer over the kept tokens only.
     model = tiny_model(arch)
-    policy = (Policy.snapkv(0.3, window=WINDOW, protect=24 if policy_name == "protected" else 0)
-              if policy_name != "ripplekv"
-              else Policy.ripplekv(toy_sensitivity(len(compressible_layers(model))), 0.3, window=WINDOW))
+    policy = {"snapkv": lambda: Policy.snapkv(0.3, window=WINDOW),
+              "protected": lambda: Policy.snapkv(0.3, window=WINDOW, protect=24),
+              "ripplekv": lambda: Policy.ripplekv(toy_sensitivity(len(compressible_layers(model))), 0.3,
+                                                  window=WINDOW)}[policy_name]()
     context, question = _ids(), _ids(n=6, seed=1)
     tokens, logits = _answer(model, compress_context(model, context, policy), question)
     with MaskedReference(model, policy):

@@ -255,15 +255,16 @@ def _log_start(settings: Settings, plan, max_model_len: int, caching: bool, text
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", PromptTooShortWarning)
         kept = {n: kept_share(plan, n) for n in lengths}
-        small = plan_for_model(settings, text, 32) if plan.block_size > 32 else None
+        # The same settings in 32-token blocks: what the block size alone adds.
+        small = kept_share(plan_for_model(settings, text, 32), lengths[-1]) if plan.block_size > 32 else None
         protect = f", protect_prefix {settings.protect_prefix}" if settings.protect_prefix else ""
         logger.info("ripplekv plugin active: %s at retention %g, %d tier(s), window %d, block size %d, prefill_chunk "
                     "%s%s, prefix caching %s; a request keeps %s of its prompt (whole blocks only)", settings.method,
                     settings.retention, plan.num_tiers, settings.window, plan.block_size, settings.prefill_chunk,
                     protect, "on" if caching else "off", ", ".join(f"{kept[n]:.0%} of {n} tokens" for n in lengths))
         n = lengths[-1]
-        # The block size's doing, not a protected prefix's: compared with the same settings in 32-token blocks.
-        if small is not None and kept[n] > kept_share(small, n) + 0.05 and kept[n] > settings.retention + 0.05:
+        # The block size's doing, not a protected prefix's.
+        if small is not None and kept[n] > small + 0.05 and kept[n] > settings.retention + 0.05:
             logger.warning("ripplekv plugin: with %d-token blocks a retention of %g keeps %.0f%% of a %d-token prompt "
                            "(whole blocks only; %.0f%% with --block-size 32)", plan.block_size, settings.retention,
-                           100 * kept[n], n, 100 * kept_share(small, n))
+                           100 * kept[n], n, 100 * small)

@@ -279,7 +279,8 @@ def _shift_rows(table: Tensor, shifts: np.ndarray, kept: int = 0) -> Tensor:
     shifts[r]`` (the tail repeats the last column)."""
     width = table.shape[1]
     shift = torch.from_numpy(np.ascontiguousarray(shifts[: table.shape[0]])).to(torch.int64)
-    columns = torch.arange(width)[None, :] + torch.where(torch.arange(width) >= kept, 1, 0)[None, :] * shift[:, None]
+    columns = torch.arange(width)
+    columns = columns[None, :] + (columns >= kept)[None, :] * shift[:, None]
     return table.gather(1, columns.clamp_(max=width - 1))
 
 
