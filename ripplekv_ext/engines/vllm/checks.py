@@ -252,12 +252,17 @@ def _log_start(settings: Settings, plan, max_model_len: int, caching: bool, text
 
     logger = logging.getLogger("vllm.ripplekv")  # vLLM's handler and format
     lengths = [n for n in (512, 2048, 8192) if n <= max_model_len] or [max_model_len]
+    if plan.prefix:  # a longer prompt keeps its compressed prefix and the rest whole
+        lengths = [n for n in lengths if n < plan.prefix] + [plan.prefix]
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", PromptTooShortWarning)
         kept = {n: kept_share(plan, n) for n in lengths}
         # The same settings in 32-token blocks: what the block size alone adds.
         small = kept_share(plan_for_model(settings, text, 32), lengths[-1]) if plan.block_size > 32 else None
         protect = f", protect_prefix {settings.protect_prefix}" if settings.protect_prefix else ""
+        if plan.prefix:
+            protect = (f", compress_prefix {plan.prefix} (a longer prompt keeps {kept[plan.prefix]:.0%} of its first "
+                       f"{plan.prefix} tokens and the rest whole)")
         logger.info("ripplekv plugin active: %s at retention %g, %d tier(s), window %d, block size %d, prefill_chunk "
                     "%s%s, prefix caching %s; a request keeps %s of its prompt (whole blocks only)", settings.method,
                     settings.retention, plan.num_tiers, settings.window, plan.block_size, settings.prefill_chunk,

@@ -72,7 +72,8 @@ TARGETS = (
            "(vLLM asserts it for tensor-parallel ranks only, with a generic message)",
            "0.33.0 and 0.34.0: a global_kv_cache_groups parameter"),
     Target("vllm.v1.core.kv_cache_manager:KVCacheManager.get_computed_blocks", ("self", "request"), "scheduler",
-           "caps a prefix-cache hit before the window of the request's first compaction (EnginePlan.hit_limit)",
+           "caps a prefix-cache hit before the window of the request's first compaction (EnginePlan.hit_limit), and "
+           "refuses a hit cut inside a compacted prefix (compress_prefix)",
            "get_computed_blocks(request, max_cache_hit_length), added in 0.33.0: pass the cap instead of wrapping",
            "0.33.0 and 0.34.0: a max_cache_hit_length parameter (default num_tokens - 1)"),
     Target("vllm.v1.attention.backends.registry:register_backend", ("backend", "class_path", "is_mamba"), "config",
@@ -89,6 +90,18 @@ TARGETS = (
            ("self", "request", "num_tokens", "retention_interval", "replay_boundaries"), "scheduler",
            "only blocks holding what a full prefill writes (EnginePlan.shared_tokens) are hashed",
            "a per-request limit on hashed tokens", _SAME),
+    Target("vllm.v1.core.single_type_kv_cache_manager:FullAttentionManager.find_longest_cache_hit",
+           ("block_hashes", "max_length", "kv_cache_group_ids", "block_pool", "kv_cache_spec", "drop_eagle_block",
+            "alignment_tokens", "dcp_world_size", "pcp_world_size"), "scheduler",
+           "a compacted prefix (compress_prefix) is a hit under the plugin's own keys, its freed blocks null",
+           "a manager hook for hits on blocks stored under other keys than the tokens' hashes", _SAME),
+    Target("vllm.v1.core.block_pool:BlockPool.cache_full_blocks",
+           ("self", "request", "blocks", "num_cached_blocks", "num_full_blocks", "block_size", "kv_cache_group_id",
+            "block_mask"), "scheduler", "called: a compacted prefix's blocks are stored under the plugin's keys",
+           "nothing: a call, not a patch", _SAME),
+    Target("vllm.v1.core.block_pool:BlockPool.get_cached_block", ("self", "block_hash", "kv_cache_group_ids"),
+           "scheduler", "called: the lookup of a compacted prefix's blocks", "nothing: a call, not a patch",
+           _SAME),
     Target("vllm.v1.core.single_type_kv_cache_manager:FullAttentionManager.pop_blocks_for_free",
            ("self", "request_id"), "scheduler", "a finished or preempted request forgets its compaction state",
            _MANAGER, _SAME),
@@ -289,10 +302,16 @@ def _wrap_prefix_cache_hit() -> None:
                 return original(self, request)
             # A hit covers shared blocks only (nothing else is hashed), and never the window of the request's first
             # compaction: that compaction scores the keys with those positions' queries, so they are computed.
-            limit = managers[0].plan.hit_limit(request.num_prompt_tokens)
-            if request.num_tokens - 1 <= limit:
-                return original(self, request)
-            return original(self, _CappedRequest(request, limit + 1))
+            plan = managers[0].plan
+            limit = plan.hit_limit(request.num_prompt_tokens)
+            if request.num_tokens - 1 > limit:
+                return original(self, _CappedRequest(request, limit + 1))
+            found = original(self, request)
+            if plan.compacts_prefix(request.num_prompt_tokens) and 0 < found[1] < plan.prefix:
+                # Another group (a hybrid model's sliding-window layers, or a tier whose compacted prefix was
+                # evicted) cut the hit inside the compacted prefix, which is a hit whole or not at all.
+                return self.empty_kv_cache_blocks, 0, 0
+            return found
 
         return get_computed_blocks
 

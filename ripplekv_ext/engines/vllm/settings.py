@@ -16,6 +16,7 @@ import hashlib
 import json
 import math
 import os
+import warnings
 from pathlib import Path
 from typing import Optional, Sequence
 
@@ -26,14 +27,14 @@ from ripplekv_ext.selection.compressor import KVCompressor
 from ripplekv_ext.engines.vllm.block_layout import TierLayout
 from ripplekv_ext.budgets.tiers import TieredAllocator, tier_counts
 from ripplekv_ext.methods import check_method, make_policy, needs_profile
-from ripplekv_ext.policies import DEFAULT_WINDOW
+from ripplekv_ext.policies import DEFAULT_WINDOW, PromptTooShortWarning
 
 __all__ = ["CONFIG_KEY", "Settings", "EnginePlan", "plan_for", "plan_for_model", "profile_digest"]
 
 # additional_config[CONFIG_KEY] holds the settings (``--additional-config '{"ripplekv": {...}}'``).
 CONFIG_KEY = "ripplekv"
 _KEYS = ("method", "retention", "window", "profile", "tiers", "prefill_chunk", "decode_every", "decode_budget",
-         "protect_prefix")
+         "protect_prefix", "compress_prefix")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,7 +52,11 @@ class Settings:
     it generates; default None: off) and ``decode_budget`` (the average tokens per layer held while generating, as
     ``Policy.decode_budget``; default: the prompt's own budget) and ``protect_prefix`` (``P``, a multiple of the block
     size: the first ``P`` tokens of every prompt, a system prompt or a shared document, are kept whole in shared
-    blocks, as stock vLLM keeps them, and only the rest is compressed, as ``Policy.protect``; default 0)."""
+    blocks, as stock vLLM keeps them, and only the rest is compressed, as ``Policy.protect``; default 0) and
+    ``compress_prefix`` (``P``, a multiple of the block size: the first ``P`` tokens of every longer prompt are
+    compressed once, by their own last ``W`` tokens, before the rest is read, and the rest is kept whole, as
+    ``compress_context(..., scoring="tail")`` then ``continue_context``; with prefix caching the compressed blocks are
+    shared by every request that begins with the same ``P`` tokens; default 0: off)."""
 
     method: str
     retention: float
@@ -62,6 +67,7 @@ class Settings:
     decode_every: Optional[int] = None
     decode_budget: Optional[int] = None
     protect_prefix: int = 0
+    compress_prefix: int = 0
 
     @classmethod
     def from_config(cls, config) -> "Settings":
@@ -114,8 +120,22 @@ class Settings:
         if not is_integer(protect) or protect < 0:
             raise ValueError(f"{where}[\"protect_prefix\"] must be an integer >= 0 (prompt tokens kept whole, a "
                              f"multiple of the block size, e.g. a system prompt's 512), got {protect!r}")
+        prefix = config.get("compress_prefix", 0)
+        if not is_integer(prefix) or prefix < 0:
+            raise ValueError(f"{where}[\"compress_prefix\"] must be an integer >= 0 (prompt tokens compressed once and "
+                             f"shared, a multiple of the block size, e.g. a system prompt's 1536), got {prefix!r}")
+        if prefix:
+            # The prefix's compacted blocks are shared as they are: nothing may compact them again, and a request
+            # reads nothing else in chunks.
+            clash = [key for key in ("protect_prefix", "prefill_chunk", "decode_every", "decode_budget")
+                     if config.get(key)]
+            if clash:
+                raise ValueError(f"{where}[\"compress_prefix\"] compresses each prompt once, at its prefix, and "
+                                 f"keeps the rest whole: it cannot run with {clash}; drop "
+                                 f"{'it' if len(clash) == 1 else 'them'} or compress_prefix")
         return cls(method, float(retention), window, profile, None if tiers is None else int(tiers),
-                   None if chunk is None else int(chunk), **decode, protect_prefix=int(protect))
+                   None if chunk is None else int(chunk), **decode, protect_prefix=int(protect),
+                   compress_prefix=int(prefix))
 
     def to_json(self) -> str:
         """Canonical JSON: it travels inside vLLM's KV cache specs to the scheduler process."""
@@ -180,6 +200,12 @@ class EnginePlan:
                              f"size ({block_size}), got {settings.protect_prefix}; e.g. "
                              f"{settings.protect_prefix // block_size * block_size}")
         self.protected_blocks = settings.protect_prefix // block_size
+        if settings.compress_prefix % block_size:
+            # Whole blocks: the compacted prefix's blocks are the ones requests share.
+            raise ValueError(f'additional_config["{CONFIG_KEY}"]["compress_prefix"] must be a multiple of the block '
+                             f"size ({block_size}), got {settings.compress_prefix}; e.g. "
+                             f"{settings.compress_prefix // block_size * block_size}")
+        self.prefix = settings.compress_prefix
         tiered = TieredAllocator(base, num_tiers)
         # The policy refuses, by name, what the hook refuses (a decode_budget not above the window, decode_every
         # with a selector that cannot re-select).
@@ -196,6 +222,16 @@ class EnginePlan:
         self._layouts: dict[tuple, object] = {}  # per prompt length, read by the scheduler at every step
         # Profile problems (a profile for another layer count) surface here, when the engine starts.
         self.budgets.prompt(max(4 * settings.window, 1024))
+        self.prefix_dropped: list[int] = []  # per tier: blocks a compressed prefix frees (compress_prefix)
+        if self.prefix:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", PromptTooShortWarning)  # refused below, in the engine's words
+                self.prefix_dropped = [(self.prefix - self.tier_budget(t, self.prefix)) // block_size
+                                       for t in range(self.num_tiers)]
+            if not any(self.prefix_dropped):
+                raise ValueError(f'additional_config["{CONFIG_KEY}"]["compress_prefix"] {self.prefix} keeps every '
+                                 f"block of the prefix at retention {settings.retention} (window {settings.window}, "
+                                 f"{block_size}-token blocks): give a longer prefix or a lower retention")
 
     @property
     def num_tiers(self) -> int:
@@ -205,11 +241,18 @@ class EnginePlan:
         """Tokens each layer of ``tier`` keeps of an ``n_tokens`` prompt (``n_tokens``: nothing dropped)."""
         return self.budgets.layer(self.tiers[tier][0], n_tokens)
 
+    def compacts_prefix(self, n_tokens: int) -> bool:
+        """Whether an ``n_tokens`` prompt is compacted at its prefix (``compress_prefix``, shorter than the prompt)
+        rather than as a whole: its first ``P`` tokens keep the budgets of a ``P``-token prompt, the rest is whole."""
+        return 0 < self.prefix < n_tokens
+
     def dropped_blocks(self, tier: int, n_tokens: int, read: Optional[int] = None) -> int:
         """Whole blocks ``tier`` frees once an ``n_tokens`` prompt is compressed (its first ones after the protected
         prefix: ``kept_from_block``), or, with
         ``read``, once it is compacted after its first ``read`` tokens (a boundary of ``boundaries_between``: part
         of the prompt, or, with ``decode_every``, prompt and generated tokens)."""
+        if self.compacts_prefix(n_tokens):
+            return 0 if read is not None and read < self.prefix else self.prefix_dropped[tier]
         if read is not None and read > n_tokens:
             return self._decode_dropped(tier, n_tokens, read)
         if read is None or read >= n_tokens:
@@ -248,6 +291,8 @@ class EnginePlan:
     def boundaries(self, n_tokens: int) -> list[int]:
         """The prompt positions after which a request of ``n_tokens`` prompt tokens is compacted: every
         ``prefill_chunk`` tokens, then at its end (only at its end without ``prefill_chunk``)."""
+        if self.compacts_prefix(n_tokens):
+            return [self.prefix]
         chunk = self.settings.prefill_chunk
         if chunk is None:
             return [n_tokens]
@@ -266,6 +311,8 @@ class EnginePlan:
     def last_boundary(self, n_tokens: int, computed: int) -> Optional[int]:
         """The last compaction a request with ``computed`` of its ``n_tokens`` prompt tokens computed has passed
         (None: none yet)."""
+        if self.compacts_prefix(n_tokens):
+            return self.prefix if computed >= self.prefix else None
         if computed >= n_tokens:
             every = self.settings.decode_every
             return n_tokens if every is None else n_tokens + (computed - n_tokens) // every * every
@@ -307,16 +354,20 @@ class EnginePlan:
     def shared_tokens(self, n_tokens: int) -> int:
         """The first tokens of an ``n_tokens`` prompt whose blocks hold exactly what a full prefill writes, in whole
         blocks: what prefix caching may hash and share. The whole prompt when nothing is dropped before its end
-        (generated tokens are never hashed)."""
+        (generated tokens are never hashed). Nothing when the prompt's prefix is compacted (``compacts_prefix``): its
+        compacted blocks are shared instead, under keys of their own (``scheduler.manager``)."""
+        if self.compacts_prefix(n_tokens):
+            return 0
         first = self.first_compaction(n_tokens)
         return n_tokens if first is None else min(first, n_tokens) // self.block_size * self.block_size
 
     def hit_limit(self, n_tokens: int) -> int:
         """The most tokens of an ``n_tokens`` prompt a prefix-cache hit may cover: shared blocks only, and never the
         last ``window`` positions before the first compaction (its scoring reads their queries, so they are
-        computed)."""
+        computed). A prompt compacted at its prefix: its whole length (a hit is its compacted prefix, whole, and
+        what followed it)."""
         first = self.first_compaction(n_tokens)
-        if first is None:
+        if first is None or self.compacts_prefix(n_tokens):
             return n_tokens
         return max(0, first - self.settings.window) // self.block_size * self.block_size
 

@@ -83,7 +83,9 @@ def _compaction_peaks(plan, max_model_len: int) -> tuple:
     peaks = [0] * plan.num_tiers
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", PromptTooShortWarning)
-        for n in range(1, max_model_len + 1):
+        # A prompt longer than compress_prefix is compacted in place, with no private block.
+        last = min(max_model_len, plan.prefix) if plan.prefix else max_model_len
+        for n in range(1, last + 1):
             dropped = _prompt_end_drops(plan, n)
             if dropped is None:  # the general case: a tier may first drop part-way, or only while decoding
                 drops = [plan.first_drop(t, n, remember=False) for t in range(plan.num_tiers)]

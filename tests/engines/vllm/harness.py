@@ -103,6 +103,23 @@ def reference(hf_model, policy, token_lists, new_tokens=NEW_TOKENS):
     return out
 
 
+def reference_compressed_prefix(hf_model, policy, prefix, token_lists, new_tokens=NEW_TOKENS):
+    """``compress_prefix``'s reference: a prompt longer than ``prefix`` has its first ``prefix`` tokens compressed
+    alone, scored by their own last ``W`` tokens (``compress_context(..., scoring="tail")``), then the rest read
+    whole and the answer generated (``continue_context``); a shorter prompt as ``reference``."""
+    out = []
+    for tokens in token_lists:
+        if len(tokens) <= prefix:
+            out += reference(hf_model, policy, [tokens], new_tokens)
+            continue
+        ids = torch.tensor([tokens])
+        cache = ripplekv_ext.compress_context(hf_model, ids[:, :prefix], policy, scoring="tail")
+        generated = ripplekv_ext.continue_context(hf_model, cache, ids[:, prefix:], max_new_tokens=new_tokens,
+                                                  do_sample=False)
+        out.append(generated[0, len(tokens):].tolist())
+    return out
+
+
 def held_blocks(llm, request_id):
     """Blocks (every tier) a request holds in the scheduler's pool: its block tables' entries that are not the null
     block. vLLM's engine adds a suffix to the id a request was given (``"0"`` runs as ``"0-a5ae4e72"``)."""

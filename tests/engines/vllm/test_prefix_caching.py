@@ -15,28 +15,11 @@ pytest.importorskip("vllm.entrypoints.llm", reason="vLLM is not installed here: 
 from vllm import SamplingParams  # noqa: E402
 
 import ripplekv_ext.engines.vllm.worker.attention as plugin_attention  # noqa: E402
+
 from harness import (BLOCK, LAYERS, NEW_TOKENS, engine, prompts, reference, run_first_then_rest,  # noqa: E402
                      scheduler, shared_prefix_prompts)
 from ripplekv_ext.engines.vllm.settings import Settings, plan_for  # noqa: E402
 from ripplekv_ext.engines.vllm.sizing import request_peak_tokens  # noqa: E402
-
-
-@pytest.fixture
-def writes_to_shared_blocks(monkeypatch):
-    """Every block a compaction writes to that another request could read at that moment (hashed, so a new request
-    can hit it, or held by another request), as it happens: the engines run in this process, so the worker's writes
-    are checked against the scheduler's block pool."""
-    shared, pools = [], []
-    original = plugin_attention.write_slots
-
-    def checked_write_slots(kv_cache, block_ids, first, keys, values, layer, kv_cache_dtype):
-        written = {int(block_ids[p // BLOCK]) for p in range(first, first + keys.shape[2])}
-        for pool in pools:
-            shared.extend(b for b in written if pool.blocks[b].block_hash is not None or pool.blocks[b].ref_cnt > 1)
-        return original(kv_cache, block_ids, first, keys, values, layer, kv_cache_dtype)
-
-    monkeypatch.setattr(plugin_attention, "write_slots", checked_write_slots)
-    return shared, pools
 
 
 @pytest.mark.parametrize("ripplekv", [{"method": "snapkv", "retention": 0.2},

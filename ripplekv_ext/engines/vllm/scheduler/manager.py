@@ -6,9 +6,17 @@ of the whole blocks the worker's compaction emptied (``EnginePlan.dropped_blocks
 the shared blocks whose kept tokens went to the request's own (``block_layout``), replacing them with the null
 block as vLLM's sliding-window manager does. Block tables keep their length and only grow by appending, as vLLM's
 workers expect; the private blocks' columns are counted in the length-based allocation.
+
+With ``compress_prefix`` (``P``), a prompt longer than ``P`` is compacted in place at ``P`` and nothing of it is
+hashed as a full prefill's: its compacted prefix blocks and every full block after them are hashed under keys of their
+own (``compacted_key``, ``after_prefix_key``: derived from vLLM's chained hashes, so equal keys mean equal tokens
+before), and a hit is the compacted prefix whole (the null block for its freed blocks, as a sliding window's hit)
+and what follows it, or nothing.
 """
 
 from __future__ import annotations
+
+import hashlib
 
 from vllm.utils.math_utils import cdiv
 from vllm.v1.core.single_type_kv_cache_manager import FullAttentionManager
@@ -95,7 +103,54 @@ class RippleKVManager(FullAttentionManager):
             return num_tokens
         return num_tokens + layout.private * self.block_size
 
+    def _cache_compacted(self, request, num_tokens: int) -> None:
+        """Hash a prompt compacted at its prefix (``EnginePlan.compacts_prefix``) under the plugin's own keys: once a
+        step has computed ``P`` tokens, the prefix's kept blocks, and the full blocks after them as they are computed;
+        never the blocks the compaction frees. Only what earlier steps wrote (``num_computed_tokens``): no block is
+        hashed before the workers' compaction has written it."""
+        prefix = self.plan.prefix
+        computed = min(num_tokens, request.num_computed_tokens)
+        if computed < prefix:
+            return
+        p, d = prefix // self.block_size, self.plan.prefix_dropped[self.tier]
+        hashes = request.block_hashes
+        full = min(computed // self.block_size, len(hashes))
+        cached = max(self.num_cached_block.get(request.request_id, 0), d)
+        if cached >= full:
+            return
+        keys = [None] * d + [compacted_key(hashes[p - 1], j) for j in range(d, p)]
+        keys += [after_prefix_key(hashes[i]) for i in range(p, full)]
+        self.block_pool.cache_full_blocks(_Keyed(request, keys), self.req_to_blocks[request.request_id], cached,
+                                          full, self.block_size, self.kv_cache_group_id)
+        self.num_cached_block[request.request_id] = full
+
+    @classmethod
+    def find_longest_cache_hit(cls, block_hashes, max_length: int, kv_cache_group_ids, block_pool, kv_cache_spec,
+                               *args, **kwargs):
+        plan = plan_of_spec(kv_cache_spec)
+        prefix, block_size = plan.prefix, kv_cache_spec.block_size
+        # Shorter lookups are of prompts no longer than the prefix (get_computed_blocks caps those at their own
+        # first compaction's window): stock hashes.
+        if not prefix or max_length < prefix:
+            return super().find_longest_cache_hit(block_hashes, max_length, kv_cache_group_ids, block_pool,
+                                                  kv_cache_spec, *args, **kwargs)
+        p, d = prefix // block_size, plan.prefix_dropped[kv_cache_spec.tier]
+        hits = tuple([block_pool.null_block] * d for _ in kv_cache_group_ids)
+        keys = [compacted_key(block_hashes[p - 1], j) for j in range(d, p)]
+        keys += [after_prefix_key(block_hashes[i]) for i in range(p, min(max_length // block_size, len(block_hashes)))]
+        for column, key in enumerate(keys, start=d):
+            cached = block_pool.get_cached_block(key, kv_cache_group_ids)
+            if not cached:
+                if column < p:  # the compacted prefix is a hit whole or not at all
+                    return tuple([] for _ in kv_cache_group_ids), 0
+                break
+            for blocks, block in zip(hits, cached):
+                blocks.append(block)
+        return hits, len(hits[0]) * block_size
+
     def cache_blocks(self, request, num_tokens: int, *args, **kwargs) -> None:
+        if self.plan.compacts_prefix(request.num_prompt_tokens):
+            return self._cache_compacted(request, num_tokens)
         # Blocks are hashed as they are allocated: only those holding what a full prefill writes may be.
         super().cache_blocks(request, min(num_tokens, self.plan.shared_tokens(request.num_prompt_tokens)),
                              *args, **kwargs)
@@ -105,6 +160,29 @@ class RippleKVManager(FullAttentionManager):
         self._compressed.pop(request_id, None)
         self._prompt_tokens.pop(request_id, None)
         return super().pop_blocks_for_free(request_id)
+
+
+def compacted_key(last_prefix_hash: bytes, column: int) -> bytes:
+    """The prefix-cache key of block ``column`` of a compacted prefix: its kept tokens depend on the whole prefix,
+    whose last block's chained hash (``last_prefix_hash``) names every token of it."""
+    return hashlib.sha256(b"ripplekv compacted prefix" + last_prefix_hash + column.to_bytes(8, "little")).digest()
+
+
+def after_prefix_key(block_hash: bytes) -> bytes:
+    """The prefix-cache key of a full block after a compacted prefix: computed against that compacted prefix, so not
+    what a full prefill of the same tokens (vLLM's ``block_hash``) writes."""
+    return hashlib.sha256(b"ripplekv after a compacted prefix" + block_hash).digest()
+
+
+class _Keyed:
+    """``request`` as ``BlockPool.cache_full_blocks`` reads it, with the plugin's keys as its block hashes."""
+
+    def __init__(self, request, keys: list):
+        self._request = request
+        self.block_hashes = keys
+
+    def __getattr__(self, name):
+        return getattr(self._request, name)
 
 
 def register_spec() -> None:

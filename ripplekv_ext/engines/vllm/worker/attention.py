@@ -8,7 +8,9 @@ first ``k`` blocks. Attention then reads logical slots ``[d, seq_len)``: the blo
 one). Query positions, hence RoPE, stay logical; kept keys keep the rotation of their original positions. With a
 protected prefix of ``P = p`` blocks (``protect_prefix``) the same holds after it: its slots ``[0, P)`` are never
 compacted nor freed, the kept tokens fill ``[P + d, n)``, and attention reads the table's first ``p`` columns, then
-the rest shifted by ``k``.
+the rest shifted by ``k``. With ``compress_prefix`` (``P``), a longer prompt is compacted at ``P`` only, into the
+prefix's last blocks ``[d, P)``, and the tokens after it are appended whole; a request whose compacted prefix was a
+prefix-cache hit starts at ``P`` with the same layout.
 
 A request is compacted at each of its boundaries (``EnginePlan.boundaries``: the prompt's end, and every
 ``prefill_chunk`` prompt tokens with bounded prefill). In the step that reaches a boundary ``b``, each layer first
@@ -221,12 +223,13 @@ class RippleKVCPUBuilder(CPUAttentionMetadataBuilder):
             after = self._after_compaction(n, s1, before, cm, begin, s0)
             rows.append([(token0 + b, token0 + e, e, offset, compaction, table)
                          for b, e, offset, compaction, table in self._parts(r, n, s0, s1, token0, before, after)])
+            last = self.plan.boundaries(n)[-1]  # the prompt's last compaction: its end, or its compressed prefix
             if self.plan.settings.decode_every is not None:
                 # Every compaction while decoding reads the newest W positions' queries, the prompt's last ones too.
                 save.append(_Save(batch.req_ids[r], torch.arange(begin, end), s0))
-            elif s0 < n <= s1:
+            elif s0 < last <= s1:
                 done.append(batch.req_ids[r])
-            elif s1 < n and self._dropped_tokens(n, n):
+            elif s1 < last and self._dropped_tokens(n, n):
                 save.append(_Save(batch.req_ids[r], torch.arange(begin, end), s0))
         extra = dict(save=save, done=done, live=batch.live, plan=self.plan)
         if all(len(parts) == 1 for parts in rows):
