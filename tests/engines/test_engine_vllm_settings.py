@@ -218,7 +218,8 @@ def test_held_tokens_bound_holds_for_every_prompt_and_generation_length(profile_
     {"method": "snapkv", "retention": 0.2, "prefill_chunk": 128},
     {"method": "snapkv", "retention": 0.2, "decode_every": 32, "decode_budget": 96},
     {"method": "pyramidkv", "retention": 0.2, "tiers": 2, "protect_prefix": 128},
-], ids=["snapkv", "pyramidkv-2tiers", "bounded-prefill", "decoding", "protected-2tiers"])
+    {"method": "pyramidkv", "retention": 0.2, "tiers": 2, "compress_prefix": 512},
+], ids=["snapkv", "pyramidkv-2tiers", "bounded-prefill", "decoding", "protected-2tiers", "compressed-prefix"])
 def test_a_request_s_peak_with_prefix_caching_is_the_layout_s_compaction_step(ripplekv):
     # Independently of the start-up scan: the scheduler's own layout of every prompt length, the columns a request
     # holds in the step of its first compaction (its prompt up to there, shared until the step ends, and its
@@ -264,6 +265,32 @@ def test_compactions_while_decoding_keep_what_the_hook_s_reselection_keeps(profi
         assert 20 + ripplekv["decode_budget"] < first < 20 + ripplekv["decode_budget"] + BLOCK + 2 * every
     else:
         assert first is None
+
+
+@pytest.mark.parametrize("ripplekv", [{"method": "snapkv", "retention": 0.2, "compress_prefix": 256},
+                                      {"method": "pyramidkv", "retention": 0.2, "tiers": 2, "compress_prefix": 256}],
+                         ids=["snapkv", "pyramidkv-2tiers"])
+def test_a_prompt_longer_than_the_compressed_prefix_keeps_the_prefix_s_budgets_and_the_rest_whole(ripplekv):
+    # Longer prompts: one compaction, at the prefix, dropping what a prefix-long prompt drops, whatever follows; no
+    # block hashed as a full prefill's, no private block, and no cap on a hit. Shorter ones: as without it.
+    plan = plan_for(Settings.from_config(ripplekv), LAYERS, BLOCK)
+    without = plan_for(Settings.from_config({k: v for k, v in ripplekv.items() if k != "compress_prefix"}), LAYERS,
+                       BLOCK)
+    prefix = ripplekv["compress_prefix"]
+    warnings.simplefilter("ignore", PromptTooShortWarning)  # (pytest restores the filters after the test)
+    for n in range(1, 700):
+        if n <= prefix:
+            assert plan.boundaries(n) == without.boundaries(n) and plan.shared_tokens(n) == without.shared_tokens(n)
+            assert [plan.dropped_blocks(t, n) for t in range(plan.num_tiers)] == [
+                without.dropped_blocks(t, n) for t in range(plan.num_tiers)]
+            continue
+        assert plan.boundaries(n) == [prefix] and plan.shared_tokens(n) == 0 and plan.hit_limit(n) == n
+        assert plan.last_boundary(n, prefix - 1) is None and plan.last_boundary(n, n + 50) == prefix
+        for t in range(plan.num_tiers):
+            budget = plan.budgets.layer(plan.tiers[t][0], prefix)  # the prefix alone, as compress_context keeps it
+            assert plan.dropped_blocks(t, n) * BLOCK == plan.dropped_blocks(t, n, prefix) * BLOCK == prefix - budget
+            assert plan.tier_layout(t, n, True).private == 0
+    assert any(plan.prefix_dropped)
 
 
 @pytest.mark.parametrize("ripplekv", [{"method": "pyramidkv", "retention": 0.2, "tiers": 2, "protect_prefix": 128},

@@ -8,8 +8,10 @@ import pytest
 pytest.importorskip("vllm.entrypoints.llm", reason="vLLM is not installed here: `make test-vllm` runs these tests in "
                     ".venv-vllm")
 
-from harness import (BLOCK, LAYERS, engine, reference, reference_compressed_prefix, run_first_then_rest,  # noqa: E402
-                     scheduler, shared_prefix_prompts)
+from vllm import SamplingParams  # noqa: E402
+
+from harness import (BLOCK, LAYERS, NEW_TOKENS, engine, prompts, reference, reference_compressed_prefix,  # noqa: E402
+                     run_first_then_rest, scheduler, shared_prefix_prompts)
 from ripplekv_ext.engines.vllm.settings import Settings, plan_for  # noqa: E402
 
 PREFIX = 256
@@ -37,3 +39,88 @@ def test_a_compressed_prefix_is_computed_once_and_read_by_every_later_request(mo
     # The questions read the compressed prefix and the document's next 64 tokens, computed after it by the first
     # request; the 200-token prompt is compressed as a prompt of its own, and nothing it could hit was hashed.
     assert cached == [0, 320, 320, 320, 0], cached
+
+
+def test_requests_running_at_once_hold_one_copy_of_the_compressed_prefix(model_dir, hf_model):
+    """Three questions admitted together after the first: each one's table holds the null block for the prefix's
+    freed blocks and the same compacted blocks as the others (one copy, where compressing each request's own copy
+    would hold three)."""
+    ripplekv = {"method": "snapkv", "retention": 0.2, "compress_prefix": PREFIX}
+    plan = plan_for(Settings.from_config(ripplekv), LAYERS, BLOCK)
+    token_lists = shared_prefix_prompts()[:4]
+    params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
+    p, d = PREFIX // BLOCK, plan.prefix_dropped[0]
+    with engine(model_dir, ripplekv, enable_prefix_caching=True, max_num_batched_tokens=512) as llm:
+        engine_ = llm.llm_engine
+        manager = scheduler(llm).kv_cache_manager.coordinator.single_type_managers[0]
+        engine_.add_request("0", {"prompt_token_ids": token_lists[0]}, params)
+        engine_.step()  # its prompt in one step, compacted at the prefix
+        engine_.step()  # ... and hashed once written
+        for i in (1, 2, 3):
+            engine_.add_request(str(i), {"prompt_token_ids": token_lists[i]}, params)
+        engine_.step()
+        tables = {key[0]: manager.req_to_blocks[key] for key in manager.req_to_blocks}
+        prefixes = {tuple(block.block_id for block in tables[i][d:p]) for i in "0123"}
+        assert len(prefixes) == 1 and all(block.is_null for i in "0123" for block in tables[i][:d])
+        while engine_.has_unfinished_requests():
+            engine_.step()
+    assert 0 < d < p
+
+
+def test_preempted_and_aborted_requests_compute_the_prefix_again_and_give_the_reference(
+        model_dir, hf_model, writes_to_shared_blocks):
+    """Two requests preempted while decoding (vLLM's reset_prefix_cache with running requests, which also empties
+    the cache) recompute prompt and output in one step that compacts at the prefix and goes on past it; a third,
+    aborted after its hit, leaves nothing behind; a fourth reads the compacted prefix the first two computed again."""
+    ripplekv = {"method": "snapkv", "retention": 0.2, "compress_prefix": PREFIX}
+    plan = plan_for(Settings.from_config(ripplekv), LAYERS, BLOCK)
+    token_lists = shared_prefix_prompts()[:4]
+    params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
+    shared_writes, pools = writes_to_shared_blocks
+    outputs, cached = {}, {}
+
+    def step(engine_):
+        for out in engine_.step():
+            if out.finished:
+                outputs[out.request_id] = list(out.outputs[0].token_ids)
+                cached[out.request_id] = out.num_cached_tokens
+
+    with engine(model_dir, ripplekv, enable_prefix_caching=True, max_num_batched_tokens=1024) as llm:
+        engine_ = llm.llm_engine
+        sched = scheduler(llm)
+        pools.append(sched.kv_cache_manager.block_pool)
+        for i in (0, 1):
+            engine_.add_request(str(i), {"prompt_token_ids": token_lists[i]}, params)
+        for _ in range(4):
+            step(engine_)
+        assert len(sched.running) == 2 and all(r.num_output_tokens > 1 for r in sched.running)
+        assert llm.reset_prefix_cache(reset_running_requests=True)
+        step(engine_)  # both resume: prompt and output recomputed in one step each
+        step(engine_)
+        engine_.add_request("aborted", {"prompt_token_ids": token_lists[2]}, params)
+        step(engine_)
+        engine_.abort_request(["aborted"])
+        engine_.add_request("3", {"prompt_token_ids": token_lists[3]}, params)
+        while engine_.has_unfinished_requests():
+            step(engine_)
+        pool = sched.kv_cache_manager.block_pool
+        assert pool.get_num_free_blocks() == pool.num_gpu_blocks - 1
+    expected = reference_compressed_prefix(hf_model, plan.policy, PREFIX, [token_lists[i] for i in (0, 1, 3)])
+    assert [outputs[k] for k in ("0", "1", "3")] == expected
+    assert cached["3"] == 320 and shared_writes == []
+
+
+def test_a_chat_turn_reads_the_earlier_turn_and_its_answer_from_the_cache(model_dir, hf_model):
+    """Turn 2 resends turn 1 and its answer: after a compressed prefix both were computed against that prefix,
+    as the reference computes them, so the answer's full blocks are hits too (without compress_prefix they never
+    are)."""
+    ripplekv = {"method": "snapkv", "retention": 0.2, "compress_prefix": PREFIX}
+    plan = plan_for(Settings.from_config(ripplekv), LAYERS, BLOCK)
+    first = shared_prefix_prompts()[0]
+    with engine(model_dir, ripplekv, enable_prefix_caching=True, max_num_batched_tokens=128) as llm:
+        answer = run_first_then_rest(llm, [first], first_alone=False, new_tokens=2 * BLOCK)[0][0]
+        second = first + answer + prompts([40], seed=9)[0]
+        tokens, cached = run_first_then_rest(llm, [second], first_alone=False)
+    assert tokens == reference_compressed_prefix(hf_model, plan.policy, PREFIX, [second])
+    # Every block turn 1 computed whole: its prompt and answer, but for the answer's last token (never computed).
+    assert cached == [(len(first) + 2 * BLOCK - 1) // BLOCK * BLOCK] and cached[0] > len(first), cached

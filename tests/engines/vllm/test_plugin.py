@@ -86,12 +86,16 @@ def test_an_engine_says_the_plugin_is_active_and_warns_when_blocks_keep_far_more
         config(model_dir, {"method": "snapkv", "retention": 0.1}, block_size=128)
         # A protected prefix keeps more than the retention by itself: named, and no block-size warning.
         config(model_dir, {"method": "snapkv", "retention": 0.3, "protect_prefix": 256})
+        config(model_dir, {"method": "snapkv", "retention": 0.2, "compress_prefix": 1024})
     finally:
         logger.removeFilter(record)
     messages = [r.getMessage() for r in records]
-    assert [r.levelname for r in records[3:]] == ["INFO"]
+    assert [r.levelname for r in records[3:]] == ["INFO", "INFO"]
     # 256 protected + 96 of the 256 after them (a budget of 77, in whole blocks): 352 of 512.
     assert "prefill_chunk None, protect_prefix 256, prefix caching off; a request keeps 69% of 512" in messages[3]
+    # 1,024 tokens at 20%: a budget of 205, 224 in whole blocks (22%); a 512-token prompt keeps 128 (25%).
+    assert ("compress_prefix 1024 (a longer prompt keeps 22% of its first 1024 tokens and the rest whole), prefix "
+            "caching off; a request keeps 25% of 512 tokens, 22% of 1024 tokens of its prompt") in messages[4]
     assert messages[0] == ("ripplekv plugin active: snapkv at retention 0.1, 1 tier(s), window 32, block size 32, "
                            "prefill_chunk None, prefix caching off; a request keeps 12% of 512 tokens of its prompt "
                            "(whole blocks only)")
@@ -432,8 +436,19 @@ def test_the_v2_model_runner_is_refused_by_name(model_dir, monkeypatch):
     ({"method": "snapkv", "retention": 0.2, "protect_prefix": -32}, r"protect_prefix\"\] must be an integer >= 0"),
     ({"method": "snapkv", "retention": 0.2, "protect_prefix": 48}, r"protect_prefix\"\] must be a multiple of the "
                                                                    r"block size \(32\), got 48; e.g. 32"),
+    ({"method": "snapkv", "retention": 0.2, "compress_prefix": 1.5}, r"compress_prefix\"\] must be an integer >= 0"),
+    ({"method": "snapkv", "retention": 0.2, "compress_prefix": 100}, r"compress_prefix\"\] must be a multiple of "
+                                                                     r"the block size \(32\), got 100; e.g. 96"),
+    ({"method": "snapkv", "retention": 0.2, "compress_prefix": 256, "protect_prefix": 256},
+     r"compress_prefix\"\] compresses each prompt once, at its prefix, .* cannot run with \['protect_prefix'\]"),
+    ({"method": "snapkv", "retention": 0.2, "compress_prefix": 256, "prefill_chunk": 128, "decode_every": 32},
+     r"cannot run with \['prefill_chunk', 'decode_every'\]; drop them or compress_prefix"),
+    ({"method": "snapkv", "retention": 0.9, "compress_prefix": 64}, r"compress_prefix\"\] 64 keeps every block of "
+                                                                    r"the prefix at retention 0.9"),
 ], ids=["cake", "adakv", "full", "unknown-method", "unknown-key", "no-retention", "retention", "tiers",
-        "no-profile", "missing-profile", "stray-profile", "negative-protect", "protect-not-whole-blocks"])
+        "no-profile", "missing-profile", "stray-profile", "negative-protect", "protect-not-whole-blocks",
+        "fractional-compress-prefix", "compress-prefix-not-whole-blocks", "compress-and-protect",
+        "compress-and-chunks", "compress-prefix-keeping-all"])
 def test_bad_settings_are_refused(model_dir, ripplekv, message):
     with pytest.raises(ValueError, match=message):
         config(model_dir, ripplekv)
