@@ -15,6 +15,9 @@ without EOS (every request generates exactly its ``max_tokens``):
 * ``snapkv-protect`` / ``ripplekv-protect``: ``snapkv`` / ``ripplekv`` with a protected prefix (``protect_prefix``):
   ``--protect`` tokens, by default the shared prefix (``--document-len``) in whole blocks, kept whole in blocks every
   request shares; the rest of each prompt is compressed.
+* ``snapkv-compress-prefix`` / ``ripplekv-compress-prefix``: ``snapkv`` / ``ripplekv`` with a compressed prefix
+  (``compress_prefix``): ``--compress-prefix`` tokens, by default the shared prefix (``--document-len``) in whole
+  blocks, compressed once by their own last tokens and shared compressed; the rest of each prompt is kept whole.
 
 A tier's block holds ``1 / T`` of the layers of a stock block, so a ``T``-tier engine gets ``T x --blocks`` blocks:
 the same bytes. Measured per method: peak concurrent requests (most requests in vLLM's running queue after a
@@ -62,7 +65,7 @@ RESULTS_DIR = Path(__file__).resolve().parent / "results"
 DEFAULT_MODEL = Path(os.environ.get("RIPPLEKV_CACHE_DIR", "~/.cache/ripplekv")).expanduser() / "smollm2-135m-instruct"
 DEFAULT_PROFILE = shipped_profile_path("smollm2")  # the profile Policy.ripplekv is documented with
 METHODS = ("full", "snapkv", "ripplekv", "ripplekv-no-prefix-cache", "snapkv-decode", "ripplekv-decode",
-           "snapkv-protect", "ripplekv-protect")
+           "snapkv-protect", "ripplekv-protect", "snapkv-compress-prefix", "ripplekv-compress-prefix")
 WORKLOADS = ("random", "long-output", "shared-prefix", "system-prompt", "chat")
 
 
@@ -105,6 +108,8 @@ def parse_args(argv=None):
                    help="decode_budget of the *-decode methods (default: the prompt's own budget)")
     p.add_argument("--protect", type=int, default=None,
                    help="protect_prefix of the *-protect methods (default: --document-len in whole blocks)")
+    p.add_argument("--compress-prefix", type=int, default=None,
+                   help="compress_prefix of the *-compress-prefix methods (default: --document-len in whole blocks)")
     p.add_argument("--prefix-caching", action="store_true",
                    help="vLLM's prefix caching on for every method (always on with --workload shared-prefix but for "
                         "ripplekv-no-prefix-cache)")
@@ -316,11 +321,14 @@ def main(argv=None) -> int:
         decode = {"decode_every": args.decode_every}
         if args.decode_budget is not None:
             decode["decode_budget"] = args.decode_budget
-        protect = {"protect_prefix": args.protect if args.protect is not None
-                   else args.document_len // args.block_size * args.block_size}
+        shared_blocks = args.document_len // args.block_size * args.block_size
+        protect = {"protect_prefix": args.protect if args.protect is not None else shared_blocks}
+        compress = {"compress_prefix": args.compress_prefix if args.compress_prefix is not None else shared_blocks}
         methods = {"full": None, "snapkv": snapkv, "ripplekv": ripplekv, "ripplekv-no-prefix-cache": ripplekv,
                    "snapkv-decode": {**snapkv, **decode}, "ripplekv-decode": {**ripplekv, **decode},
-                   "snapkv-protect": {**snapkv, **protect}, "ripplekv-protect": {**ripplekv, **protect}}
+                   "snapkv-protect": {**snapkv, **protect}, "ripplekv-protect": {**ripplekv, **protect},
+                   "snapkv-compress-prefix": {**snapkv, **compress},
+                   "ripplekv-compress-prefix": {**ripplekv, **compress}}
         print(f"{args.workload}: {len(workload.first)} first requests, prompts {args.prompt_min}-{args.prompt_max} "
               f"tokens, {args.new_min}-"
               f"{args.new_max} new; KV cache of {args.blocks} blocks x {args.block_size} tokens (all layers); "

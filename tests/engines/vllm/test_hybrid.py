@@ -17,7 +17,8 @@ import torch  # noqa: E402
 from vllm.v1.kv_cache_interface import SlidingWindowSpec  # noqa: E402
 
 from tiny_llama import load_reference_model, save_given_profile  # noqa: E402
-from harness import (BLOCK, engine, greedy, prompts, reference, run_first_then_rest, scheduler, shared_prefix_prompts)
+from harness import (BLOCK, engine, greedy, prompts, reference, reference_compressed_prefix, run_first_then_rest,
+                     scheduler, shared_prefix_prompts)
 from ripplekv_ext.engines.vllm.kv_cache import RippleKVSpec
 from ripplekv_ext.engines.vllm.scheduler.manager import RippleKVManager  # noqa: E402
 from ripplekv_ext.engines.vllm.settings import Settings, plan_for  # noqa: E402
@@ -93,3 +94,19 @@ def test_hybrid_model_reads_shared_prefixes_from_the_cache(gemma3_dir, gemma3_mo
     # vLLM's hybrid rule (a hit must also cover the sliding window before its end in the sliding groups) decides
     # which requests hit; the plugin's groups take nothing away from it here.
     assert cached == stock_cached and max(cached) == 320, (cached, stock_cached)
+
+
+def test_hybrid_model_reads_a_compressed_prefix_from_the_cache(gemma3_dir, gemma3_model):
+    """``compress_prefix`` on a hybrid model: the full-attention layers' compacted prefix and the sliding layers'
+    window (vLLM's own hashes) must both hit; the questions then read the prefix and what followed it, and give the
+    reference (the prefix compressed alone by its tail, then the rest)."""
+    ripplekv = {"method": "snapkv", "retention": 0.2, "compress_prefix": 256}
+    plan = plan_for(Settings.from_config(ripplekv), GEMMA3_CONFIG["num_hidden_layers"], BLOCK, FULL_LAYERS)
+    token_lists = shared_prefix_prompts(vocab=GEMMA3_CONFIG["vocab_size"])
+    kwargs = dict(model_config=GEMMA3_CONFIG, max_num_batched_tokens=64, enable_prefix_caching=True)
+    with engine(gemma3_dir, ripplekv, **kwargs) as llm:
+        tokens, cached = run_first_then_rest(llm, token_lists)
+    assert tokens == reference_compressed_prefix(gemma3_model, plan.policy, 256, token_lists)
+    # vLLM's sliding groups keep hashes at the boundaries a lookup pinned (its sparse retention): the first question
+    # pins the document's and computes it; the next ones read the compacted prefix and the document's next blocks.
+    assert cached[:2] == [0, 0] and cached[2:4] == [320, 320], cached
