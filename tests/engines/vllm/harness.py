@@ -159,6 +159,40 @@ def run_first_then_rest(llm, token_lists, first_alone=True, new_tokens=NEW_TOKEN
     return [tokens[k] for k in order], [cached[k] for k in order]
 
 
+def preempt_abort_and_go_on(llm, token_lists):
+    """Outputs and cached prompt tokens by request id (``"0"``, ``"1"``, ``"3"``) of four prompts: the first two
+    decode a few steps and are preempted (vLLM's reset_prefix_cache with running requests, which also empties the
+    cache), then recompute prompt and output in one step each; the third (``"aborted"``) is aborted in the step after
+    its admission; the fourth runs to the end with the first two. The pool must be whole again at the end."""
+    engine_ = llm.llm_engine
+    sched = scheduler(llm)
+    params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
+    outputs, cached = {}, {}
+
+    def step():
+        for out in engine_.step():
+            if out.finished:
+                outputs[out.request_id] = list(out.outputs[0].token_ids)
+                cached[out.request_id] = out.num_cached_tokens
+
+    for i in (0, 1):
+        engine_.add_request(str(i), {"prompt_token_ids": token_lists[i]}, params)
+    for _ in range(4):
+        step()
+    assert len(sched.running) == 2 and all(r.num_output_tokens > 1 for r in sched.running)
+    assert llm.reset_prefix_cache(reset_running_requests=True)
+    step()  # both resume: prompt and output recomputed in one step each
+    engine_.add_request("aborted", {"prompt_token_ids": token_lists[2]}, params)
+    step()
+    engine_.abort_request(["aborted"])
+    engine_.add_request("3", {"prompt_token_ids": token_lists[3]}, params)
+    while engine_.has_unfinished_requests():
+        step()
+    pool = sched.kv_cache_manager.block_pool
+    assert pool.get_num_free_blocks() == pool.num_gpu_blocks - 1
+    return outputs, cached
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

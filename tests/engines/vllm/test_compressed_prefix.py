@@ -10,8 +10,8 @@ pytest.importorskip("vllm.entrypoints.llm", reason="vLLM is not installed here: 
 
 from vllm import SamplingParams  # noqa: E402
 
-from harness import (BLOCK, LAYERS, NEW_TOKENS, engine, prompts, reference, reference_compressed_prefix,  # noqa: E402
-                     run_first_then_rest, scheduler, shared_prefix_prompts)
+from harness import (BLOCK, LAYERS, NEW_TOKENS, engine, preempt_abort_and_go_on, prompts, reference,  # noqa: E402
+                     reference_compressed_prefix, run_first_then_rest, scheduler, shared_prefix_prompts)
 from ripplekv_ext.engines.vllm.settings import Settings, plan_for  # noqa: E402
 
 PREFIX = 256
@@ -75,36 +75,10 @@ def test_preempted_and_aborted_requests_compute_the_prefix_again_and_give_the_re
     ripplekv = {"method": "snapkv", "retention": 0.2, "compress_prefix": PREFIX}
     plan = plan_for(Settings.from_config(ripplekv), LAYERS, BLOCK)
     token_lists = shared_prefix_prompts()[:4]
-    params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
     shared_writes, pools = writes_to_shared_blocks
-    outputs, cached = {}, {}
-
-    def step(engine_):
-        for out in engine_.step():
-            if out.finished:
-                outputs[out.request_id] = list(out.outputs[0].token_ids)
-                cached[out.request_id] = out.num_cached_tokens
-
     with engine(model_dir, ripplekv, enable_prefix_caching=True, max_num_batched_tokens=1024) as llm:
-        engine_ = llm.llm_engine
-        sched = scheduler(llm)
-        pools.append(sched.kv_cache_manager.block_pool)
-        for i in (0, 1):
-            engine_.add_request(str(i), {"prompt_token_ids": token_lists[i]}, params)
-        for _ in range(4):
-            step(engine_)
-        assert len(sched.running) == 2 and all(r.num_output_tokens > 1 for r in sched.running)
-        assert llm.reset_prefix_cache(reset_running_requests=True)
-        step(engine_)  # both resume: prompt and output recomputed in one step each
-        step(engine_)
-        engine_.add_request("aborted", {"prompt_token_ids": token_lists[2]}, params)
-        step(engine_)
-        engine_.abort_request(["aborted"])
-        engine_.add_request("3", {"prompt_token_ids": token_lists[3]}, params)
-        while engine_.has_unfinished_requests():
-            step(engine_)
-        pool = sched.kv_cache_manager.block_pool
-        assert pool.get_num_free_blocks() == pool.num_gpu_blocks - 1
+        pools.append(scheduler(llm).kv_cache_manager.block_pool)
+        outputs, cached = preempt_abort_and_go_on(llm, token_lists)
     expected = reference_compressed_prefix(hf_model, plan.policy, PREFIX, [token_lists[i] for i in (0, 1, 3)])
     assert [outputs[k] for k in ("0", "1", "3")] == expected
     assert cached["3"] == 320 and shared_writes == []

@@ -19,12 +19,13 @@ pytest.importorskip("vllm.entrypoints.llm", reason="vLLM is not installed here: 
 from vllm import SamplingParams  # noqa: E402
 
 from tiny_llama import LLAMA_CONFIG, load_reference_model, save_tiny_llama  # noqa: E402
-from harness import BLOCK, LAYERS, free_port, prompts, reference, running, stop  # noqa: E402
+from harness import BLOCK, LAYERS, free_port, prompts, reference_compressed_prefix, running, stop  # noqa: E402
 from ripplekv_ext.engines.vllm.settings import Settings, plan_for  # noqa: E402
 from ripplekv_ext.engines.vllm.sizing import kv_cache_bytes  # noqa: E402
 
-# The system prompt of the chats below is 200 tokens: its first 192 (6 blocks) are protected, kept whole and shared.
-RIPPLEKV = {"method": "snapkv", "retention": 0.4, "protect_prefix": 192}
+# The system prompt of the chats below is 200 tokens: its first 192 (6 blocks) are compressed once and shared.
+RIPPLEKV = {"method": "snapkv", "retention": 0.4, "compress_prefix": 192}
+PREFIX = RIPPLEKV["compress_prefix"]
 NEW_TOKENS = 16
 CHAT_TEMPLATE = "{% for m in messages %}{{ m['content'] }} {% endfor %}"
 SERVER_START_S = 300
@@ -148,9 +149,9 @@ def _ids(text):
 
 def test_chats_sharing_a_system_prompt_answer_as_the_hook(server, model_with_tokenizer):
     """Four chats of two turns at once over HTTP, prefix caching on (the server's default), every one after the same
-    system prompt, protected: the second turns resend the first with its answer, so they read the system prompt and
-    their first turn's prompt from the cache. Each answer equals compress(model, policy) + generate on its whole
-    prompt, the policy protecting the same prefix."""
+    system prompt, whose first 192 tokens are compressed once: the second turns resend the first with its answer, so
+    they read the compressed prefix, their first turn's prompt and its answer from the cache. Each answer equals the
+    prefix compressed alone by its tail (``compress_context``), then the rest of its prompt (``continue_context``)."""
     server, _ = server
     system, *users = (" ".join(f"w{t}" for t in tokens) for tokens in prompts([200, 40, 60, 50, 70, 30, 45, 55, 35],
                                                                                  seed=9))
@@ -171,6 +172,7 @@ def test_chats_sharing_a_system_prompt_answer_as_the_hook(server, model_with_tok
     # The chat template joins the messages' words: the prompt's ids are theirs in order.
     prompts_ids = [[t for message in chat for t in _ids(message["content"])] for chat, _ in turns]
     plan = plan_for(Settings.from_config(RIPPLEKV), LAYERS, BLOCK)
-    assert any(plan.first_compaction(len(ids)) for ids in prompts_ids)  # the second turns drop blocks after the prefix
-    expected = reference(load_reference_model(model_with_tokenizer), plan.policy, prompts_ids, new_tokens=NEW_TOKENS)
+    assert all(plan.compacts_prefix(len(ids)) for ids in prompts_ids)
+    expected = reference_compressed_prefix(load_reference_model(model_with_tokenizer), plan.policy, PREFIX, prompts_ids,
+                                           new_tokens=NEW_TOKENS)
     assert [_ids(answer) for _, answer in turns] == expected

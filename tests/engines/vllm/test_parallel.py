@@ -21,8 +21,8 @@ pytest.importorskip("vllm.entrypoints.llm", reason="vLLM is not installed here: 
 
 from vllm import SamplingParams  # noqa: E402
 
-from harness import (BLOCK, LAYERS, engine, greedy, prompts, reference, scheduler,  # noqa: E402
-                     shared_prefix_prompts)
+from harness import (BLOCK, LAYERS, engine, greedy, prompts, reference, reference_compressed_prefix,  # noqa: E402
+                     run_first_then_rest, scheduler, shared_prefix_prompts)
 from ripplekv_ext.engines.vllm.settings import Settings, plan_for  # noqa: E402
 
 # Tiers, bounded prefill in steps of 64 tokens, and a pool of 15 blocks per tier for four requests growing by 100
@@ -73,3 +73,14 @@ def test_tensor_parallel_one_shot_with_prefix_caching_and_a_protected_prefix_equ
     with engine(model_dir, ripplekv, tensor_parallel_size=2, enable_prefix_caching=True) as llm:
         tokens = greedy(llm, token_lists)
     assert tokens == reference(hf_model, plan.policy, token_lists)
+
+
+def test_tensor_parallel_reads_a_compressed_prefix_from_the_cache_and_equals_one_process(model_dir, hf_model):
+    # Every rank compacts its heads of the prefix into the same blocks, which the one scheduler then shares.
+    ripplekv = {"method": "snapkv", "retention": 0.2, "compress_prefix": 256}
+    plan = plan_for(Settings.from_config(ripplekv), LAYERS, BLOCK)
+    token_lists = shared_prefix_prompts()
+    with engine(model_dir, ripplekv, tensor_parallel_size=2, enable_prefix_caching=True) as llm:
+        tokens, cached = run_first_then_rest(llm, token_lists)
+    assert tokens == reference_compressed_prefix(hf_model, plan.policy, 256, token_lists)
+    assert cached == [0, 320, 320, 320, 0], cached
