@@ -199,7 +199,8 @@ def run(model: str, workload: Workload, args, ripplekv=None, prefix_caching=Fals
     from vllm import LLM, SamplingParams
     from vllm.distributed import cleanup_dist_env_and_memory
 
-    from ripplekv_ext.engines.vllm.settings import Settings, plan_for_model
+    from ripplekv_ext.engines.vllm.settings import Settings
+    from ripplekv_ext.engines.vllm.plan import plan_for_model
     from ripplekv_ext.engines.vllm.sizing import kv_cache_bytes
     from ripplekv_ext.model_info import compressible_layers, text_config
 

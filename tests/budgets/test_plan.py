@@ -98,7 +98,8 @@ def test_the_compressor_and_the_vllm_engine_plan_ask_one_plan():
     assert compressor.decode_budgets(340, 300) == compressor.plan.decode(340, 300)
     assert compressor.row_budgets([300, 97]) == compressor.plan.rows([300, 97])
     pytest.importorskip("ripplekv_ext.engines.vllm.settings")
-    from ripplekv_ext.engines.vllm.settings import Settings, plan_for
+    from ripplekv_ext.engines.vllm.settings import Settings
+    from ripplekv_ext.engines.vllm.plan import plan_for
 
     engine = plan_for(Settings.from_config({"method": "pyramidkv", "retention": 0.25, "tiers": 2}), LAYERS, 32)
     assert engine.budgets is engine.compressor.plan

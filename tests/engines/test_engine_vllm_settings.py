@@ -1,5 +1,6 @@
-"""The vLLM plugin's settings and budget rule (``ripplekv_ext.engines.vllm.settings``, which imports nothing from
-vLLM): run in every environment, with or without vLLM. The engines themselves are tested in ``tests/engines/vllm``."""
+"""The vLLM plugin's settings and budget rule (``ripplekv_ext.engines.vllm.settings`` and ``.plan``, which import
+nothing from vLLM): run in every environment, with or without vLLM. The engines themselves are tested in
+``tests/engines/vllm``."""
 
 import subprocess
 import sys
@@ -9,7 +10,8 @@ import pytest
 
 import ripplekv_ext
 from ripplekv_ext.budgets.block_aligned import BlockAlignedAllocator, aligned_budget
-from ripplekv_ext.engines.vllm.settings import EnginePlan, Settings, plan_for
+from ripplekv_ext.engines.vllm.settings import Settings
+from ripplekv_ext.engines.vllm.plan import EnginePlan, plan_for
 from ripplekv_ext.engines.vllm.sizing import held_tokens_bound, kv_cache_bytes, request_peak_tokens
 from ripplekv_ext.eval.tiny_models import tiny_model
 from ripplekv_ext.policies import PromptTooShortWarning

@@ -26,7 +26,7 @@ What happens: after a request's last prefill chunk (and with ``prefill_chunk`` e
 each layer keeps its tier's budget of the prompt (chosen with the post-RoPE queries of the newest ``W`` prompt
 positions), budgets raised so that each layer drops whole blocks; the kept tokens move, in order, into the last
 blocks read and the first blocks go back to vLLM's block pool, so the scheduler admits other requests with them.
-``settings.EnginePlan.policy`` is the policy the engine runs:
+``plan.EnginePlan.policy`` is the policy the engine runs:
 ``ripplekv_ext.compress(model, plan.policy)`` with transformers' ``generate`` gives the same tokens for one request.
 A vLLM "block" holds one page of ``L / T`` layers (``T`` tiers of ``L`` layers), ``1 / T`` of a stock block: give
 the engine ``T`` times as many blocks (``num_gpu_blocks_override``) for the same memory, or size it in bytes.

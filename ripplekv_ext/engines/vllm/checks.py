@@ -10,7 +10,8 @@ import dataclasses
 from typing import Optional
 
 from ripplekv_ext.engines.vllm.release import SUPPORTED_VLLM
-from ripplekv_ext.engines.vllm.settings import CONFIG_KEY, Settings, plan_for_model
+from ripplekv_ext.engines.vllm.settings import CONFIG_KEY, Settings
+from ripplekv_ext.engines.vllm.plan import plan_for_model
 from ripplekv_ext.engines.vllm.sizing import kv_cache_bytes, request_peak_tokens
 
 __all__ = ["settings_of", "validate", "UnsupportedConfigError"]

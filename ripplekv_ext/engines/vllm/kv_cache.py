@@ -17,7 +17,8 @@ from typing import Optional
 from vllm.utils.math_utils import cdiv
 from vllm.v1.kv_cache_interface import FullAttentionSpec
 
-from ripplekv_ext.engines.vllm.settings import EnginePlan, Settings, plan_for, profile_digest
+from ripplekv_ext.engines.vllm.settings import Settings
+from ripplekv_ext.engines.vllm.plan import EnginePlan, plan_for, profile_digest
 from ripplekv_ext.engines.vllm.sizing import held_tokens_bound, request_peak_tokens
 
 __all__ = ["RippleKVSpec", "check_workers_agree", "plan_of_spec", "plugin_identity", "tier_spec"]

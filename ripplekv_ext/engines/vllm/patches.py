@@ -229,7 +229,7 @@ def _wrap_spec() -> None:
     from ripplekv_ext.engines.vllm.worker.attention import layer_index
     from ripplekv_ext.engines.vllm.checks import settings_of
     from ripplekv_ext.engines.vllm.kv_cache import tier_spec
-    from ripplekv_ext.engines.vllm.settings import plan_for_model
+    from ripplekv_ext.engines.vllm.plan import plan_for_model
 
     def tiered(original):
         def get_kv_cache_spec(self, vllm_config):

@@ -13,7 +13,8 @@ from vllm.distributed import cleanup_dist_env_and_memory
 from vllm.engine.arg_utils import EngineArgs
 
 import ripplekv_ext
-from ripplekv_ext.engines.vllm.settings import Settings, plan_for
+from ripplekv_ext.engines.vllm.settings import Settings
+from ripplekv_ext.engines.vllm.plan import plan_for
 from ripplekv_ext.engines.vllm.sizing import kv_cache_bytes
 from ripplekv_ext.policies import PromptTooShortWarning
 

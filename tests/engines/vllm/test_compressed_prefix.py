@@ -12,7 +12,8 @@ from vllm import SamplingParams  # noqa: E402
 
 from harness import (BLOCK, LAYERS, NEW_TOKENS, engine, preempt_abort_and_go_on, prompts, reference,  # noqa: E402
                      reference_compressed_prefix, run_first_then_rest, scheduler, shared_prefix_prompts)
-from ripplekv_ext.engines.vllm.settings import Settings, plan_for  # noqa: E402
+from ripplekv_ext.engines.vllm.settings import Settings  # noqa: E402
+from ripplekv_ext.engines.vllm.plan import plan_for  # noqa: E402
 
 PREFIX = 256
 

@@ -14,7 +14,8 @@ from vllm import SamplingParams  # noqa: E402
 
 from harness import (BLOCK, LAYERS, config, engine, greedy, held_blocks, prompts, reference,  # noqa: E402
                      scheduler)
-from ripplekv_ext.engines.vllm.settings import Settings, plan_for  # noqa: E402
+from ripplekv_ext.engines.vllm.settings import Settings  # noqa: E402
+from ripplekv_ext.engines.vllm.plan import plan_for  # noqa: E402
 
 DECODE = {"decode_every": 16, "decode_budget": 96}
 NEW = 120
@@ -136,7 +137,7 @@ def test_real_models_generate_the_hook_s_tokens_while_compressing_their_generati
     from transformers import AutoConfig
 
     from harness import running
-    from ripplekv_ext.engines.vllm.settings import plan_for_model
+    from ripplekv_ext.engines.vllm.plan import plan_for_model
     from ripplekv_ext.engines.vllm.sizing import kv_cache_bytes
     from ripplekv_ext.eval.models import converted_folder, shipped_profile_path
     from tiny_llama import load_reference_model

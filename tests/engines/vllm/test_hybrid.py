@@ -21,7 +21,8 @@ from harness import (BLOCK, engine, greedy, prompts, reference, reference_compre
                      scheduler, shared_prefix_prompts)
 from ripplekv_ext.engines.vllm.kv_cache import RippleKVSpec
 from ripplekv_ext.engines.vllm.scheduler.manager import RippleKVManager  # noqa: E402
-from ripplekv_ext.engines.vllm.settings import Settings, plan_for  # noqa: E402
+from ripplekv_ext.engines.vllm.settings import Settings  # noqa: E402
+from ripplekv_ext.engines.vllm.plan import plan_for  # noqa: E402
 
 GEMMA3_CONFIG = dict(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=6,
                      num_attention_heads=4, num_key_value_heads=2, head_dim=32, query_pre_attn_scalar=32,

@@ -18,7 +18,8 @@ pytest.importorskip("vllm.entrypoints.llm", reason="vLLM is not installed here: 
 
 from harness import BLOCK, LAYERS, NEW_TOKENS, engine_kwargs, free_port, prompts, reference, stop  # noqa: E402
 from ripplekv_ext.engines import vllm as plugin  # noqa: E402
-from ripplekv_ext.engines.vllm.settings import Settings, plan_for  # noqa: E402
+from ripplekv_ext.engines.vllm.settings import Settings  # noqa: E402
+from ripplekv_ext.engines.vllm.plan import plan_for  # noqa: E402
 
 HEAD = """
 import json, sys

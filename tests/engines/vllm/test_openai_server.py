@@ -20,7 +20,8 @@ from vllm import SamplingParams  # noqa: E402
 
 from tiny_llama import LLAMA_CONFIG, load_reference_model, save_tiny_llama  # noqa: E402
 from harness import BLOCK, LAYERS, free_port, prompts, reference_compressed_prefix, running, stop  # noqa: E402
-from ripplekv_ext.engines.vllm.settings import Settings, plan_for  # noqa: E402
+from ripplekv_ext.engines.vllm.settings import Settings  # noqa: E402
+from ripplekv_ext.engines.vllm.plan import plan_for  # noqa: E402
 from ripplekv_ext.engines.vllm.sizing import kv_cache_bytes  # noqa: E402
 
 # The system prompt of the chats below is 200 tokens: its first 192 (6 blocks) are compressed once and shared.

@@ -23,7 +23,8 @@ from vllm import SamplingParams  # noqa: E402
 
 from harness import (BLOCK, LAYERS, engine, greedy, prompts, reference, reference_compressed_prefix,  # noqa: E402
                      run_first_then_rest, scheduler, shared_prefix_prompts)
-from ripplekv_ext.engines.vllm.settings import Settings, plan_for  # noqa: E402
+from ripplekv_ext.engines.vllm.settings import Settings  # noqa: E402
+from ripplekv_ext.engines.vllm.plan import plan_for  # noqa: E402
 
 # Tiers, bounded prefill in steps of 64 tokens, and a pool of 15 blocks per tier for four requests growing by 100
 # tokens: requests are compacted every 64 tokens, and a decoding one is preempted and recomputed.

@@ -29,7 +29,8 @@ from harness import (BLOCK, LAYERS, config, engine, engine_kwargs, greedy, held_
 from ripplekv_ext.engines import vllm as plugin  # noqa: E402
 from ripplekv_ext.engines.vllm import checks  # noqa: E402
 from ripplekv_ext.engines.vllm.worker.attention import RippleKVCPUImpl  # noqa: E402
-from ripplekv_ext.engines.vllm.settings import Settings, plan_for  # noqa: E402
+from ripplekv_ext.engines.vllm.settings import Settings  # noqa: E402
+from ripplekv_ext.engines.vllm.plan import plan_for  # noqa: E402
 from ripplekv_ext.engines.vllm.sizing import held_tokens_bound, kv_cache_bytes  # noqa: E402
 from policy_samples import SAMPLE_NAMES, sample_method, sample_policies  # noqa: E402
 from tiny_llama import LLAMA_CONFIG  # noqa: E402

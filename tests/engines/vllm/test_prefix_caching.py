@@ -18,7 +18,8 @@ import ripplekv_ext.engines.vllm.worker.attention as plugin_attention  # noqa: E
 
 from harness import (BLOCK, LAYERS, NEW_TOKENS, engine, preempt_abort_and_go_on, prompts, reference,  # noqa: E402
                      run_first_then_rest, scheduler, shared_prefix_prompts)
-from ripplekv_ext.engines.vllm.settings import Settings, plan_for  # noqa: E402
+from ripplekv_ext.engines.vllm.settings import Settings  # noqa: E402
+from ripplekv_ext.engines.vllm.plan import plan_for  # noqa: E402
 from ripplekv_ext.engines.vllm.sizing import request_peak_tokens  # noqa: E402
 
 
@@ -75,7 +76,7 @@ def test_parallel_samples_of_one_prompt_share_its_prefix_and_each_equals_the_hoo
 def test_the_guard_sees_a_compaction_that_writes_into_shared_blocks(model_dir, writes_to_shared_blocks, monkeypatch):
     """Without private blocks (a compaction written in place, as before prefix caching kept shared blocks whole),
     the same run writes into hashed blocks: the guard above would see it."""
-    from ripplekv_ext.engines.vllm.settings import EnginePlan
+    from ripplekv_ext.engines.vllm.plan import EnginePlan
 
     in_place = EnginePlan.tier_layout
     monkeypatch.setattr(EnginePlan, "tier_layout", lambda plan, tier, n, shared: in_place(plan, tier, n, False))
