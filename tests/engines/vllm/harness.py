@@ -160,6 +160,20 @@ def run_first_then_rest(llm, token_lists, first_alone=True, new_tokens=NEW_TOKEN
     return [tokens[k] for k in order], [cached[k] for k in order]
 
 
+def run_shared_document(model_dir, ripplekv, pools):
+    """``run_first_then_rest`` of ``shared_prefix_prompts`` on an engine with prefix caching, 128 tokens a step:
+    (the plan, the prompts, their tokens, their cached prompt tokens). ``pools`` gets the scheduler's block pool (the
+    write guard's, ``writes_to_shared_blocks``); the pool must be whole again at the end."""
+    plan = plan_for(Settings.from_config(ripplekv), LAYERS, BLOCK)
+    token_lists = shared_prefix_prompts()
+    with engine(model_dir, ripplekv, enable_prefix_caching=True, max_num_batched_tokens=128) as llm:
+        pool = scheduler(llm).kv_cache_manager.block_pool
+        pools.append(pool)
+        tokens, cached = run_first_then_rest(llm, token_lists)
+        assert pool.get_num_free_blocks() == pool.num_gpu_blocks - 1
+    return plan, token_lists, tokens, cached
+
+
 def preempt_abort_and_go_on(llm, token_lists):
     """Outputs and cached prompt tokens by request id (``"0"``, ``"1"``, ``"3"``) of four prompts: the first two
     decode a few steps and are preempted (vLLM's reset_prefix_cache with running requests, which also empties the

@@ -11,7 +11,8 @@ pytest.importorskip("vllm.entrypoints.llm", reason="vLLM is not installed here: 
 from vllm import SamplingParams  # noqa: E402
 
 from harness import (BLOCK, LAYERS, NEW_TOKENS, engine, preempt_abort_and_go_on, prompts, reference,  # noqa: E402
-                     reference_compressed_prefix, run_first_then_rest, scheduler, shared_prefix_prompts)
+                     reference_compressed_prefix, run_first_then_rest, run_shared_document, scheduler,
+                     shared_prefix_prompts)
 from ripplekv_ext.engines.vllm.settings import Settings  # noqa: E402
 from ripplekv_ext.engines.vllm.plan import plan_for  # noqa: E402
 
@@ -25,14 +26,8 @@ def test_a_compressed_prefix_is_computed_once_and_read_by_every_later_request(mo
                                                                              ripplekv, writes_to_shared_blocks):
     if ripplekv["method"] == "ripplekv":
         ripplekv = {**ripplekv, "profile": profile_path}
-    plan = plan_for(Settings.from_config(ripplekv), LAYERS, BLOCK)
-    token_lists = shared_prefix_prompts()
     shared_writes, pools = writes_to_shared_blocks
-    with engine(model_dir, ripplekv, enable_prefix_caching=True, max_num_batched_tokens=128) as llm:
-        manager = scheduler(llm).kv_cache_manager
-        pools.append(manager.block_pool)
-        tokens, cached = run_first_then_rest(llm, token_lists)
-        assert manager.block_pool.get_num_free_blocks() == manager.block_pool.num_gpu_blocks - 1
+    plan, token_lists, tokens, cached = run_shared_document(model_dir, ripplekv, pools)
     assert tokens == reference_compressed_prefix(hf_model, plan.policy, PREFIX, token_lists)
     # Another contract than compressing each whole prompt by its own window: the check tells them apart.
     assert tokens[1:4] != reference(hf_model, plan.policy, token_lists[1:4])

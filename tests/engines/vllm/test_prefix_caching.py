@@ -17,7 +17,7 @@ from vllm import SamplingParams  # noqa: E402
 import ripplekv_ext.engines.vllm.worker.attention as plugin_attention  # noqa: E402
 
 from harness import (BLOCK, LAYERS, NEW_TOKENS, engine, preempt_abort_and_go_on, prompts, reference,  # noqa: E402
-                     run_first_then_rest, scheduler, shared_prefix_prompts)
+                     run_first_then_rest, run_shared_document, scheduler, shared_prefix_prompts)
 from ripplekv_ext.engines.vllm.settings import Settings  # noqa: E402
 from ripplekv_ext.engines.vllm.plan import plan_for  # noqa: E402
 from ripplekv_ext.engines.vllm.sizing import request_peak_tokens  # noqa: E402
@@ -31,14 +31,8 @@ def test_shared_prefixes_are_read_from_the_cache_and_give_the_uncached_tokens(mo
                                                                              ripplekv, writes_to_shared_blocks):
     if ripplekv["method"] == "ripplekv":
         ripplekv = {**ripplekv, "profile": profile_path}
-    plan = plan_for(Settings.from_config(ripplekv), LAYERS, BLOCK)
-    token_lists = shared_prefix_prompts()
     shared_writes, pools = writes_to_shared_blocks
-    with engine(model_dir, ripplekv, enable_prefix_caching=True, max_num_batched_tokens=128) as llm:
-        manager = scheduler(llm).kv_cache_manager
-        pools.append(manager.block_pool)
-        tokens, cached = run_first_then_rest(llm, token_lists)
-        assert manager.block_pool.get_num_free_blocks() == manager.block_pool.num_gpu_blocks - 1
+    plan, token_lists, tokens, cached = run_shared_document(model_dir, ripplekv, pools)
     assert tokens == reference(hf_model, plan.policy, token_lists)
     assert shared_writes == []
     limits = [plan.hit_limit(len(p)) for p in token_lists]
