@@ -94,3 +94,23 @@ def test_a_chat_turn_reads_the_earlier_turn_and_its_answer_from_the_cache(model_
     assert tokens == reference_compressed_prefix(hf_model, plan.policy, PREFIX, [second])
     # Every block turn 1 computed whole: its prompt and answer, but for the answer's last token (never computed).
     assert cached == [(len(first) + 2 * BLOCK - 1) // BLOCK * BLOCK] and cached[0] > len(first), cached
+
+
+def test_the_same_prompt_twice_at_once_and_edited_messages_give_the_reference_tokens(model_dir, hf_model,
+                                                                                     writes_to_shared_blocks):
+    """Two identical prompts admitted in one step both compute the prefix (the cache holds it from the step after a
+    compaction) and store the same keys twice; then a chat turn edited after the prefix (token 300) reads the
+    compacted prefix and the block before the edit, and one edited inside the prefix (token 150) reads nothing."""
+    ripplekv = {"method": "snapkv", "retention": 0.2, "compress_prefix": PREFIX}
+    plan = plan_for(Settings.from_config(ripplekv), LAYERS, BLOCK)
+    question = shared_prefix_prompts()[0]
+    more = prompts([40], seed=12)[0]
+    edited = [question[:at] + [(question[at] + 1) % 500 + 3] + question[at + 1:] + more for at in (300, 150)]
+    shared_writes, pools = writes_to_shared_blocks
+    with engine(model_dir, ripplekv, enable_prefix_caching=True, max_num_batched_tokens=1024) as llm:
+        pools.append(scheduler(llm).kv_cache_manager.block_pool)
+        twice, cached_twice = run_first_then_rest(llm, [question, question], first_alone=False)
+        after_edits, cached_edits = run_first_then_rest(llm, edited, first_alone=False)
+    assert twice == reference_compressed_prefix(hf_model, plan.policy, PREFIX, [question]) * 2
+    assert after_edits == reference_compressed_prefix(hf_model, plan.policy, PREFIX, edited)
+    assert cached_twice == [0, 0] and cached_edits == [288, 0] and shared_writes == []
