@@ -114,3 +114,14 @@ def test_the_same_prompt_twice_at_once_and_edited_messages_give_the_reference_to
     assert twice == reference_compressed_prefix(hf_model, plan.policy, PREFIX, [question]) * 2
     assert after_edits == reference_compressed_prefix(hf_model, plan.policy, PREFIX, edited)
     assert cached_twice == [0, 0] and cached_edits == [288, 0] and shared_writes == []
+
+
+def test_without_prefix_caching_each_request_compresses_its_own_prefix(model_dir, hf_model):
+    # Nothing is shared: every request reads its prefix, compacts it in place and frees the blocks it emptied.
+    ripplekv = {"method": "pyramidkv", "retention": 0.3, "tiers": 4, "compress_prefix": PREFIX}
+    plan = plan_for(Settings.from_config(ripplekv), LAYERS, BLOCK)
+    token_lists = shared_prefix_prompts()
+    with engine(model_dir, ripplekv, enable_prefix_caching=False, max_num_batched_tokens=128) as llm:
+        tokens, cached = run_first_then_rest(llm, token_lists)
+    assert tokens == reference_compressed_prefix(hf_model, plan.policy, PREFIX, token_lists)
+    assert cached == [0] * len(token_lists) and min(plan.prefix_dropped) < max(plan.prefix_dropped)
