@@ -125,3 +125,14 @@ def test_without_prefix_caching_each_request_compresses_its_own_prefix(model_dir
         tokens, cached = run_first_then_rest(llm, token_lists)
     assert tokens == reference_compressed_prefix(hf_model, plan.policy, PREFIX, token_lists)
     assert cached == [0] * len(token_lists) and min(plan.prefix_dropped) < max(plan.prefix_dropped)
+
+
+def test_a_request_that_ends_right_after_its_prompt_leaves_its_compressed_prefix_in_the_cache(model_dir, hf_model):
+    # One generated token: no step after the prompt hashes what it computed, so its blocks are hashed as it ends.
+    ripplekv = {"method": "snapkv", "retention": 0.2, "compress_prefix": PREFIX}
+    plan = plan_for(Settings.from_config(ripplekv), LAYERS, BLOCK)
+    first, second = shared_prefix_prompts()[:2]
+    with engine(model_dir, ripplekv, enable_prefix_caching=True, max_num_batched_tokens=512) as llm:
+        run_first_then_rest(llm, [first], first_alone=False, new_tokens=1)
+        tokens, cached = run_first_then_rest(llm, [second], first_alone=False)
+    assert tokens == reference_compressed_prefix(hf_model, plan.policy, PREFIX, [second]) and cached == [320], cached

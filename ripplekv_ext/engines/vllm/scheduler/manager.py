@@ -45,6 +45,7 @@ class RippleKVManager(FullAttentionManager):
             self.max_admission_blocks_per_request = cdiv(kv_cache_spec.held_tokens, kv_cache_spec.block_size)
         self._prompt_tokens: dict[str, int] = {}  # request -> its prompt length (vLLM passes it before allocating)
         self._compressed: dict[str, int] = {}  # request -> the prompt length its blocks were freed for
+        self._compacting: dict[str, object] = {}  # request -> itself, while compacted at its prefix (compress_prefix)
 
     def layout(self, request_id: str):
         n = self._prompt_tokens.get(request_id)
@@ -150,6 +151,7 @@ class RippleKVManager(FullAttentionManager):
 
     def cache_blocks(self, request, num_tokens: int, *args, **kwargs) -> None:
         if self.plan.compacts_prefix(request.num_prompt_tokens):
+            self._compacting[request.request_id] = request
             return self._cache_compacted(request, num_tokens)
         # Blocks are hashed as they are allocated: only those holding what a full prefill writes may be.
         super().cache_blocks(request, min(num_tokens, self.plan.shared_tokens(request.num_prompt_tokens)),
@@ -157,6 +159,10 @@ class RippleKVManager(FullAttentionManager):
 
     def pop_blocks_for_free(self, request_id: str):
         # Finished or preempted: a preempted request is compressed again after its recompute.
+        request = self._compacting.pop(request_id, None)
+        if request is not None:
+            # What the last steps wrote, which no later step of this request will hash (one generated token).
+            self._cache_compacted(request, request.num_computed_tokens)
         self._compressed.pop(request_id, None)
         self._prompt_tokens.pop(request_id, None)
         return super().pop_blocks_for_free(request_id)
