@@ -11,7 +11,9 @@ them. So the kept tokens of logical blocks ``[f, f + m)`` (the full shared block
 ``m`` blocks of the request's own, allocated in the step that reaches ``e`` and placed in the columns right after
 logical block ``ceil(e / bs) - 1``; every later logical block sits ``m`` columns further on. After the compaction the
 request lets go of the original blocks ``[p, f + m)`` (the prefix cache keeps them; nothing writes to them).
-Without prefix caching nothing is shared: ``m = 0``, and the compaction rewrites the prompt's own blocks in place.
+Without prefix caching nothing is shared: ``m = 0``, and the compaction rewrites the prompt's own blocks in place; so
+it does for a prompt compacted at a compressed prefix (``compress_prefix``), none of whose blocks is hashed as a full
+prefill's (the scheduler's manager hashes its compacted blocks under keys of their own once written).
 """
 
 from __future__ import annotations
