@@ -278,22 +278,10 @@ def _wrap_runner() -> None:
     wrap_once(GPUModelRunner, "_build_attention_metadata", with_batch)
 
 
-class _CappedRequest:
-    """``request`` as ``get_computed_blocks`` reads it, with fewer tokens: vLLM looks up a hit of at most
-    ``num_tokens - 1`` tokens."""
-
-    def __init__(self, request, num_tokens: int):
-        self._request = request
-        self.num_tokens = num_tokens
-
-    def __getattr__(self, name):
-        return getattr(self._request, name)
-
-
 def _wrap_prefix_cache_hit() -> None:
     from vllm.v1.core.kv_cache_manager import KVCacheManager
 
-    from ripplekv_ext.engines.vllm.scheduler.manager import RippleKVManager
+    from ripplekv_ext.engines.vllm.scheduler.manager import RequestView, RippleKVManager
 
     def capped(original):
         def get_computed_blocks(self, request):
@@ -305,7 +293,8 @@ def _wrap_prefix_cache_hit() -> None:
             plan = managers[0].plan
             limit = plan.hit_limit(request.num_prompt_tokens)
             if request.num_tokens - 1 > limit:
-                return original(self, _CappedRequest(request, limit + 1))
+                # vLLM looks up a hit of at most num_tokens - 1 tokens.
+                return original(self, RequestView(request, num_tokens=limit + 1))
             found = original(self, request)
             if plan.compacts_prefix(request.num_prompt_tokens) and 0 < found[1] < plan.prefix:
                 # Another group (a hybrid model's sliding-window layers, or a tier whose compacted prefix was

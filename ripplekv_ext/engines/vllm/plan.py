@@ -183,6 +183,10 @@ class EnginePlan:
             return [n_tokens]
         return list(range(chunk, n_tokens, chunk)) + [n_tokens]
 
+    def last_prompt_boundary(self, n_tokens: int) -> int:
+        """``boundaries(n_tokens)[-1]``: the prompt's end, or the compressed prefix (``compacts_prefix``)."""
+        return self.prefix if self.compacts_prefix(n_tokens) else n_tokens
+
     def boundaries_between(self, n_tokens: int, start: int, end: int) -> list[int]:
         """The compaction boundaries of a request of ``n_tokens`` prompt tokens in ``(start, end]`` (tokens computed):
         ``boundaries``, then, with ``decode_every = K``, every ``K`` tokens after the prompt."""
@@ -251,8 +255,10 @@ class EnginePlan:
         last ``window`` positions before the first compaction (its scoring reads their queries, so they are
         computed). A prompt compacted at its prefix: its whole length (a hit is its compacted prefix, whole, and
         what followed it)."""
+        if self.compacts_prefix(n_tokens):
+            return n_tokens
         first = self.first_compaction(n_tokens)
-        if first is None or self.compacts_prefix(n_tokens):
+        if first is None:
             return n_tokens
         return max(0, first - self.settings.window) // self.block_size * self.block_size
 

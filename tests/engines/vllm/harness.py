@@ -139,6 +139,14 @@ def shared_prefix_prompts(vocab=VOCAB):
     return [document + q for q in questions] + [document[:200]]
 
 
+def step_and_collect(engine_, tokens: dict, cached: dict) -> None:
+    """One engine step; each request it finishes: its generated tokens and cached prompt tokens, by request id."""
+    for out in engine_.step():
+        if out.finished:
+            tokens[out.request_id] = list(out.outputs[0].token_ids)
+            cached[out.request_id] = out.num_cached_tokens
+
+
 def run_first_then_rest(llm, token_lists, first_alone=True, new_tokens=NEW_TOKENS):
     """Tokens and cached prompt tokens per request: the first request runs alone (its blocks enter the cache), then
     the others together."""
@@ -152,10 +160,7 @@ def run_first_then_rest(llm, token_lists, first_alone=True, new_tokens=NEW_TOKEN
             engine_.add_request(str(offset + i), {"prompt_token_ids": t}, params)
         offset += len(batch)
         while engine_.has_unfinished_requests():
-            for out in engine_.step():
-                if out.finished:
-                    tokens[out.request_id] = list(out.outputs[0].token_ids)
-                    cached[out.request_id] = out.num_cached_tokens
+            step_and_collect(engine_, tokens, cached)
     order = [str(i) for i in range(len(token_lists))]
     return [tokens[k] for k in order], [cached[k] for k in order]
 
@@ -185,10 +190,7 @@ def preempt_abort_and_go_on(llm, token_lists):
     outputs, cached = {}, {}
 
     def step():
-        for out in engine_.step():
-            if out.finished:
-                outputs[out.request_id] = list(out.outputs[0].token_ids)
-                cached[out.request_id] = out.num_cached_tokens
+        step_and_collect(engine_, outputs, cached)
 
     for i in (0, 1):
         engine_.add_request(str(i), {"prompt_token_ids": token_lists[i]}, params)

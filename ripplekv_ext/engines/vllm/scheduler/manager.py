@@ -9,9 +9,9 @@ workers expect; the private blocks' columns are counted in the length-based allo
 
 With ``compress_prefix`` (``P``), a prompt longer than ``P`` is compacted in place at ``P`` and nothing of it is
 hashed as a full prefill's: its compacted prefix blocks and every full block after them are hashed under keys of their
-own (``compacted_key``, ``after_prefix_key``: derived from vLLM's chained hashes, so equal keys mean equal tokens
-before), and a hit is the compacted prefix whole (the null block for its freed blocks, as a sliding window's hit)
-and what follows it, or nothing.
+own (``compacted_prefix_keys``: derived from vLLM's chained hashes, so equal keys mean equal tokens before), and a hit
+is the compacted prefix whole (the null block for its freed blocks, as a sliding window's hit) and what follows it,
+or nothing.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from vllm.v1.kv_cache_spec_registry import KVCacheSpecRegistry
 
 from ripplekv_ext.engines.vllm.kv_cache import RippleKVSpec, plan_of_spec
 
-__all__ = ["RippleKVManager", "register_spec"]
+__all__ = ["RippleKVManager", "RequestView", "compacted_prefix_keys", "register_spec"]
 
 
 class RippleKVManager(FullAttentionManager):
@@ -113,16 +113,15 @@ class RippleKVManager(FullAttentionManager):
         computed = min(num_tokens, request.num_computed_tokens)
         if computed < prefix:
             return
-        p, d = prefix // self.block_size, self.plan.prefix_dropped[self.tier]
-        hashes = request.block_hashes
-        full = min(computed // self.block_size, len(hashes))
-        cached = max(self.num_cached_block.get(request.request_id, 0), d)
+        full = min(computed // self.block_size, len(request.block_hashes))
+        cached = max(self.num_cached_block.get(request.request_id, 0), self.plan.prefix_dropped[self.tier])
         if cached >= full:
             return
-        keys = [None] * d + [compacted_key(hashes[p - 1], j) for j in range(d, p)]
-        keys += [after_prefix_key(hashes[i]) for i in range(p, full)]
-        self.block_pool.cache_full_blocks(_Keyed(request, keys), self.req_to_blocks[request.request_id], cached,
-                                          full, self.block_size, self.kv_cache_group_id)
+        # Keys for the new blocks only (cache_full_blocks reads those from column `cached` on).
+        keys = [None] * cached + compacted_prefix_keys(request.block_hashes, prefix // self.block_size, cached, full)
+        self.block_pool.cache_full_blocks(RequestView(request, block_hashes=keys),
+                                          self.req_to_blocks[request.request_id], cached, full, self.block_size,
+                                          self.kv_cache_group_id)
         self.num_cached_block[request.request_id] = full
 
     @classmethod
@@ -137,8 +136,7 @@ class RippleKVManager(FullAttentionManager):
                                                   kv_cache_spec, *args, **kwargs)
         p, d = prefix // block_size, plan.prefix_dropped[kv_cache_spec.tier]
         hits = tuple([block_pool.null_block] * d for _ in kv_cache_group_ids)
-        keys = [compacted_key(block_hashes[p - 1], j) for j in range(d, p)]
-        keys += [after_prefix_key(block_hashes[i]) for i in range(p, min(max_length // block_size, len(block_hashes)))]
+        keys = compacted_prefix_keys(block_hashes, p, d, min(max_length // block_size, len(block_hashes)))
         for column, key in enumerate(keys, start=d):
             cached = block_pool.get_cached_block(key, kv_cache_group_ids)
             if not cached:
@@ -168,24 +166,24 @@ class RippleKVManager(FullAttentionManager):
         return super().pop_blocks_for_free(request_id)
 
 
-def compacted_key(last_prefix_hash: bytes, column: int) -> bytes:
-    """The prefix-cache key of block ``column`` of a compacted prefix: its kept tokens depend on the whole prefix,
-    whose last block's chained hash (``last_prefix_hash``) names every token of it."""
-    return hashlib.sha256(b"ripplekv compacted prefix" + last_prefix_hash + column.to_bytes(8, "little")).digest()
+def compacted_prefix_keys(block_hashes, prefix_blocks: int, start: int, end: int) -> list[bytes]:
+    """The prefix-cache keys of columns ``[start, end)`` of a prompt compacted at its first ``prefix_blocks`` blocks,
+    from vLLM's chained ``block_hashes`` of its tokens. A column of the compacted prefix holds kept tokens chosen from
+    the whole prefix: its key is the last prefix block's hash (every token of the prefix) and the column. A later
+    full block was computed against the compacted prefix, not by a full prefill: its key is its own hash, salted."""
+    last = block_hashes[prefix_blocks - 1]
+    return [hashlib.sha256(b"ripplekv compacted prefix" + last + column.to_bytes(8, "little")).digest()
+            if column < prefix_blocks else
+            hashlib.sha256(b"ripplekv after a compacted prefix" + block_hashes[column]).digest()
+            for column in range(start, end)]
 
 
-def after_prefix_key(block_hash: bytes) -> bytes:
-    """The prefix-cache key of a full block after a compacted prefix: computed against that compacted prefix, so not
-    what a full prefill of the same tokens (vLLM's ``block_hash``) writes."""
-    return hashlib.sha256(b"ripplekv after a compacted prefix" + block_hash).digest()
+class RequestView:
+    """``request`` as a vLLM function reads it, with the given attributes in place of its own."""
 
-
-class _Keyed:
-    """``request`` as ``BlockPool.cache_full_blocks`` reads it, with the plugin's keys as its block hashes."""
-
-    def __init__(self, request, keys: list):
+    def __init__(self, request, **attributes):
         self._request = request
-        self.block_hashes = keys
+        self.__dict__.update(attributes)
 
     def __getattr__(self, name):
         return getattr(self._request, name)

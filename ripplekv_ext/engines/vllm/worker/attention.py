@@ -223,7 +223,7 @@ class RippleKVCPUBuilder(CPUAttentionMetadataBuilder):
             after = self._after_compaction(n, s1, before, cm, begin, s0)
             rows.append([(token0 + b, token0 + e, e, offset, compaction, table)
                          for b, e, offset, compaction, table in self._parts(r, n, s0, s1, token0, before, after)])
-            last = self.plan.boundaries(n)[-1]  # the prompt's last compaction: its end, or its compressed prefix
+            last = self.plan.last_prompt_boundary(n)  # its end, or its compressed prefix
             if self.plan.settings.decode_every is not None:
                 # Every compaction while decoding reads the newest W positions' queries, the prompt's last ones too.
                 save.append(_Save(batch.req_ids[r], torch.arange(begin, end), s0))
